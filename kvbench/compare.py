@@ -1,0 +1,188 @@
+"""Direction-aware comparison of two result files, for CI regression checks.
+
+A quantity is matched across files by (kind, name, metric, provenance, params). Its change
+is the relative difference of medians, signed so that positive means better. A change
+counts (regressed or improved) only when it is beyond the threshold AND the two sample sets
+are distinguishable by a two-sided Mann-Whitney U test at level alpha. When the samples are
+too few for the test to ever reach alpha (for example one sample each, as for a
+deterministic perplexity), the threshold alone decides and the row says "threshold-only".
+Records whose environment or probe version differ are compared and visibly marked.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from kvbench.schema import RecordKey, record_key
+from kvbench.store import ResultSet
+
+
+@lru_cache(maxsize=256)
+def _u_counts(n1: int, n2: int) -> tuple[int, ...]:
+    """Number of orderings of n1 + n2 distinct values giving each U = 0..n1*n2."""
+    if n1 == 0 or n2 == 0:
+        return (1,)
+    a = _u_counts(n1 - 1, n2)  # largest value in sample 2: U of sample 1 unchanged
+    b = _u_counts(n1, n2 - 1)  # ... in sample 1: it beats all n2 others
+    out = [0] * (n1 * n2 + 1)
+    for u, c in enumerate(b):
+        out[u] += c
+    for u, c in enumerate(a):
+        out[u + n2] += c
+    return tuple(out)
+
+
+def min_p_value(n1: int, n2: int) -> float:
+    """The smallest two-sided p the exact test can give for these sample sizes."""
+    return 1.0 if n1 == 0 or n2 == 0 else min(1.0, 2.0 / math.comb(n1 + n2, n1))
+
+
+def mann_whitney_p(x: list[float], y: list[float]) -> float:
+    """Two-sided p-value of the Mann-Whitney U test (exact without ties, else normal)."""
+    n1, n2 = len(x), len(y)
+    if n1 == 0 or n2 == 0:
+        return 1.0
+    pooled = sorted([(v, 0) for v in x] + [(v, 1) for v in y])
+    ranks = [0.0] * len(pooled)
+    i, tie_term = 0, 0.0
+    while i < len(pooled):
+        j = i
+        while j + 1 < len(pooled) and pooled[j + 1][0] == pooled[i][0]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[k] = (i + j) / 2 + 1
+        t = j - i + 1
+        tie_term += t**3 - t
+        i = j + 1
+    r1 = sum(r for r, (_, g) in zip(ranks, pooled, strict=True) if g == 0)
+    u = r1 - n1 * (n1 + 1) / 2
+    if tie_term == 0 and n1 * n2 <= 2500:
+        counts = _u_counts(n1, n2)
+        total = sum(counts)
+        k = int(round(u))
+        lower, upper = sum(counts[: k + 1]) / total, sum(counts[k:]) / total
+        return min(1.0, 2 * min(lower, upper))
+    n = n1 + n2
+    mu = n1 * n2 / 2
+    var = n1 * n2 / 12 * ((n + 1) - tie_term / (n * (n - 1)))
+    if var <= 0:
+        return 1.0
+    z = (abs(u - mu) - 0.5) / math.sqrt(var)
+    return min(1.0, math.erfc(max(z, 0.0) / math.sqrt(2)))
+
+
+@dataclass
+class Row:
+    kind: str
+    name: str
+    metric: str
+    provenance: str
+    params: dict[str, Any]
+    unit: str
+    direction: str
+    base: float | None
+    new: float | None
+    change: float | None  # relative, positive = better
+    p_value: float | None
+    test: str
+    verdict: str  # regressed improved same noise missing added error unmeasured
+    marks: list[str] = field(default_factory=list)
+
+
+def _pool(rs: ResultSet, pattern: str | None) -> dict[RecordKey, list[dict[str, Any]]]:
+    groups: dict[RecordKey, list[dict[str, Any]]] = {}
+    for r in rs.records:
+        if pattern and not (fnmatch.fnmatch(r["metric"], pattern)
+                            or fnmatch.fnmatch(f"{r['name']}.{r['metric']}", pattern)):
+            continue
+        groups.setdefault(record_key(r), []).append(r)
+    return groups
+
+
+def _samples(recs: list[dict[str, Any]]) -> list[float]:
+    out: list[float] = []
+    for r in recs:
+        if r["status"] == "ok" and r["value"] is not None:
+            out.extend(r.get("samples") or [r["value"]])
+    return out
+
+
+def _median(v: list[float]) -> float:
+    s = sorted(v)
+    m = len(s) // 2
+    return s[m] if len(s) % 2 else (s[m - 1] + s[m]) / 2
+
+
+def compare_sets(base: ResultSet, new: ResultSet, threshold: float = 0.05, alpha: float = 0.05,
+                 pattern: str | None = None) -> list[Row]:
+    """One row per quantity present in either file, in base-file order then new-only ones."""
+    b, n = _pool(base, pattern), _pool(new, pattern)
+    rows = []
+    for key in list(b) + [k for k in n if k not in b]:
+        rb, rn = b.get(key, []), n.get(key, [])
+        ref = (rb or rn)[0]
+        row = Row(kind=key[0], name=key[1], metric=key[2], provenance=key[3],
+                  params=ref.get("params") or {}, unit=ref["unit"], direction=ref["direction"],
+                  base=None, new=None, change=None, p_value=None, test="", verdict="same")
+        rows.append(row)
+        if rb and rn:
+            if {r["env_id"] for r in rb} != {r["env_id"] for r in rn}:
+                row.marks.append("env differs")
+            if {r.get("version") for r in rb} != {r.get("version") for r in rn}:
+                row.marks.append("version differs")
+        _judge(row, rb, rn, threshold, alpha)
+    return rows
+
+
+def _judge(row: Row, rb: list[dict[str, Any]], rn: list[dict[str, Any]], threshold: float,
+           alpha: float) -> None:
+    if not rn:
+        row.verdict = "missing"
+        return
+    if not rb:
+        row.verdict = "added"
+        return
+    sb, sn = _samples(rb), _samples(rn)
+    if not sn:
+        bad = next(r for r in rn if r["status"] != "ok")
+        row.marks.append(f"{bad['status']}: {bad.get('reason', '')}")
+        # an error where the base measured is a regression; otherwise nothing to judge
+        row.verdict = "error" if bad["status"] == "error" and sb else "unmeasured"
+        return
+    if not sb:
+        row.verdict = "added"
+        return
+    row.base, row.new = _median(sb), _median(sn)
+    if row.direction == "none":
+        row.test, row.verdict = "informational", "same"
+        return
+    sign = 1.0 if row.direction == "higher" else -1.0
+    if row.base == 0:
+        row.change = 0.0 if row.new == 0 else sign * math.copysign(math.inf, row.new)
+    else:
+        row.change = sign * (row.new - row.base) / abs(row.base)
+    beyond = abs(row.change) > threshold
+    if min_p_value(len(sb), len(sn)) > alpha:
+        row.test = "threshold-only"
+        significant = True
+    else:
+        row.p_value = mann_whitney_p(sb, sn)
+        row.test = "mann-whitney"
+        significant = row.p_value < alpha
+    if beyond and significant:
+        row.verdict = "improved" if row.change > 0 else "regressed"
+    else:
+        row.verdict = "noise" if beyond else "same"
+
+
+def regressed(rows: list[Row]) -> list[Row]:
+    """Rows that fail a regression check: worse beyond threshold, or newly erroring."""
+    return [r for r in rows if r.verdict in ("regressed", "error")]
+
+
+def rows_to_json(rows: list[Row]) -> list[dict[str, Any]]:
+    return [asdict(r) for r in rows]

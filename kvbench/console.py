@@ -1,0 +1,41 @@
+"""Shared rich consoles and the one-line rendering of a record while a command runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+
+from kvbench.schema import Record
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def params_text(params: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in params.items())
+
+
+def value_text(value: float | None, unit: str, stats: dict | None = None) -> str:
+    """'12.3 GB/s (p10-p90 12.1-12.5, n=20)' or '-' for no value."""
+    if value is None:
+        return "-"
+    text = f"{value:.4g} {unit}".strip()
+    if stats and stats.get("n", 0) > 1:
+        text += f" (p10-p90 {stats['p10']:.4g}-{stats['p90']:.4g}, n={stats['n']})"
+    return text
+
+
+def show_record(rec: Record) -> None:
+    """Print one line per record as it is written."""
+    head = f"[bold]{rec.name}[/] {rec.metric} [dim]{params_text(rec.params)}[/]"
+    if rec.status != "ok":
+        colour = "yellow" if rec.status == "waived" else "red"
+        console.print(f"{head}: [{colour}]{rec.status}[/] {rec.reason}")
+        return
+    label = "" if rec.provenance == "measured" else " [magenta](projected)[/]"
+    console.print(f"{head}: {value_text(rec.value, rec.unit, rec.stats)}{label}")
+
+
+def wrote(path: Path) -> None:
+    console.print(f"results: [cyan]{path}[/]")

@@ -1,0 +1,154 @@
+"""The environment record stored once per result file: CPU, NUMA, GPUs, versions.
+
+Everything is read from sysfs/procfs under a root path (tests use a fake tree), NVML
+through pynvml when installed, and torch when importable; each missing piece becomes a
+note in the record rather than an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import re
+import socket
+from pathlib import Path
+from typing import Any
+
+from kvbench import __version__
+from kvbench.store import git_state
+from kvbench.topology import libnuma, read_cxl_devices, read_nodes
+
+# Per-lane usable GB/s after line coding (PCIe gen -> GB/s per lane, decimal).
+_PCIE_LANE_GBPS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
+
+
+def pcie_link_gbps(gen: int, width: int) -> float:
+    """Unidirectional PCIe payload rate before protocol overhead, decimal GB/s."""
+    return _PCIE_LANE_GBPS.get(gen, 0.0) * width
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def cpu_info(root: Path) -> dict[str, Any]:
+    cpuinfo = _read(root / "proc/cpuinfo")
+    model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
+    logical = len(re.findall(r"^processor\s*:", cpuinfo, re.M)) or os.cpu_count() or 1
+    cores = {(m.group(1), m.group(2)) for m in re.finditer(
+        r"^physical id\s*:\s*(\d+).*?^core id\s*:\s*(\d+)", cpuinfo, re.M | re.S)}
+    caches = []
+    for idx in sorted((root / "sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        caches.append({"level": int(_read(idx / "level").strip() or 0),
+                       "type": _read(idx / "type").strip(),
+                       "size": _read(idx / "size").strip(),
+                       "shared_cpus": _read(idx / "shared_cpu_list").strip()})
+    governor = _read(root / "sys/devices/system/cpu/cpu0/cpufreq/scaling_governor").strip()
+    return {"model": model.group(1).strip() if model else platform.processor() or "unknown",
+            "arch": platform.machine(), "logical_cpus": logical,
+            "physical_cores": len(cores) or None, "affinity_cpus": len(os.sched_getaffinity(0)),
+            "caches": caches, "governor": governor or None}
+
+
+def gpu_info(root: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """GPUs through NVML (preferred) or torch; notes say what could not be read."""
+    notes: list[str] = []
+    try:
+        import pynvml
+    except ImportError:
+        pynvml = None
+        notes.append("pynvml not installed: GPU link and driver details unavailable")
+    if pynvml is not None:
+        try:
+            pynvml.nvmlInit()
+        except Exception as e:  # NVMLError_LibraryNotFound, driver not loaded, ...
+            notes.append(f"NVML unavailable: {e}")
+        else:
+            try:
+                return _nvml_gpus(pynvml, root), notes
+            finally:
+                pynvml.nvmlShutdown()
+    gpus = []
+    try:
+        import torch
+
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            gpus.append({"index": i, "name": p.name, "memory_bytes": p.total_memory})
+    except ImportError:
+        pass
+    return gpus, notes
+
+
+def _nvml_gpus(nv: Any, root: Path) -> list[dict[str, Any]]:
+    gpus = []
+    driver = nv.nvmlSystemGetDriverVersion()
+    for i in range(nv.nvmlDeviceGetCount()):
+        h = nv.nvmlDeviceGetHandleByIndex(i)
+        name = nv.nvmlDeviceGetName(h)
+        bus = nv.nvmlDeviceGetPciInfo(h).busId
+        bus = bus.decode() if isinstance(bus, bytes) else bus
+        sys_bus = bus.lower()[-12:]  # NVML uses an 8-digit domain, sysfs a 4-digit one
+        numa = _read(root / "sys/bus/pci/devices" / sys_bus / "numa_node").strip()
+        gen, width = nv.nvmlDeviceGetCurrPcieLinkGeneration(h), nv.nvmlDeviceGetCurrPcieLinkWidth(h)
+        mgen, mwidth = nv.nvmlDeviceGetMaxPcieLinkGeneration(h), nv.nvmlDeviceGetMaxPcieLinkWidth(h)
+        gpus.append({
+            "index": i, "name": name.decode() if isinstance(name, bytes) else name,
+            "memory_bytes": int(nv.nvmlDeviceGetMemoryInfo(h).total), "pci_bus_id": bus,
+            "pcie_gen": gen, "pcie_width": width, "pcie_gen_max": mgen, "pcie_width_max": mwidth,
+            "pcie_link_gbps_max": pcie_link_gbps(mgen, mwidth),
+            "numa_node": int(numa) if numa and int(numa) >= 0 else None, "driver": driver,
+        })
+    return gpus
+
+
+def versions() -> dict[str, Any]:
+    v: dict[str, Any] = {"python": platform.python_version(), "kernel": platform.release(),
+                         "kvbench": __version__}
+    import numpy
+
+    v["numpy"] = numpy.__version__
+    try:
+        import torch
+
+        v["torch"] = torch.__version__
+        v["cuda"] = torch.version.cuda
+        v["torch_threads"] = torch.get_num_threads()
+    except ImportError:
+        v["torch"] = None
+    return v
+
+
+# Fields that identify the machine and software for comparisons (not host name or time).
+_IDENTITY = ("cpu", "numa_nodes", "memory_bytes", "gpus", "versions")
+
+
+def collect_env(root: Path | str = "/") -> dict[str, Any]:
+    """The full environment record, with a stable env_id over its identity fields."""
+    root = Path(root)
+    nodes = read_nodes(root)
+    gpus, notes = gpu_info(root)
+    if libnuma() is None:
+        notes.append("libnuma unavailable: topology read from sysfs, placement unverified")
+    commit, dirty = git_state()
+    env: dict[str, Any] = {
+        "hostname": socket.gethostname(),
+        "cpu": cpu_info(root),
+        "numa_nodes": [n.to_dict() for n in nodes],
+        "memory_bytes": sum(n.mem_total_bytes for n in nodes),
+        "cxl_devices": read_cxl_devices(root),
+        "gpus": gpus,
+        "versions": versions(),
+        "libnuma": libnuma() is not None,
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "notes": notes,
+    }
+    ident = json.dumps({k: env[k] for k in _IDENTITY}, sort_keys=True, default=str)
+    env["env_id"] = hashlib.sha1(ident.encode()).hexdigest()[:12]
+    return env

@@ -1,0 +1,52 @@
+"""Hardware probes: one module per probe, each a small class registered by name.
+
+A probe module defines a frozen config dataclass, a `Probe` subclass whose `run` yields
+records for that config, and a typer function `cli` that parses options, builds the config
+and calls `run_and_store`. `kvbench probe NAME` is that function; `kvbench list` shows the
+first line of the class docstring.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+from kvbench.registry import Registry, first_line
+from kvbench.schema import Record
+
+
+class Probe(ABC):
+    """Base class: `name` and `version` identify the probe in every record it writes."""
+
+    name: ClassVar[str]
+    version: ClassVar[str] = "1"
+    cli: ClassVar[Callable[..., Any]]
+
+    @classmethod
+    def summary(cls) -> str:
+        return first_line(cls.__doc__)
+
+    @abstractmethod
+    def run(self, config: Any) -> Iterator[Record]:
+        """Measure and yield one record per quantity, as soon as each is measured."""
+
+
+PROBES: Registry[type[Probe]] = Registry("probe", __name__)
+
+
+def run_and_store(probe: Probe, config: Any, out: Path | None,
+                  show: Callable[[Record], None] | None = None) -> Path:
+    """Run a probe, appending each record to `out` (default: a new file under results/)."""
+    from kvbench.envinfo import collect_env
+    from kvbench.store import ResultWriter, default_out_path
+
+    path = out or default_out_path(probe.name)
+    with ResultWriter(path, collect_env()) as w:
+        for rec in probe.run(config):
+            rec.version = probe.version
+            w.write(rec)
+            if show is not None:
+                show(rec)
+    return path

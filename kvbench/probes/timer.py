@@ -1,0 +1,102 @@
+"""Timer probe: the cost and granularity of the clocks every other probe relies on.
+
+Reports the overhead of one perf_counter_ns read (host timer of kvbench.timing), of one
+native CLOCK_MONOTONIC read (the C probes' clock), and on a GPU the smallest interval a
+pair of CUDA events reports around an empty region (the floor of device timings).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import typer
+
+from kvbench.probes import PROBES, Probe, run_and_store
+from kvbench.schema import Record, measured, not_measured
+from kvbench.timing import Policy, time_cuda
+
+
+@dataclass(frozen=True)
+class TimerConfig:
+    calls: int = 10_000
+    reps: int = 15
+
+
+@PROBES.register
+class TimerProbe(Probe):
+    """Overhead of the host, native and CUDA-event timers (the floor of every timing)."""
+
+    name = "timer"
+    version = "1"
+
+    def run(self, config: TimerConfig) -> Iterator[Record]:
+        params = {"calls": config.calls}
+        method = {"timer": "perf_counter_ns", "warmup": 1, "reps": config.reps,
+                  "statistic": "median", "per": f"mean over {config.calls} back-to-back reads"}
+        yield measured("probe", self.name, "perf_counter_ns_overhead", "ns", "lower",
+                       self._host_reads(config), params, method)
+        try:
+            from kvbench.native import lib
+
+            so = lib()
+        except Exception as e:  # KvbenchError when not built
+            yield not_measured("probe", self.name, "native_clock_overhead", "waived", str(e),
+                               params)
+        else:
+            yield measured("probe", self.name, "native_clock_overhead", "ns", "lower",
+                           self._native_reads(so, config), params, method)
+        yield from self._cuda(config)
+
+    @staticmethod
+    def _host_reads(config: TimerConfig) -> list[float]:
+        clock = time.perf_counter_ns
+        samples = []
+        for rep in range(config.reps + 1):
+            t0 = clock()
+            for _ in range(config.calls):
+                clock()
+            if rep:  # first repetition is the warm-up
+                samples.append((clock() - t0) / config.calls)
+        return samples
+
+    @staticmethod
+    def _native_reads(so, config: TimerConfig) -> list[float]:
+        samples = []
+        for rep in range(config.reps + 1):
+            t0 = time.perf_counter_ns()
+            for _ in range(config.calls):
+                so.kvb_now_ns()
+            if rep:
+                samples.append((time.perf_counter_ns() - t0) / config.calls)
+        return samples
+
+    def _cuda(self, config: TimerConfig) -> Iterator[Record]:
+        try:
+            import torch
+        except ImportError:
+            torch = None
+        if torch is None or not torch.cuda.is_available():
+            yield not_measured("probe", self.name, "cuda_event_floor", "waived",
+                               "no CUDA GPU on this machine", {"calls": config.calls})
+            return
+        t = time_cuda(lambda: None, Policy(warmup=3, min_reps=config.reps, min_time_s=0.0,
+                                           max_reps=config.reps))
+        yield measured("probe", self.name, "cuda_event_floor", "us", "lower",
+                       [s * 1e6 for s in t.seconds], {"calls": config.calls}, t.method())
+
+
+def cli(
+    calls: int = typer.Option(10_000, min=100, help="Timer reads per repetition."),
+    reps: int = typer.Option(15, min=3, help="Timed repetitions."),
+    out: Path | None = typer.Option(None, help="Result file (default: new file in results/)."),
+) -> None:
+    """Measure the overhead of kvbench's timers."""
+    from kvbench.console import show_record, wrote
+
+    wrote(run_and_store(TimerProbe(), TimerConfig(calls=calls, reps=reps), out, show_record))
+
+
+TimerProbe.cli = cli

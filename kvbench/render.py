@@ -1,0 +1,117 @@
+"""Terminal rendering of the env record, the registry listing and compare results."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from rich.table import Table
+
+from kvbench.compare import Row, rows_to_json
+from kvbench.console import console, params_text
+from kvbench.units import format_size
+
+
+def env_tables(env: dict[str, Any]) -> None:
+    cpu = env["cpu"]
+    console.print(f"[bold]CPU[/] {cpu['model']} ({cpu['arch']}), {cpu['logical_cpus']} logical "
+                  f"CPUs, {cpu['physical_cores'] or '?'} cores, governor {cpu['governor'] or '?'}")
+    caches = ", ".join(f"L{c['level']} {c['type'].lower()} {c['size']}" for c in cpu["caches"])
+    console.print(f"[bold]Caches[/] {caches or 'unknown'}")
+    t = Table(title="NUMA nodes")
+    for col in ("node", "CPUs", "memory", "distances", "kind"):
+        t.add_column(col)
+    for n in env["numa_nodes"]:
+        cpus = n["cpus"]
+        span = f"{cpus[0]}-{cpus[-1]} ({len(cpus)})" if cpus else "-"
+        kind = "[magenta]memory-only[/]" if n["memory_only"] else "cpu+memory"
+        t.add_row(str(n["id"]), span, format_size(n["mem_total_bytes"]) + "B",
+                  " ".join(map(str, n["distances"])), kind)
+    console.print(t)
+    if env["cxl_devices"]:
+        console.print("[bold]CXL devices[/] " + ", ".join(
+            d["name"] + (f" (node {d['numa_node']})" if "numa_node" in d else "")
+            for d in env["cxl_devices"]))
+    if env["gpus"]:
+        g = Table(title="GPUs")
+        for col in ("#", "name", "memory", "PCIe now", "PCIe max", "NUMA", "driver"):
+            g.add_column(col)
+        for d in env["gpus"]:
+            g.add_row(str(d["index"]), d["name"], f"{d['memory_bytes'] / 1e9:.1f} GB",
+                      f"gen{d.get('pcie_gen', '?')} x{d.get('pcie_width', '?')}",
+                      f"gen{d.get('pcie_gen_max', '?')} x{d.get('pcie_width_max', '?')}",
+                      str(d.get("numa_node")), str(d.get("driver", "?")))
+        console.print(g)
+    else:
+        console.print("[bold]GPUs[/] none")
+    v = env["versions"]
+    console.print("[bold]Versions[/] " + ", ".join(f"{k} {val}" for k, val in v.items()))
+    console.print(f"[bold]git[/] {env['git_commit']}{' (dirty)' if env['git_dirty'] else ''}  "
+                  f"[bold]env_id[/] {env['env_id']}")
+    for note in env["notes"]:
+        console.print(f"[yellow]note:[/] {note}")
+
+
+def listing(as_json: bool) -> None:
+    from kvbench.probes import PROBES
+    from kvbench.strategies import STRATEGIES
+
+    entries = [{"kind": reg.kind, "name": c.name, "version": c.version, "summary": c.summary()}
+               for reg in (PROBES, STRATEGIES) for c in reg.all()]
+    if as_json:
+        print(json.dumps(entries, indent=2))
+        return
+    t = Table()
+    for col in ("kind", "name", "version", "summary"):
+        t.add_column(col)
+    for e in entries:
+        t.add_row(e["kind"], e["name"], e["version"], e["summary"])
+    console.print(t)
+
+
+_VERDICT_STYLE = {"regressed": "bold red", "error": "bold red", "improved": "green",
+                  "noise": "yellow", "missing": "dim", "added": "dim", "unmeasured": "dim"}
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4g}"
+
+
+def _cells(r: Row) -> list[str]:
+    change = "-" if r.change is None else f"{r.change:+.1%}"
+    p = "-" if r.p_value is None else f"{r.p_value:.3g}"
+    label = r.metric + ("" if r.provenance == "measured" else " (projected)")
+    return [r.name, params_text(r.params), label, r.unit, _fmt(r.base), _fmt(r.new), change, p,
+            r.test, r.verdict, "; ".join(r.marks)]
+
+
+_HEAD = ["name", "params", "metric", "unit", "base", "new", "change (+ better)", "p", "test",
+         "verdict", "marks"]
+
+
+def compare_output(rows: list[Row], fmt: str, threshold: float, alpha: float) -> None:
+    bad = sum(r.verdict in ("regressed", "error") for r in rows)
+    summary = (f"{len(rows)} quantities, {bad} regressed, "
+               f"{sum(r.verdict == 'improved' for r in rows)} improved "
+               f"(threshold {threshold:.1%}, Mann-Whitney U at alpha {alpha:g})")
+    if fmt == "json":
+        print(json.dumps({"threshold": threshold, "alpha": alpha, "regressions": bad,
+                          "rows": rows_to_json(rows)}, indent=2, default=str))
+    elif fmt == "markdown":
+        print("| " + " | ".join(_HEAD) + " |")
+        print("|" + "---|" * len(_HEAD))
+        for r in rows:
+            print("| " + " | ".join(c.replace("|", "\\|") for c in _cells(r)) + " |")
+        print(f"\n{summary}")
+    else:
+        t = Table()
+        for col in _HEAD:
+            t.add_column(col)
+        for r in rows:
+            cells = _cells(r)
+            style = _VERDICT_STYLE.get(r.verdict)
+            if style:
+                cells[9] = f"[{style}]{cells[9]}[/]"
+            t.add_row(*cells)
+        console.print(t)
+        console.print(summary)

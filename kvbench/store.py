@@ -1,0 +1,171 @@
+"""The one result store: append-only JSON Lines, flushed record by record.
+
+An interrupted run leaves every finished record readable; the loader reports a torn last
+line and keeps the rest. The environment is stored once per file (kind "env") and every
+record points at it through env_id.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import shlex
+import subprocess
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvbench import __version__
+from kvbench.errors import KvbenchError
+from kvbench.schema import KNOWN_SCHEMA_VERSIONS, SCHEMA_VERSION, Record, now_iso
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = Path("results")
+
+
+def git_state(root: Path = REPO_ROOT) -> tuple[str, bool]:
+    """(commit, dirty) of the source tree kvbench runs from; ('unknown', False) outside git."""
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], check=True,
+                                capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
+                                "--untracked-files=no"], check=True, capture_output=True,
+                               text=True, timeout=10).stdout.strip() != ""
+        return commit, dirty
+    except (OSError, subprocess.SubprocessError):
+        return "unknown", False
+
+
+def default_out_path(name: str) -> Path:
+    """A new file under results/ named after what is measured and when."""
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = RESULTS_DIR / f"{name}-{stamp}.jsonl"
+    n = 1
+    while path.exists():
+        n += 1
+        path = RESULTS_DIR / f"{name}-{stamp}-{n}.jsonl"
+    return path
+
+
+class ResultWriter:
+    """Appends records to one JSONL file, writing the environment line first if new to it."""
+
+    def __init__(self, path: Path, env: dict[str, Any], command: str | None = None) -> None:
+        self.path = Path(path)
+        self.env_id: str = env["env_id"]
+        self.command = command if command is not None else shlex.join(["kvbench", *sys.argv[1:]])
+        self.commit, self.dirty = git_state()
+        self.count = 0
+        if self.path.parent and not self.path.parent.exists():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        known = load(self.path).envs if self.path.exists() and self.path.stat().st_size else {}
+        self._fh = self.path.open("a", encoding="utf-8")
+        if self.env_id not in known:
+            self._line({"schema_version": SCHEMA_VERSION, "kind": "env", "env_id": self.env_id,
+                        "time": now_iso(), "env": env})
+
+    def _line(self, obj: dict[str, Any]) -> None:
+        self._fh.write(json.dumps(obj, separators=(",", ":"), allow_nan=True) + "\n")
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+
+    def write(self, record: Record) -> Record:
+        record.env_id = self.env_id
+        record.kvbench_version = __version__
+        record.git_commit = self.commit
+        record.git_dirty = self.dirty
+        record.command = record.command or self.command
+        record.time = now_iso()
+        self._line(record.to_dict())
+        self.count += 1
+        return record
+
+    def write_all(self, records: Iterable[Record]) -> None:
+        for r in records:
+            self.write(r)
+
+    def close(self) -> None:
+        self._fh.close()
+
+    def __enter__(self) -> ResultWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class ResultSet:
+    """What a result file holds: environments by id, records in file order, load warnings."""
+
+    path: Path
+    envs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    records: list[dict[str, Any]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+_REQUIRED = ("kind", "name", "metric", "unit", "direction", "value", "status", "provenance")
+
+
+def load(path: Path | str) -> ResultSet:
+    """Read a kvbench JSONL file; a torn last line is reported in warnings and skipped.
+
+    Raises KvbenchError when the file is missing, is not kvbench JSON Lines, or has a
+    schema version this kvbench does not know.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise KvbenchError(f"result file '{path}' does not exist")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise KvbenchError(f"cannot read result file '{path}': {e}") from None
+    rs = ResultSet(path)
+    last = max((i for i, ln in enumerate(lines) if ln.strip()), default=-1)
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            if not isinstance(obj, dict):
+                raise ValueError("not an object")
+        except ValueError:
+            if i == last:
+                rs.warnings.append(f"{path}:{i + 1}: torn last line skipped (interrupted write)")
+                continue
+            raise KvbenchError(f"'{path}' line {i + 1} is not kvbench JSON Lines") from None
+        version = obj.get("schema_version")
+        if version is None or "kind" not in obj:
+            raise KvbenchError(f"'{path}' line {i + 1} is not a kvbench record")
+        if version not in KNOWN_SCHEMA_VERSIONS:
+            raise KvbenchError(f"'{path}' line {i + 1}: schema version {version} is not known "
+                               f"to kvbench {__version__} (knows {sorted(KNOWN_SCHEMA_VERSIONS)})")
+        if obj["kind"] == "env":
+            rs.envs[obj["env_id"]] = obj.get("env", {})
+        elif obj["kind"] in ("probe", "run"):
+            missing = [k for k in _REQUIRED if k not in obj]
+            if missing:
+                raise KvbenchError(f"'{path}' line {i + 1}: record lacks {', '.join(missing)}")
+            rs.records.append(obj)
+        else:
+            raise KvbenchError(f"'{path}' line {i + 1}: unknown record kind '{obj['kind']}'")
+    if not rs.envs and not rs.records:
+        raise KvbenchError(f"'{path}' holds no kvbench records")
+    return rs
+
+
+def to_dataframe(records: Iterable[dict[str, Any]]):  # -> pandas.DataFrame
+    """One row per record; params flattened into `param.<name>` columns, stats into `stats.*`."""
+    import pandas as pd
+
+    rows = []
+    for r in records:
+        row = {k: v for k, v in r.items() if k not in ("params", "stats", "samples", "method")}
+        row.update({f"param.{k}": v for k, v in (r.get("params") or {}).items()})
+        row.update({f"stats.{k}": v for k, v in (r.get("stats") or {}).items()})
+        row["n_samples"] = len(r.get("samples") or [])
+        rows.append(row)
+    return pd.DataFrame(rows)

@@ -1,0 +1,138 @@
+"""The one timing module: warm-up, adaptive repetitions, every sample kept, robust statistics.
+
+Host work is timed with time.perf_counter_ns; device work with CUDA events on the stream
+that runs it (torch is imported only when device timing is asked for). A measurement keeps
+all samples and the method that produced them, so a record can say how it was measured.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How long to measure: `warmup` untimed calls, then repetitions until both `min_reps`
+    and `min_time_s` are reached, stopping at `max_reps` or `max_time_s` whichever first."""
+
+    warmup: int = 2
+    min_reps: int = 5
+    min_time_s: float = 0.2
+    max_reps: int = 1000
+    max_time_s: float = 10.0
+
+    def done(self, reps: int, elapsed_s: float) -> bool:
+        if reps >= self.max_reps or (reps >= 1 and elapsed_s >= self.max_time_s):
+            return True
+        return reps >= self.min_reps and elapsed_s >= self.min_time_s
+
+
+QUICK = Policy(warmup=1, min_reps=3, min_time_s=0.0, max_reps=50, max_time_s=2.0)
+DEFAULT = Policy()
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Summary of a sample set; cv is std/mean (0 for one sample), iqr is p75 - p25."""
+
+    n: int
+    median: float
+    mean: float
+    p10: float
+    p90: float
+    min: float
+    max: float
+    iqr: float
+    cv: float
+
+    @classmethod
+    def of(cls, samples: Sequence[float]) -> Stats:
+        a = np.asarray(samples, dtype=np.float64)
+        if a.size == 0:
+            raise ValueError("no samples")
+        p10, p25, p50, p75, p90 = np.percentile(a, [10, 25, 50, 75, 90])
+        mean = float(a.mean())
+        cv = float(a.std(ddof=1) / mean) if a.size > 1 and mean != 0 else 0.0
+        return cls(
+            n=int(a.size),
+            median=float(p50),
+            mean=mean,
+            p10=float(p10),
+            p90=float(p90),
+            min=float(a.min()),
+            max=float(a.max()),
+            iqr=float(p75 - p25),
+            cv=abs(cv),
+        )
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds per call for every timed repetition, and how they were taken."""
+
+    seconds: tuple[float, ...]
+    timer: str
+    warmup: int
+
+    @property
+    def stats(self) -> Stats:
+        return Stats.of(self.seconds)
+
+    @property
+    def median(self) -> float:
+        return self.stats.median
+
+    def method(self) -> dict[str, Any]:
+        return {"timer": self.timer, "warmup": self.warmup, "reps": len(self.seconds),
+                "statistic": "median"}
+
+
+def time_host(fn: Callable[[], object], policy: Policy = DEFAULT) -> Timing:
+    """Time fn() on the host with perf_counter_ns, one sample per call."""
+    for _ in range(policy.warmup):
+        fn()
+    samples: list[float] = []
+    start = time.perf_counter_ns()
+    while not policy.done(len(samples), (time.perf_counter_ns() - start) * 1e-9):
+        t0 = time.perf_counter_ns()
+        fn()
+        samples.append((time.perf_counter_ns() - t0) * 1e-9)
+    return Timing(tuple(samples), "perf_counter_ns", policy.warmup)
+
+
+def time_cuda(
+    fn: Callable[[], object],
+    policy: Policy = DEFAULT,
+    before: Callable[[], object] | None = None,
+) -> Timing:
+    """Time fn() on the current CUDA stream with a pair of CUDA events per call.
+
+    `before`, when given, is enqueued ahead of the start event each repetition (for example
+    a short device-side wait) so that the host's launch overhead of fn is hidden behind it.
+    """
+    import torch
+
+    for _ in range(policy.warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples: list[float] = []
+    start = time.perf_counter_ns()
+    while not policy.done(len(samples), (time.perf_counter_ns() - start) * 1e-9):
+        if before is not None:
+            before()
+        e0 = torch.cuda.Event(enable_timing=True)
+        e1 = torch.cuda.Event(enable_timing=True)
+        e0.record()
+        fn()
+        e1.record()
+        e1.synchronize()
+        samples.append(e0.elapsed_time(e1) * 1e-3)
+    return Timing(tuple(samples), "cuda_event", policy.warmup)

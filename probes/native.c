@@ -1,0 +1,30 @@
+/* kvbench native probes: the timed loops that a Python loop would distort.
+ *
+ * Built by setup.py into kvbench/_native and loaded with ctypes (kvbench/native.py).
+ * Every timed function returns elapsed nanoseconds measured with CLOCK_MONOTONIC
+ * around the whole loop, so the caller divides by the iteration count itself.
+ */
+#define _GNU_SOURCE
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+int kvb_abi_version(void) { return 1; }
+
+static inline uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+uint64_t kvb_now_ns(void) { return now_ns(); }
+
+/* Plain single-threaded memcpy loop: the reference every host copy is judged against. */
+uint64_t kvb_memcpy_loop(void *dst, const void *src, size_t n, size_t iters) {
+    uint64_t t0 = now_ns();
+    for (size_t i = 0; i < iters; i++) {
+        memcpy(dst, src, n);
+        __asm__ volatile("" : : "r"(dst) : "memory");
+    }
+    return now_ns() - t0;
+}

@@ -1,0 +1,16 @@
+"""Builds the native probe library from probes/*.c as kvbench/_native (loaded with ctypes)."""
+
+from glob import glob
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "kvbench._native",
+            sources=sorted(glob("probes/*.c")),
+            extra_compile_args=["-O2", "-std=c11", "-pthread", "-fno-strict-aliasing"],
+            extra_link_args=["-pthread"],
+        )
+    ]
+)
