@@ -63,7 +63,7 @@ def mann_whitney_p(x: list[float], y: list[float]) -> float:
     if tie_term == 0 and n1 * n2 <= 2500:
         counts = _u_counts(n1, n2)
         total = sum(counts)
-        k = int(round(u))
+        k = round(u)
         lower, upper = sum(counts[: k + 1]) / total, sum(counts[k:]) / total
         return min(1.0, 2 * min(lower, upper))
     n = n1 + n2

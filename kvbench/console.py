@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 from rich.console import Console
 
 from kvbench.schema import Record
 
-console = Console()
-err_console = Console(stderr=True)
+# Logs and CI output are not terminals: give them a width that fits a result table.
+_WIDTH = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160
+console = Console(width=_WIDTH)
+err_console = Console(stderr=True, width=_WIDTH)
 
 
 def params_text(params: dict) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 
 from kvbench import __version__
 from kvbench.store import git_state
-from kvbench.topology import libnuma, read_cxl_devices, read_nodes
+from kvbench.topology import libnuma, meminfo_total, read_cxl_devices, read_nodes
 
 # Per-lane usable GB/s after line coding (PCIe gen -> GB/s per lane, decimal).
 _PCIE_LANE_GBPS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
@@ -140,7 +140,7 @@ def collect_env(root: Path | str = "/") -> dict[str, Any]:
         "hostname": socket.gethostname(),
         "cpu": cpu_info(root),
         "numa_nodes": [n.to_dict() for n in nodes],
-        "memory_bytes": sum(n.mem_total_bytes for n in nodes),
+        "memory_bytes": meminfo_total(_read(root / "proc/meminfo")),
         "cxl_devices": read_cxl_devices(root),
         "gpus": gpus,
         "versions": versions(),

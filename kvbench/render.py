@@ -9,7 +9,7 @@ from rich.table import Table
 
 from kvbench.compare import Row, rows_to_json
 from kvbench.console import console, params_text
-from kvbench.units import format_size
+from kvbench.units import format_bytes
 
 
 def env_tables(env: dict[str, Any]) -> None:
@@ -25,7 +25,7 @@ def env_tables(env: dict[str, Any]) -> None:
         cpus = n["cpus"]
         span = f"{cpus[0]}-{cpus[-1]} ({len(cpus)})" if cpus else "-"
         kind = "[magenta]memory-only[/]" if n["memory_only"] else "cpu+memory"
-        t.add_row(str(n["id"]), span, format_size(n["mem_total_bytes"]) + "B",
+        t.add_row(str(n["id"]), span, format_bytes(n["mem_total_bytes"]),
                   " ".join(map(str, n["distances"])), kind)
     console.print(t)
     if env["cxl_devices"]:

@@ -56,7 +56,7 @@ def _read(path: Path, default: str = "") -> str:
         return default
 
 
-def _meminfo_total(text: str) -> int:
+def meminfo_total(text: str) -> int:
     m = re.search(r"MemTotal:\s+(\d+)\s*kB", text)
     return int(m.group(1)) * 1024 if m else 0
 
@@ -70,12 +70,12 @@ def read_nodes(root: Path | str = "/") -> list[NumaNode]:
     if not dirs:
         cpus = parse_cpulist(_read(root / "sys/devices/system/cpu/online")) or tuple(
             range(os.cpu_count() or 1))
-        return [NumaNode(0, cpus, _meminfo_total(_read(root / "proc/meminfo")), (10,))]
+        return [NumaNode(0, cpus, meminfo_total(_read(root / "proc/meminfo")), (10,))]
     nodes = []
     for d in dirs:
         dist = tuple(int(x) for x in _read(d / "distance").split())
         nodes.append(NumaNode(int(d.name[4:]), parse_cpulist(_read(d / "cpulist")),
-                              _meminfo_total(_read(d / "meminfo")), dist))
+                              meminfo_total(_read(d / "meminfo")), dist))
     return nodes
 
 

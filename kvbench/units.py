@@ -94,6 +94,14 @@ def format_size(n: int) -> str:
     return str(n)
 
 
+def format_bytes(n: float) -> str:
+    """Capacity in binary units with 3 significant digits: 5.34 GiB, 512 KiB, 100 B."""
+    for suffix, mult in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= mult:
+            return f"{n / mult:.3g} {suffix}"
+    return f"{int(n)} B"
+
+
 def gbps(nbytes: float, seconds: float) -> float:
     """Decimal GB/s for nbytes moved in seconds."""
     return nbytes / seconds / 1e9 if seconds > 0 else math.inf

@@ -1,9 +1,10 @@
 """Hardware probes: one module per probe, each a small class registered by name.
 
-A probe module defines a frozen config dataclass, a `Probe` subclass whose `run` yields
-records for that config, and a typer function `cli` that parses options, builds the config
-and calls `run_and_store`. `kvbench probe NAME` is that function; `kvbench list` shows the
-first line of the class docstring.
+A probe module defines a frozen config dataclass (the class attribute `config`), a `Probe`
+subclass whose `run` yields records for that config, and a typer function `cli` that parses
+options, builds the config and calls `run_and_store`; suites build the same config from a
+TOML table, so every CLI option has a config field of the same name. `kvbench probe NAME`
+is that function; `kvbench list` shows the first line of the class docstring.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class Probe(ABC):
 
     name: ClassVar[str]
     version: ClassVar[str] = "1"
+    config: ClassVar[type]
     cli: ClassVar[Callable[..., Any]]
 
     @classmethod

