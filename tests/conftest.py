@@ -1,0 +1,67 @@
+"""Shared fixtures: a fake sysfs/procfs tree with two sockets and one CXL memory-only node."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+# node -> (cpulist, MemTotal kB, distance row)
+FAKE_NODES = {
+    0: ("0-3", 16 * 1024 * 1024, "10 21 14"),
+    1: ("4-7", 16 * 1024 * 1024, "21 10 24"),
+    2: ("", 64 * 1024 * 1024, "14 24 10"),  # CXL Type-3 expander: memory, no CPUs
+}
+
+
+def make_fake_sysfs(root: Path) -> Path:
+    """Write the fake tree under root and return root (usable as `--root`/`root=`)."""
+    for nid, (cpus, kb, dist) in FAKE_NODES.items():
+        d = root / f"sys/devices/system/node/node{nid}"
+        d.mkdir(parents=True)
+        (d / "cpulist").write_text(cpus + "\n")
+        (d / "distance").write_text(dist + "\n")
+        (d / "meminfo").write_text(f"Node {nid} MemTotal:       {kb} kB\n"
+                                   f"Node {nid} MemFree:        {kb // 2} kB\n")
+    (root / "sys/devices/system/node/online").write_text("0-2\n")
+    (root / "sys/devices/system/node/has_cpu").write_text("0-1\n")
+    (root / "sys/devices/system/node/has_memory").write_text("0-2\n")
+    cxl = root / "sys/bus/cxl/devices"
+    (cxl / "mem0/ram").mkdir(parents=True)
+    (cxl / "mem0/numa_node").write_text("2\n")
+    (cxl / "mem0/ram/size").write_text(hex(64 << 30) + "\n")
+    (cxl / "region0").mkdir()
+    proc = root / "proc"
+    proc.mkdir()
+    (proc / "cpuinfo").write_text("".join(
+        f"processor\t: {c}\nmodel name\t: Fake Xeon 8480\nphysical id\t: {c // 4}\n"
+        f"core id\t\t: {c % 4}\n\n" for c in range(8)))
+    (proc / "meminfo").write_text(f"MemTotal:       {96 * 1024 * 1024} kB\n")
+    cache = root / "sys/devices/system/cpu/cpu0/cache/index3"
+    cache.mkdir(parents=True)
+    for name, val in (("level", "3"), ("type", "Unified"), ("size", "105M"),
+                      ("shared_cpu_list", "0-3")):
+        (cache / name).write_text(val + "\n")
+    return root
+
+
+@pytest.fixture
+def fake_sysfs(tmp_path: Path) -> Path:
+    return make_fake_sysfs(tmp_path / "root")
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; none on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
