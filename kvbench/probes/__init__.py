@@ -34,6 +34,11 @@ class Probe(ABC):
     def run(self, config: Any) -> Iterator[Record]:
         """Measure and yield one record per quantity, as soon as each is measured."""
 
+    @classmethod
+    def plot(cls, records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+        """Write this probe's PNG figures for loaded records (dicts); reports call this."""
+        return []
+
 
 PROBES: Registry[type[Probe]] = Registry("probe", __name__)
 
