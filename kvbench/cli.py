@@ -9,7 +9,6 @@ import json
 import sys
 from pathlib import Path
 
-import click
 import typer
 
 from kvbench.errors import KvbenchError
@@ -76,23 +75,34 @@ def _add_registered_commands() -> None:
         probe_app.command(cls.name, help=cls.summary())(cls.cli)
 
 
+def _is_abort(e: BaseException) -> bool:
+    return type(e).__name__ == "Abort"
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: runs the app and turns every user error into one line and exit 2."""
+    """Entry point: runs the app and turns every user error into one line and exit 2.
+
+    Click's exceptions are recognised by shape, not class, because typer >= 0.26 vendors its
+    own copy of click while older typers use the click package.
+    """
     try:
         _add_registered_commands()
         code = app(args=argv, prog_name="kvbench", standalone_mode=False)
     except KvbenchError as e:
         print(f"kvbench: error: {e}", file=sys.stderr)
         sys.exit(2)
-    except click.UsageError as e:
-        print(f"kvbench: error: {e.format_message()}", file=sys.stderr)
-        sys.exit(2)
-    except click.ClickException as e:
-        print(f"kvbench: error: {e.format_message()}", file=sys.stderr)
-        sys.exit(2)
-    except (click.Abort, KeyboardInterrupt):
+    except KeyboardInterrupt:
         print("kvbench: interrupted (finished records are saved)", file=sys.stderr)
         sys.exit(130)
+    except Exception as e:
+        if _is_abort(e):
+            print("kvbench: interrupted (finished records are saved)", file=sys.stderr)
+            sys.exit(130)
+        if not hasattr(e, "format_message"):
+            raise
+        message = " ".join(e.format_message().split())
+        print(f"kvbench: error: {message}", file=sys.stderr)
+        sys.exit(2)
     sys.exit(code if isinstance(code, int) else 0)
 
 

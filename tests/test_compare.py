@@ -1,0 +1,158 @@
+import itertools
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from kvbench.cli import main
+from kvbench.compare import compare_sets, mann_whitney_p, min_p_value, regressed
+from kvbench.schema import measured, not_measured
+from kvbench.store import ResultWriter, load
+
+ENV = {"env_id": "e1"}
+
+
+def brute_force_p(x: list[float], y: list[float]) -> float:
+    """Two-sided exact p by enumerating every split of the pooled values."""
+    pooled = x + y
+
+    def u_of(a: list[float], b: list[float]) -> float:
+        return sum((ai > bi) + 0.5 * (ai == bi) for ai in a for bi in b)
+
+    u = u_of(x, y)
+    us = []
+    for idx in itertools.combinations(range(len(pooled)), len(x)):
+        a = [pooled[i] for i in idx]
+        b = [pooled[i] for i in range(len(pooled)) if i not in idx]
+        us.append(u_of(a, b))
+    lo = sum(v <= u for v in us) / len(us)
+    hi = sum(v >= u for v in us) / len(us)
+    return min(1.0, 2 * min(lo, hi))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_exact_mann_whitney_matches_enumeration(seed: int) -> None:
+    rng = random.Random(seed)
+    n1, n2 = rng.randint(2, 6), rng.randint(2, 6)
+    x = [rng.random() for _ in range(n1)]
+    y = [rng.random() + rng.choice([0, 0.5]) for _ in range(n2)]
+    assert mann_whitney_p(x, y) == pytest.approx(brute_force_p(x, y))
+
+
+def test_mann_whitney_extremes() -> None:
+    assert mann_whitney_p([1, 2, 3, 4, 5], [6, 7, 8, 9, 10]) == pytest.approx(2 / 252)
+    assert min_p_value(3, 3) == pytest.approx(0.1)
+    # with ties the normal approximation is used: identical samples are indistinguishable
+    assert mann_whitney_p([1.0] * 20, [1.0] * 20) == 1.0
+    assert mann_whitney_p([1.0, 1.0, 2.0] * 10, [5.0, 5.0, 6.0] * 10) < 1e-6
+
+
+def write(path: Path, recs: list) -> Path:
+    with ResultWriter(path, ENV) as w:
+        w.write_all(recs)
+    return path
+
+
+def noisy(rng: random.Random, centre: float, n: int = 15) -> list[float]:
+    return [centre * rng.lognormvariate(0, 0.03) for _ in range(n)]
+
+
+def run_files(tmp_path: Path, bw_scale: float, lat_scale: float, seed: int) -> Path:
+    rng = random.Random(seed)
+    return write(tmp_path / f"r{seed}-{bw_scale}-{lat_scale}.jsonl", [
+        measured("probe", "bw", "bandwidth", "GB/s", "higher", noisy(rng, 10 * bw_scale),
+                 {"size": 1 << 20}),
+        measured("probe", "bw", "latency", "us", "lower", noisy(rng, 5 * lat_scale),
+                 {"size": 1 << 20}),
+        measured("run", "full", "perplexity", "", "lower", [12.5 * lat_scale]),
+    ])
+
+
+def test_same_distribution_compares_clean(tmp_path: Path) -> None:
+    for seed in range(10):
+        rows = compare_sets(load(run_files(tmp_path, 1, 1, seed)),
+                            load(run_files(tmp_path, 1, 1, seed + 100)))
+        assert not regressed(rows)
+        assert {r.verdict for r in rows} <= {"same", "noise"}
+
+
+def test_direction_aware(tmp_path: Path) -> None:
+    base = load(run_files(tmp_path, 1, 1, 0))
+    worse = {r.metric: r for r in compare_sets(base, load(run_files(tmp_path, 0.5, 2, 1)))}
+    assert worse["bandwidth"].verdict == "regressed" and worse["bandwidth"].change < -0.4
+    assert worse["latency"].verdict == "regressed"
+    assert worse["perplexity"].verdict == "regressed" and worse["perplexity"].test == (
+        "threshold-only")
+    better = {r.metric: r for r in compare_sets(base, load(run_files(tmp_path, 2, 0.5, 2)))}
+    assert {r.verdict for r in better.values()} == {"improved"}
+
+
+def test_beyond_threshold_but_not_significant_is_noise(tmp_path: Path) -> None:
+    base = write(tmp_path / "a.jsonl", [measured("probe", "p", "m", "s", "lower",
+                                                 [1.0, 2.0, 3.0, 4.0, 5.0, 6.0])])
+    new = write(tmp_path / "b.jsonl", [measured("probe", "p", "m", "s", "lower",
+                                                [1.5, 2.5, 3.5, 4.5, 5.5, 6.5])])
+    (row,) = compare_sets(load(base), load(new))
+    assert row.change < -0.05 and row.p_value > 0.05 and row.verdict == "noise"
+
+
+def test_error_missing_added_and_marks(tmp_path: Path) -> None:
+    base = write(tmp_path / "a.jsonl", [
+        measured("probe", "p", "m1", "s", "lower", [1.0] * 3),
+        measured("probe", "p", "gone", "s", "lower", [1.0] * 3),
+        measured("probe", "p", "gpu", "s", "lower", [1.0] * 3),
+    ])
+    with ResultWriter(tmp_path / "b.jsonl", {"env_id": "e2"}) as w:
+        w.write(not_measured("probe", "p", "m1", "error", "segfault"))
+        w.write(not_measured("probe", "p", "gpu", "waived", "no GPU"))
+        w.write(measured("probe", "p", "fresh", "s", "lower", [1.0]))
+    rows = {r.metric: r for r in compare_sets(load(base), load(tmp_path / "b.jsonl"))}
+    assert rows["m1"].verdict == "error" and "env differs" in rows["m1"].marks
+    assert rows["gone"].verdict == "missing"
+    assert rows["gpu"].verdict == "unmeasured"
+    assert rows["fresh"].verdict == "added"
+    assert [r.metric for r in regressed(list(rows.values()))] == ["m1"]
+
+
+def test_metric_glob(tmp_path: Path) -> None:
+    rows = compare_sets(load(run_files(tmp_path, 1, 1, 0)), load(run_files(tmp_path, 0.5, 1, 1)),
+                        pattern="lat*")
+    assert [r.metric for r in rows] == ["latency"]
+
+
+def test_real_probe_twice_clean_and_worsened_regresses(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    for out in (a, b):
+        with pytest.raises(SystemExit) as e:
+            main(["probe", "timer", "--calls", "2000", "--reps", "15", "--out", str(out)])
+        assert e.value.code == 0
+    # a repeated, unchanged run on a shared 2-core machine: no false alarm at 25%
+    with pytest.raises(SystemExit) as e:
+        main(["compare", str(a), str(b), "--threshold", "25%"])
+    assert e.value.code == 0
+    # the same file with every timer overhead doubled (lower is better) regresses
+    worse = tmp_path / "worse.jsonl"
+    lines = [json.loads(x) for x in a.read_text().splitlines()]
+    for rec in lines:
+        if rec["kind"] == "probe" and rec["value"] is not None:
+            rec["samples"] = [2 * s for s in rec["samples"]]
+            rec["value"] *= 2
+    worse.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["compare", str(a), str(worse), "--format", "json"])
+    assert e.value.code == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["regressions"] == 2
+    # halved overhead is an improvement, not a regression: exit 0
+    for rec in lines:
+        if rec["kind"] == "probe" and rec["value"] is not None:
+            rec["samples"] = [s / 4 for s in rec["samples"]]
+    halved = tmp_path / "halved.jsonl"
+    halved.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    with pytest.raises(SystemExit) as e:
+        main(["compare", str(a), str(halved), "--format", "markdown"])
+    assert e.value.code == 0
+    assert "| improved |" in capsys.readouterr().out

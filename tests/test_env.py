@@ -1,0 +1,72 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from kvbench.cli import main
+from kvbench.envinfo import collect_env, pcie_link_gbps
+from kvbench.errors import KvbenchError
+from kvbench.topology import get_node, parse_cpulist, read_cxl_devices, read_nodes
+
+
+def test_parse_cpulist() -> None:
+    assert parse_cpulist("0-3,8,10-11\n") == (0, 1, 2, 3, 8, 10, 11)
+    assert parse_cpulist("\n") == ()
+
+
+def test_fake_topology(fake_sysfs: Path) -> None:
+    nodes = read_nodes(fake_sysfs)
+    assert [n.id for n in nodes] == [0, 1, 2]
+    assert nodes[0].cpus == (0, 1, 2, 3) and not nodes[0].memory_only
+    assert nodes[2].cpus == () and nodes[2].memory_only
+    assert nodes[2].mem_total_bytes == 64 << 30
+    assert nodes[1].distances == (21, 10, 24)
+    assert get_node(2, fake_sysfs).memory_only
+    with pytest.raises(KvbenchError, match=r"NUMA node 7 does not exist .*nodes: 0, 1, 2"):
+        get_node(7, fake_sysfs)
+    cxl = read_cxl_devices(fake_sysfs)
+    assert cxl[0] == {"name": "mem0", "numa_node": 2, "ram_size": 64 << 30}
+    assert cxl[1] == {"name": "region0"}
+
+
+def test_no_numa_dir_falls_back_to_one_node(tmp_path: Path) -> None:
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc/meminfo").write_text("MemTotal:  1024 kB\n")
+    (tmp_path / "sys/devices/system/cpu").mkdir(parents=True)
+    (tmp_path / "sys/devices/system/cpu/online").write_text("0-5\n")
+    (node,) = read_nodes(tmp_path)
+    assert node.cpus == tuple(range(6)) and node.mem_total_bytes == 1 << 20
+
+
+def test_env_record_on_fake_tree(fake_sysfs: Path) -> None:
+    env = collect_env(fake_sysfs)
+    assert env["cpu"]["model"] == "Fake Xeon 8480"
+    assert env["cpu"]["logical_cpus"] == 8 and env["cpu"]["physical_cores"] == 8
+    assert env["cpu"]["caches"][0]["size"] == "105M"
+    assert [n["memory_only"] for n in env["numa_nodes"]] == [False, False, True]
+    assert env["memory_bytes"] == 96 << 30
+    assert env["cxl_devices"][0]["numa_node"] == 2
+    assert env["versions"]["python"]
+    assert len(env["env_id"]) == 12
+    assert collect_env(fake_sysfs)["env_id"] == env["env_id"]  # stable
+
+
+def test_env_cli_json(fake_sysfs: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["env", "--json", "--root", str(fake_sysfs)])
+    assert e.value.code == 0
+    env = json.loads(capsys.readouterr().out)
+    assert env["numa_nodes"][2]["memory_only"] is True
+
+
+def test_env_cli_table_flags_memory_only(fake_sysfs: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["env", "--root", str(fake_sysfs)])
+    out = capsys.readouterr().out
+    assert "memory-only" in out and "mem0 (node 2)" in out and "Fake Xeon 8480" in out
+
+
+def test_pcie_rates() -> None:
+    assert pcie_link_gbps(4, 16) == pytest.approx(31.5, rel=0.01)
+    assert pcie_link_gbps(5, 16) == pytest.approx(63.0, rel=0.01)

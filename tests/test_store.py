@@ -1,0 +1,89 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from kvbench.errors import KvbenchError
+from kvbench.schema import SCHEMA_VERSION, measured, not_measured
+from kvbench.store import ResultWriter, load, to_dataframe
+
+ENV = {"env_id": "abc123", "cpu": {"model": "test"}}
+
+
+def write_two(path: Path) -> None:
+    with ResultWriter(path, ENV, command="kvbench probe x") as w:
+        w.write(measured("probe", "x", "bw", "GB/s", "higher", [1.0, 2.0, 3.0], {"size": 4096}))
+        w.write(not_measured("probe", "x", "bw", "waived", "no GPU", {"size": 1}))
+
+
+def test_roundtrip_fills_provenance(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "r.jsonl"
+    write_two(path)
+    rs = load(path)
+    assert list(rs.envs) == ["abc123"]
+    assert rs.warnings == []
+    ok, waived = rs.records
+    assert ok["schema_version"] == SCHEMA_VERSION
+    assert ok["value"] == 2.0 and ok["samples"] == [1.0, 2.0, 3.0]
+    assert ok["stats"]["n"] == 3 and ok["provenance"] == "measured"
+    assert ok["env_id"] == "abc123" and ok["command"] == "kvbench probe x"
+    assert ok["git_commit"] and ok["kvbench_version"] and ok["time"]
+    assert waived["status"] == "waived" and waived["reason"] == "no GPU"
+    assert waived["value"] is None
+
+
+def test_env_written_once_per_file(tmp_path: Path) -> None:
+    path = tmp_path / "r.jsonl"
+    write_two(path)
+    write_two(path)
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert sum(x["kind"] == "env" for x in lines) == 1
+    assert len(load(path).records) == 4
+
+
+def test_records_are_flushed_one_by_one(tmp_path: Path) -> None:
+    path = tmp_path / "r.jsonl"
+    w = ResultWriter(path, ENV)
+    w.write(measured("probe", "x", "bw", "GB/s", "higher", [1.0]))
+    # readable before the writer is closed: nothing is buffered
+    assert len(load(path).records) == 1
+    w.close()
+
+
+def test_torn_last_line_is_reported_and_rest_kept(tmp_path: Path) -> None:
+    path = tmp_path / "r.jsonl"
+    write_two(path)
+    with path.open("a") as fh:
+        fh.write('{"schema_version": 1, "kind": "probe", "na')
+    rs = load(path)
+    assert len(rs.records) == 2
+    assert len(rs.warnings) == 1 and "torn last line" in rs.warnings[0]
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("hello world\n{}\n", "not kvbench JSON Lines"),
+    ('{"a": 1}\n', "not a kvbench record"),
+    ('{"schema_version": 99, "kind": "probe"}\n', "schema version 99"),
+    ('{"schema_version": 1, "kind": "weird"}\n', "unknown record kind"),
+    ('{"schema_version": 1, "kind": "probe", "name": "x"}\n', "lacks"),
+    ("", "holds no kvbench records"),
+])
+def test_bad_files(tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(KvbenchError, match=message):
+        load(path)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(KvbenchError, match="does not exist"):
+        load(tmp_path / "nope.jsonl")
+
+
+def test_dataframe(tmp_path: Path) -> None:
+    path = tmp_path / "r.jsonl"
+    write_two(path)
+    df = to_dataframe(load(path).records)
+    assert list(df["param.size"]) == [4096, 1]
+    assert list(df["n_samples"]) == [3, 0]
+    assert df.loc[0, "stats.median"] == 2.0
