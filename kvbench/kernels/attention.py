@@ -1,0 +1,153 @@
+"""Dense attention with its log-sum-exp, and the exact log-sum-exp merge (HGCA section 3.3).
+
+Layout everywhere: q `[B, Hq, Lq, D]`, k and v `[B, Hkv, Lk, D]` with Hq a multiple of Hkv
+(grouped-query attention: query head h reads KV head h // (Hq // Hkv)); out `[B, Hq, Lq, D]`
+in q's dtype; lse `[B, Hq, Lq]` float32, natural log of the sum of exp(scale * q.k) over the
+keys a query attended to (-inf when it attended to none, in which case its out row is 0).
+
+Causal means the Lq queries sit at absolute key positions q_start .. q_start + Lq - 1
+(default q_start = Lk - Lq, the last Lq positions: prefill when Lq == Lk, append when
+Lq <= 32, decode when Lq == 1) and query i sees keys 0 .. q_start + i. A caller that splits
+the keys into parts passes each part's q_start so that the parts merge into full attention.
+
+On the CPU, float32 and bfloat16 decode/append (Lq <= 32) run the native multi-threaded
+kernel (kvbench.kernels.cpu); everything else (prefill, CUDA, other dtypes) runs the torch
+path below, query-chunked so a 2048-token prefill does not materialise all scores at once.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvbench.errors import require
+
+if TYPE_CHECKING:
+    import torch
+
+# Most float32 score elements one query chunk of the torch path may hold at a time.
+_MAX_SCORES = 1 << 24
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
+    """Validate shapes, dtypes and devices; returns (B, Hq, Hkv, D). KvbenchError if bad."""
+    require(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
+            f"attention needs 4-D q/k/v [B, H, L, D], got {q.dim()}-D/{k.dim()}-D/{v.dim()}-D")
+    require(k.shape == v.shape, f"k {tuple(k.shape)} and v {tuple(v.shape)} differ in shape")
+    b, hq, _, d = q.shape
+    require(k.shape[0] == b and k.shape[3] == d,
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch or head dimension")
+    hkv = k.shape[1]
+    require(hkv > 0 and hq % hkv == 0,
+            f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    require(q.dtype == k.dtype == v.dtype and q.dtype.is_floating_point,
+            f"q/k/v must share one float dtype, got {q.dtype}/{k.dtype}/{v.dtype}")
+    require(q.device == k.device == v.device,
+            f"q/k/v must be on one device, got {q.device}/{k.device}/{v.device}")
+    return b, hq, hkv, d
+
+
+def empty_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The result of attending to nothing: out zeros `[B, Hq, Lq, D]`, lse -inf `[B, Hq, Lq]`."""
+    import torch
+
+    return (torch.zeros_like(q),
+            torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device))
+
+
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    q_start: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of q over all of k/v, returning (out, lse) as the module describes.
+
+    q `[B, Hq, Lq, D]`, k/v `[B, Hkv, Lk, D]`; `scale` defaults to D ** -0.5; `q_start`
+    (causal only) is the absolute key position of query 0, default Lk - Lq.
+    """
+    d = check_qkv(q, k, v)[3]
+    lq, lk = q.shape[2], k.shape[2]
+    scale = d ** -0.5 if scale is None else float(scale)
+    start = lk - lq if q_start is None else int(q_start)
+    if lk == 0 or lq == 0 or q.shape[0] == 0:
+        return empty_result(q)
+    return _torch_dense(q, k, v, scale, causal, start)
+
+
+def _torch_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                 causal: bool, q_start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference-quality torch path: float32 scores and softmax, chunked over queries."""
+    import torch
+
+    b, hq, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    g = hq // hkv
+    # CUDA half types: matmuls read k/v in place and accumulate into float32 outputs.
+    half_cuda = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    kc = k if half_cuda else k.float()
+    vc = v if half_cuda else v.float()
+    out = torch.empty(b, hkv, g, lq, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, hkv, g, lq, dtype=torch.float32, device=q.device)
+    qg = q.reshape(b, hkv, g, lq, d)
+    chunk = max(1, _MAX_SCORES // max(1, b * hq * lk))
+    keys = torch.arange(lk, device=q.device)
+    for i0 in range(0, lq, chunk):
+        i1 = min(lq, i0 + chunk)
+        c = i1 - i0
+        qc = qg[:, :, :, i0:i1].reshape(b * hkv, g * c, d)
+        kt = kc.reshape(b * hkv, lk, d).transpose(1, 2)
+        s = torch.bmm(qc, kt, out_dtype=torch.float32) if half_cuda else torch.bmm(qc.float(), kt)
+        s = s.mul_(scale).view(b * hkv, g, c, lk)
+        if causal:
+            limit = q_start + torch.arange(i0, i1, device=q.device)
+            s.masked_fill_(keys[None, :] > limit[:, None], float("-inf"))
+        m = s.amax(dim=-1, keepdim=True)
+        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+        p = torch.exp(s - m)
+        denom = p.sum(dim=-1)
+        pv = p.view(b * hkv, g * c, lk)
+        vr = vc.reshape(b * hkv, lk, d)
+        if half_cuda:
+            o = torch.bmm(pv.to(v.dtype), vr, out_dtype=torch.float32)
+        else:
+            o = torch.bmm(pv, vr)
+        o = o.view(b, hkv, g, c, d)
+        dn = denom.view(b, hkv, g, c)
+        o = torch.where(dn[..., None] > 0, o / dn.clamp_min(1e-38)[..., None], 0.0)
+        out[:, :, :, i0:i1] = o.to(q.dtype)
+        lse[:, :, :, i0:i1] = m.view(b, hkv, g, c) + torch.log(dn)
+    return out.view(b, hq, lq, d), lse.view(b, hq, lq)
+
+
+def merge(
+    o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact log-sum-exp merge of two partial attentions over disjoint key sets (HGCA 3.3).
+
+    o1/o2 `[..., D]` with lse1/lse2 `[...]` (float32, -inf for a part that attended to
+    nothing); returns (out in o1's dtype on o1's device, lse float32):
+    out = (e^lse1 o1 + e^lse2 o2) / (e^lse1 + e^lse2), lse = log(e^lse1 + e^lse2).
+    A part on another device (the CPU part of a hybrid step) is moved to o1's device.
+    """
+    import torch
+
+    require(o1.shape == o2.shape and lse1.shape == lse2.shape == o1.shape[:-1],
+            f"merge needs matching parts, got {tuple(o1.shape)}/{tuple(lse1.shape)} and "
+            f"{tuple(o2.shape)}/{tuple(lse2.shape)}")
+    dev = o1.device
+    o2 = o2.to(dev, non_blocking=True)
+    lse1 = lse1.float()
+    lse2 = lse2.to(dev, non_blocking=True).float()
+    m = torch.maximum(lse1, lse2)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    w1 = torch.exp(lse1 - m)
+    w2 = torch.exp(lse2 - m)
+    z = w1 + w2
+    safe = z.clamp_min(1e-38)
+    a1 = torch.where(z > 0, w1 / safe, 0.0)[..., None]
+    a2 = torch.where(z > 0, w2 / safe, 0.0)[..., None]
+    out = (o1.float() * a1 + o2.float() * a2).to(o1.dtype)
+    return out, m + torch.log(z)

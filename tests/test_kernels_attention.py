@@ -1,0 +1,135 @@
+"""dense_attention and merge against a float64 reference; property tests over splits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbench.errors import KvbenchError
+from kvbench.kernels import dense_attention, merge
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def reference(q, k, v, causal=True, q_start=None, keep=None):
+    """Float64 softmax attention; `keep` [B, Hkv, Lk] bool restricts the keys (sparse)."""
+    b, hq, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    g = hq // hkv
+    kk = k.double().repeat_interleave(g, dim=1)
+    vv = v.double().repeat_interleave(g, dim=1)
+    s = q.double() @ kk.transpose(-1, -2) / math.sqrt(d)
+    start = lk - lq if q_start is None else q_start
+    mask = torch.zeros(b, hq, lq, lk, dtype=torch.bool)
+    if causal:
+        mask |= torch.arange(lk)[None, :] > (start + torch.arange(lq))[:, None]
+    if keep is not None:
+        mask |= ~keep.repeat_interleave(g, dim=1)[:, :, None, :]
+    s = s.masked_fill(mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.where(torch.isinf(lse)[..., None], 0.0, torch.exp(s - lse[..., None]))
+    return p @ vv, lse
+
+
+def make(b, hq, hkv, lq, lk, d, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, lq, d, generator=gen).to(dtype)
+    k = torch.randn(b, hkv, lk, d, generator=gen).to(dtype)
+    v = torch.randn(b, hkv, lk, d, generator=gen).to(dtype)
+    return q, k, v
+
+
+def max_err(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lq", [1, 7, 32])
+def test_dense_matches_reference(dtype, lq):
+    q, k, v = make(2, 8, 2, lq, 67, 32, dtype)
+    out, lse = dense_attention(q, k, v)
+    ref, ref_lse = reference(q, k, v)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert lse.dtype == torch.float32 and lse.shape == q.shape[:3]
+    assert max_err(out, ref) < TOL[dtype]
+    assert max_err(lse, ref_lse) < 1e-4
+
+
+def test_prefill_chunks_and_non_causal(monkeypatch):
+    from kvbench.kernels import attention
+
+    q, k, v = make(1, 4, 4, 40, 40, 16)
+    monkeypatch.setattr(attention, "_MAX_SCORES", 4 * 40 * 3)  # chunks of 3 queries
+    out, lse = dense_attention(q, k, v)
+    ref, ref_lse = reference(q, k, v)
+    assert max_err(out, ref) < 1e-5 and max_err(lse, ref_lse) < 1e-5
+    out, _ = dense_attention(q, k, v, causal=False)
+    assert max_err(out, reference(q, k, v, causal=False)[0]) < 1e-5
+
+
+def test_empty_kv_and_masked_queries():
+    q, k, v = make(1, 2, 1, 3, 0, 8)
+    out, lse = dense_attention(q, k, v)
+    assert torch.all(out == 0) and torch.all(torch.isneginf(lse))
+    # Queries before every key (q_start negative) attend to nothing.
+    q, k, v = make(1, 2, 1, 3, 4, 8)
+    out, lse = dense_attention(q, k, v, q_start=-2)
+    assert torch.all(out[:, :, :2] == 0) and torch.all(torch.isneginf(lse[:, :, :2]))
+    assert torch.isfinite(lse[:, :, 2]).all()
+
+
+@pytest.mark.parametrize("bad, msg", [
+    (((1, 6, 1, 8), (1, 4, 5, 8)), "multiple of KV heads"),
+    (((1, 4, 1, 8), (1, 4, 5, 16)), "batch or head dimension"),
+])
+def test_bad_shapes(bad, msg):
+    qs, ks = bad
+    with pytest.raises(KvbenchError, match=msg):
+        dense_attention(torch.randn(qs), torch.randn(ks), torch.randn(ks))
+
+
+def test_merge_with_empty_parts():
+    q, k, v = make(1, 2, 2, 1, 9, 8)
+    o, lse = dense_attention(q, k, v)
+    e_out, e_lse = dense_attention(q, k[:, :, :0], v[:, :, :0])
+    for parts in ((o, lse, e_out, e_lse), (e_out, e_lse, o, lse)):
+        mo, mlse = merge(*parts)
+        assert max_err(mo, o) == 0 and torch.equal(mlse, lse)
+    mo, mlse = merge(e_out, e_lse, e_out, e_lse)
+    assert torch.all(mo == 0) and torch.all(torch.isneginf(mlse))
+
+
+@settings(max_examples=40, deadline=None)
+@given(b=st.integers(1, 2), hkv=st.integers(1, 3), group=st.sampled_from([1, 2, 4]),
+       lq=st.sampled_from([1, 2, 5, 32]), lk=st.integers(0, 80), d=st.sampled_from([8, 64]),
+       frac=st.floats(0, 1), causal=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 99))
+def test_contiguous_split_merges_to_full(b, hkv, group, lq, lk, d, frac, causal, dtype, seed):
+    """Old keys [0, s) and recent keys [s, Lk) attended apart then merged == full attention."""
+    q, k, v = make(b, hkv * group, hkv, lq, lk, d, dtype, seed)
+    s = round(frac * lk)
+    start = lk - lq
+    o1, l1 = dense_attention(q, k[:, :, :s], v[:, :, :s], causal=causal, q_start=start)
+    o2, l2 = dense_attention(q, k[:, :, s:], v[:, :, s:], causal=causal, q_start=start - s)
+    out, lse = merge(o1, l1, o2, l2)
+    ref, ref_lse = reference(q, k, v, causal=causal)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert max_err(out, ref) <= TOL[dtype]
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse.float()))
+    finite = torch.isfinite(ref_lse)
+    if finite.any():
+        assert max_err(lse[finite], ref_lse[finite]) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dense_cuda_matches_cpu(dtype):
+    q, k, v = make(2, 8, 2, 32, 300, 64, dtype)
+    out, lse = dense_attention(q.cuda(), k.cuda(), v.cuda())
+    ref, ref_lse = reference(q, k, v)
+    assert out.is_cuda and max_err(out.cpu(), ref) < TOL.get(dtype, 2e-2)
+    assert max_err(lse.cpu(), ref_lse) < 1e-2
