@@ -9,7 +9,17 @@ from pathlib import Path
 
 from kvbench.errors import KvbenchError
 
-ABI_VERSION = 1
+ABI_VERSION = 2
+
+
+class CopyJob(ctypes.Structure):
+    """One thread's share of a copy (kvb_copy_job in probes/copy.c): iteration i copies
+    `chunk` bytes at offset (i % windows) * stride, on CPU `cpu` (-1: not pinned), with a
+    full fence after each copy when `fence` is 1."""
+
+    _fields_ = [("dst", ctypes.c_void_p), ("src", ctypes.c_void_p), ("chunk", ctypes.c_size_t),
+                ("stride", ctypes.c_size_t), ("windows", ctypes.c_size_t),
+                ("cpu", ctypes.c_int), ("fence", ctypes.c_int)]
 
 
 @lru_cache(maxsize=1)
@@ -31,4 +41,14 @@ def lib() -> ctypes.CDLL:
     so.kvb_memcpy_loop.restype = ctypes.c_uint64
     so.kvb_memcpy_loop.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
                                    ctypes.c_size_t]
+    so.kvb_copy_jobs.restype = ctypes.c_uint64
+    so.kvb_copy_jobs.argtypes = [ctypes.POINTER(CopyJob), ctypes.c_int, ctypes.c_size_t]
+    so.kvb_memcpy_threads.restype = ctypes.c_uint64
+    so.kvb_memcpy_threads.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                      ctypes.c_size_t, ctypes.c_int]
+    so.kvb_chase_build.restype = ctypes.c_int
+    so.kvb_chase_build.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
+                                   ctypes.c_uint64]
+    so.kvb_chase.restype = ctypes.c_uint64
+    so.kvb_chase.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return so

@@ -108,6 +108,19 @@ def time_host(fn: Callable[[], object], policy: Policy = DEFAULT) -> Timing:
     return Timing(tuple(samples), "perf_counter_ns", policy.warmup)
 
 
+def time_native(fn: Callable[[], float], policy: Policy = DEFAULT,
+                timer: str = "CLOCK_MONOTONIC (native)") -> Timing:
+    """Repeat fn() under policy, where fn times itself (in native code, probes/) and returns
+    the seconds per operation of one sample; the samples are those returned values."""
+    for _ in range(policy.warmup):
+        fn()
+    samples: list[float] = []
+    start = time.perf_counter_ns()
+    while not policy.done(len(samples), (time.perf_counter_ns() - start) * 1e-9):
+        samples.append(fn())
+    return Timing(tuple(samples), timer, policy.warmup)
+
+
 def time_cuda(
     fn: Callable[[], object],
     policy: Policy = DEFAULT,

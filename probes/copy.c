@@ -1,0 +1,163 @@
+/* kvbench memory probes: pinned multi-threaded copy loops, plain memcpy references and the
+ * pointer chase (CXL KV-storage paper, section 3.1 / Fig. 1a; issue 3).
+ *
+ * Timed functions return elapsed CLOCK_MONOTONIC nanoseconds (kvb_now_ns of native.c);
+ * callers divide by the iteration count. Worker threads are created before the clock
+ * starts and released together by a flag, so thread creation is not timed.
+ */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <sched.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+uint64_t kvb_now_ns(void);
+
+/* One thread's share of a copy: iteration i copies `chunk` bytes at offset
+ * (i % windows) * stride of both dst and src. The ctypes mirror is kvbench.native.CopyJob. */
+typedef struct {
+    void *dst;
+    const void *src;
+    size_t chunk;   /* bytes copied per iteration */
+    size_t stride;  /* offset step between iterations */
+    size_t windows; /* offsets wrap after this many steps (>= 1) */
+    int cpu;        /* CPU the thread is pinned to, -1 for none */
+    int fence;      /* 1: full fence after every copy, so copies do not overlap (latency) */
+} kvb_copy_job;
+
+typedef struct {
+    const kvb_copy_job *job;
+    size_t iters;
+    int *go; /* 0: wait, 1: run, 2: abort (a sibling could not be created) */
+    uint64_t t0, t1;
+} worker_arg;
+
+static void pin_self(int cpu) {
+    if (cpu < 0) return;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+}
+
+static void *copy_worker(void *p) {
+    worker_arg *a = p;
+    const kvb_copy_job *j = a->job;
+    pin_self(j->cpu);
+    int go;
+    while ((go = __atomic_load_n(a->go, __ATOMIC_ACQUIRE)) == 0) sched_yield();
+    if (go != 1) return NULL;
+    a->t0 = kvb_now_ns();
+    size_t w = 0;
+    for (size_t i = 0; i < a->iters; i++) {
+        size_t off = w * j->stride;
+        memcpy((char *)j->dst + off, (const char *)j->src + off, j->chunk);
+        if (j->fence) __atomic_thread_fence(__ATOMIC_SEQ_CST);
+        __asm__ volatile("" : : "r"(j->dst) : "memory");
+        if (++w == j->windows) w = 0;
+    }
+    a->t1 = kvb_now_ns();
+    return NULL;
+}
+
+/* Run njobs threads at once, each doing `iters` copies of its job; returns the ns from the
+ * first thread's start to the last thread's end, or 0 when a thread could not be created. */
+uint64_t kvb_copy_jobs(const kvb_copy_job *jobs, int njobs, size_t iters) {
+    if (njobs < 1 || njobs > 1024) return 0;
+    pthread_t tid[1024];
+    worker_arg args[1024];
+    int go = 0, started = 0;
+    for (int k = 0; k < njobs; k++) {
+        args[k] = (worker_arg){&jobs[k], iters, &go, 0, 0};
+        if (pthread_create(&tid[k], NULL, copy_worker, &args[k]) != 0) break;
+        started++;
+    }
+    __atomic_store_n(&go, started == njobs ? 1 : 2, __ATOMIC_RELEASE);
+    uint64_t first = UINT64_MAX, last = 0;
+    for (int k = 0; k < started; k++) {
+        pthread_join(tid[k], NULL);
+        if (args[k].t0 < first) first = args[k].t0;
+        if (args[k].t1 > last) last = args[k].t1;
+    }
+    return started < njobs ? 0 : last - first;
+}
+
+/* Plain N-thread memcpy reference: unpinned threads, each copying its slice `iters` times,
+ * timed around create and join. What a programmer would write without kvbench. */
+typedef struct { void *dst; const void *src; size_t n, iters; } plain_arg;
+
+static void *plain_worker(void *p) {
+    plain_arg *a = p;
+    for (size_t i = 0; i < a->iters; i++) {
+        memcpy(a->dst, a->src, a->n);
+        __asm__ volatile("" : : "r"(a->dst) : "memory");
+    }
+    return NULL;
+}
+
+uint64_t kvb_memcpy_threads(void *dst, const void *src, size_t n, size_t iters, int nthreads) {
+    if (nthreads < 1 || nthreads > 1024) return 0;
+    pthread_t tid[1024];
+    plain_arg args[1024];
+    size_t slice = n / (size_t)nthreads;
+    uint64_t t0 = kvb_now_ns();
+    for (int k = 0; k < nthreads; k++) {
+        size_t off = slice * (size_t)k;
+        size_t len = k == nthreads - 1 ? n - off : slice;
+        args[k] = (plain_arg){(char *)dst + off, (const char *)src + off, len, iters};
+        if (pthread_create(&tid[k], NULL, plain_worker, &args[k]) != 0) {
+            for (int m = 0; m < k; m++) pthread_join(tid[m], NULL);
+            return 0;
+        }
+    }
+    for (int k = 0; k < nthreads; k++) pthread_join(tid[k], NULL);
+    return kvb_now_ns() - t0;
+}
+
+/* Pointer chase: make the `nlines` lines of `line` bytes at buf one random cycle (Sattolo's
+ * algorithm), each line's first word pointing at the next line. Returns 0, or -1 if out of
+ * memory. */
+int kvb_chase_build(void *buf, size_t nlines, size_t line, uint64_t seed) {
+    size_t *next = malloc(nlines * sizeof *next);
+    if (!next) return -1;
+    for (size_t i = 0; i < nlines; i++) next[i] = i;
+    uint64_t x = seed | 1;
+    for (size_t i = nlines - 1; i > 0; i--) {
+        x ^= x << 13; x ^= x >> 7; x ^= x << 17; /* xorshift64 */
+        size_t j = (size_t)(x % i);
+        size_t t = next[i]; next[i] = next[j]; next[j] = t;
+    }
+    for (size_t i = 0; i < nlines; i++)
+        *(void **)((char *)buf + i * line) = (char *)buf + next[i] * line;
+    free(next);
+    return 0;
+}
+
+typedef struct { const void *start; size_t loads; int cpu; uint64_t ns; const void *end; } chase_arg;
+
+static void *chase_worker(void *p) {
+    chase_arg *a = p;
+    pin_self(a->cpu);
+    const void *q = a->start;
+    uint64_t t0 = kvb_now_ns();
+    for (size_t i = 0; i < a->loads; i += 8) { /* each load depends on the one before */
+        q = *(void *const *)q; q = *(void *const *)q; q = *(void *const *)q;
+        q = *(void *const *)q; q = *(void *const *)q; q = *(void *const *)q;
+        q = *(void *const *)q; q = *(void *const *)q;
+    }
+    a->ns = kvb_now_ns() - t0;
+    a->end = q;
+    return NULL;
+}
+
+/* Follow `loads` (rounded up to a multiple of 8) pointers from start in a thread pinned to
+ * cpu (-1: not pinned); returns elapsed ns, or 0 when the thread could not be created. */
+uint64_t kvb_chase(const void *start, size_t loads, int cpu) {
+    chase_arg a = {start, loads, cpu, 0, NULL};
+    pthread_t tid;
+    if (pthread_create(&tid, NULL, chase_worker, &a) != 0) return 0;
+    pthread_join(tid, NULL);
+    __asm__ volatile("" : : "r"(a.end) : "memory");
+    return a.ns;
+}
