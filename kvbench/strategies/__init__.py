@@ -1,14 +1,56 @@
 """KV offload strategies: one module per strategy, each a small class registered by name.
 
-The runtime (model runtime issue) defines the strategy interface; this package holds the
-registry so that `kvbench list` and `kvbench run NAME` look strategies up by name.
+A strategy decides, for every attention layer, where that layer's KV cache lives
+(accelerator or host memory) and how attention over it is computed. The decoder
+(kvbench.models) computes q/k/v (positions already applied) and hands them to the run's one
+strategy object; everything between "new k/v" and "attention output" is the strategy's.
+
+Shapes (B batch, Hq query heads, Hkv KV heads, D head dim, P prompt length; GQA: Hq % Hkv == 0):
+
+    prefill(layer, q, k, v) -> out   q [B, Hq, P, D], k/v [B, Hkv, P, D], out [B, Hq, P, D]
+    decode(layer, q, k, v)  -> out   q [B, Hq, 1, D], k/v [B, Hkv, 1, D], out [B, Hq, 1, D]
+
+q/k/v arrive on `ctx.accel` in the model dtype; `out` must be returned there. Layers are
+called in order 0..L-1 for the prefill, then once per layer for every decode step, with
+`begin_step(step)` before each step (step 0 is the prefill). Strategies that speculate on
+the next layer (InfiniGen, ScoutAttention) override `layer_input(layer, x)`, called with
+the normed hidden state x [B, T, hidden] before each layer's q/k/v projection, and may use
+`ctx.model` (the decoder) to reach the next layer's weights.
+
+Prefill attention weights (H2O's and HGCA's initial scores) are never computed unless asked:
+`column_scores(q, k, lse)` turns the lse that `dense_attention` returns into per-key
+attention mass [B, Hq, P] for the strategy that calls it.
+
+Work is reported into `ctx.counters` (kvbench.runtime.trace.Counters): `attended(where, q,
+n_kv)` for each attention computation (tokens, FLOPs, bytes read on device `where`:
+"accel" or "host"), `moved(link, nbytes)` for copies ("h2d", "d2h"), `add(quantity,
+where, value)` for anything else (e.g. `add("time", "bookkeeping", s)`, `add("time",
+"accel_idle", s)`). The runtime files these under the current (step, layer) and stores
+them as records.
+
+Parameters are a frozen dataclass in the class attribute `params`: `kvbench run NAME`
+gets one option per field (default = the field default, help = the `help` metadata),
+and suites build the same dataclass from a TOML table by field name. The class method
+`kv_placement` says how many KV bytes each device holds at a given length, so that the
+run can refuse a batch that cannot fit before allocating anything.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvbench.registry import Registry, first_line
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvbench.runtime.context import RunContext
+
+
+@dataclass(frozen=True)
+class NoParams:
+    """Parameters of a strategy that has none."""
 
 
 class Strategy:
@@ -16,10 +58,60 @@ class Strategy:
 
     name: ClassVar[str]
     version: ClassVar[str] = "1"
+    params: ClassVar[type] = NoParams
+
+    def __init__(self, params: Any, ctx: RunContext) -> None:
+        self.p = params
+        self.ctx = ctx
 
     @classmethod
     def summary(cls) -> str:
         return first_line(cls.__doc__)
+
+    @classmethod
+    def kv_placement(cls, params: Any, kv_bytes: int) -> dict[str, int]:
+        """KV bytes per device ("accel", "host") when the whole cache is `kv_bytes` bytes."""
+        return {"accel": kv_bytes, "host": 0}
+
+    def begin_step(self, step: int) -> None:
+        """Called before each step's layer 0 (step 0: prefill, then 1, 2, ... decode)."""
+
+    def layer_input(self, layer: int, x: torch.Tensor) -> None:
+        """The normed hidden state x [B, T, hidden] entering `layer` (for look-ahead)."""
+
+    def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> torch.Tensor:
+        """Store the prompt's k/v [B, Hkv, P, D] and return causal attention [B, Hq, P, D]."""
+        raise NotImplementedError
+
+    def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        """Append one token's k/v [B, Hkv, 1, D] and return its attention [B, Hq, 1, D]."""
+        raise NotImplementedError
+
+
+def column_scores(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *,
+                  scale: float | None = None, chunk: int = 512) -> torch.Tensor:
+    """Causal prefill attention mass per key: sum over queries of softmax(q k^T) [B, Hq, P].
+
+    q [B, Hq, P, D], k [B, Hkv, P, D], lse [B, Hq, P] (fp32, from dense_attention on the
+    same q/k). Computed in query chunks, fp32, so memory stays O(chunk * P).
+    """
+    import torch
+
+    b, hq, p, d = q.shape
+    g = hq // k.shape[1]
+    kk = k.float().repeat_interleave(g, dim=1)  # [B, Hq, P, D]
+    s = scale if scale is not None else d ** -0.5
+    out = torch.zeros(b, hq, p, dtype=torch.float32, device=q.device)
+    cols = torch.arange(p, device=q.device)
+    for i in range(0, p, chunk):
+        qi = q[:, :, i:i + chunk].float()
+        logits = torch.matmul(qi, kk.transpose(-1, -2)) * s  # [B, Hq, c, P]
+        rows = torch.arange(i, i + qi.shape[2], device=q.device)
+        logits.masked_fill_(cols[None, :] > rows[:, None], float("-inf"))
+        out += torch.exp(logits - lse[:, :, i:i + chunk, None]).sum(dim=2)
+    return out
 
 
 STRATEGIES: Registry[type[Strategy]] = Registry("strategy", __name__)

@@ -1,0 +1,58 @@
+"""Full attention with the whole KV cache resident on the accelerator: the reference.
+
+Every other strategy is judged against this one: no KV leaves the accelerator, attention
+is dense over all cached tokens (HGCA Table 1 "full attention" reference; FlexGen's
+baseline when the cache fits).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvbench.strategies import STRATEGIES, Strategy
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvbench.runtime.context import RunContext
+
+
+@STRATEGIES.register
+class Full(Strategy):
+    """All KV on the accelerator, dense attention over every token (the reference)."""
+
+    name = "full"
+    version = "1"
+
+    def __init__(self, params: object, ctx: RunContext) -> None:
+        import torch
+
+        super().__init__(params, ctx)
+        s = ctx.spec
+        shape = (ctx.batch, s.n_kv_heads, ctx.max_len, s.head_dim)
+        # per layer: k and v buffers [B, Hkv, max_len, D] on the accelerator
+        self.k = [torch.empty(shape, dtype=ctx.dtype, device=ctx.accel)
+                  for _ in range(ctx.n_layers)]
+        self.v = [torch.empty(shape, dtype=ctx.dtype, device=ctx.accel)
+                  for _ in range(ctx.n_layers)]
+        self.length = [0] * ctx.n_layers
+
+    def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> torch.Tensor:
+        from kvbench.kernels.attention import dense_attention
+
+        n0, n1 = self.length[layer], self.length[layer] + k.shape[2]
+        self.k[layer][:, :, n0:n1] = k
+        self.v[layer][:, :, n0:n1] = v
+        self.length[layer] = n1
+        out, _ = dense_attention(q, self.k[layer][:, :, :n1], self.v[layer][:, :, :n1])
+        self.ctx.counters.attended("accel", q, n1)
+        return out
+
+    def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> torch.Tensor:
+        return self._attend(layer, q, k, v)
+
+    def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        return self._attend(layer, q, k, v)
