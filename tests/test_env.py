@@ -1,4 +1,5 @@
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,43 @@ def test_env_cli_table_flags_memory_only(fake_sysfs: Path,
 def test_pcie_rates() -> None:
     assert pcie_link_gbps(4, 16) == pytest.approx(31.5, rel=0.01)
     assert pcie_link_gbps(5, 16) == pytest.approx(63.0, rel=0.01)
+
+
+class FakeNvml:
+    """Stands in for pynvml: one H100 on PCIe gen5 x16 at bus 0000:3b:00.0."""
+
+    class Info:
+        total = 80 * 10**9
+        busId = b"00000000:3B:00.0"
+
+    def nvmlInit(self) -> None: ...
+    def nvmlShutdown(self) -> None: ...
+    def nvmlSystemGetDriverVersion(self) -> str: return "580.1"
+    def nvmlDeviceGetCount(self) -> int: return 1
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int: return i
+    def nvmlDeviceGetName(self, h: int) -> bytes: return b"NVIDIA H100 PCIe"
+    def nvmlDeviceGetPciInfo(self, h: int) -> "FakeNvml.Info": return self.Info()
+    def nvmlDeviceGetMemoryInfo(self, h: int) -> "FakeNvml.Info": return self.Info()
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, h: int) -> int: return 4
+    def nvmlDeviceGetCurrPcieLinkWidth(self, h: int) -> int: return 8
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, h: int) -> int: return 5
+    def nvmlDeviceGetMaxPcieLinkWidth(self, h: int) -> int: return 16
+
+
+def test_gpu_through_nvml(fake_sysfs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pci = fake_sysfs / "sys/bus/pci/devices/0000:3b:00.0"
+    pci.mkdir(parents=True)
+    (pci / "numa_node").write_text("1\n")
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml())
+    (gpu,) = collect_env(fake_sysfs)["gpus"]
+    assert gpu["name"] == "NVIDIA H100 PCIe" and gpu["numa_node"] == 1
+    assert (gpu["pcie_gen"], gpu["pcie_width"]) == (4, 8)
+    assert (gpu["pcie_gen_max"], gpu["pcie_width_max"]) == (5, 16)
+    assert gpu["pcie_link_gbps_max"] == pytest.approx(63.0, rel=0.01)
+    assert gpu["driver"] == "580.1" and gpu["memory_bytes"] == 80 * 10**9
+
+
+def test_missing_pynvml_is_a_note(fake_sysfs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import raises ImportError
+    env = collect_env(fake_sysfs)
+    assert any("pynvml not installed" in n for n in env["notes"])
