@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -93,11 +94,13 @@ class Row:
     marks: list[str] = field(default_factory=list)
 
 
-def _pool(rs: ResultSet, pattern: str | None) -> dict[RecordKey, list[dict[str, Any]]]:
+def _pool(rs: ResultSet, pattern: str | Sequence[str] | None,
+          ) -> dict[RecordKey, list[dict[str, Any]]]:
+    globs = [pattern] if isinstance(pattern, str) else list(pattern or [])
     groups: dict[RecordKey, list[dict[str, Any]]] = {}
     for r in rs.records:
-        if pattern and not (fnmatch.fnmatch(r["metric"], pattern)
-                            or fnmatch.fnmatch(f"{r['name']}.{r['metric']}", pattern)):
+        if globs and not any(fnmatch.fnmatch(r["metric"], g)
+                             or fnmatch.fnmatch(f"{r['name']}.{r['metric']}", g) for g in globs):
             continue
         groups.setdefault(record_key(r), []).append(r)
     return groups
@@ -118,8 +121,11 @@ def _median(v: list[float]) -> float:
 
 
 def compare_sets(base: ResultSet, new: ResultSet, threshold: float = 0.05, alpha: float = 0.05,
-                 pattern: str | None = None) -> list[Row]:
-    """One row per quantity present in either file, in base-file order then new-only ones."""
+                 pattern: str | Sequence[str] | None = None) -> list[Row]:
+    """One row per quantity present in either file, in base-file order then new-only ones.
+
+    `pattern` is a glob or a list of globs; a record counts when any matches its metric or
+    'name.metric'."""
     b, n = _pool(base, pattern), _pool(new, pattern)
     rows = []
     for key in list(b) + [k for k in n if k not in b]:

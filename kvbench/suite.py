@@ -1,0 +1,234 @@
+"""Suites: TOML files of cases run into one result file, resumable case by case.
+
+    [suite]
+    name = "smoke"                    # baselines: results/baselines/<machine-class>/<name>.jsonl
+    output = "results/smoke.jsonl"    # relative to the current directory
+    repetitions = 1                   # default for every case
+    guard = ["ratio.*"]               # metric globs that `kvbench suite check` compares
+    threshold = "10%"                 # smallest relative change of a guarded metric that counts
+
+    [[case]]
+    probe = "timer"                   # or: strategy = "full"
+    params = { calls = 2000 }         # fields of the probe's `config` (strategy's `params`)
+    sweep = { reps = [5, 9] }         # cartesian product over these fields
+    repetitions = 3
+    requires = "gpu"                  # recorded as waived where there is no CUDA GPU
+
+    [[ratio]]                         # derived after the cases, from records of this run
+    name = "native_over_host_clock"
+    numerator = "timer.native_clock_overhead"
+    denominator = "timer.perf_counter_ns_overhead"
+    direction = "lower"
+
+Each (case, sweep point, repetition) is one unit of work with a stable id (a hash of kind,
+name, explicit parameters and repetition) kept in every record's `method["suite_case"]`
+together with `method["case_records"]`, the number of records the unit wrote. Records of a
+unit are written together once it finishes, so `--resume` skips exactly the units whose
+records are all in the output file: an interrupt loses at most the unit that was running.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import itertools
+import json
+import shlex
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvbench.errors import KvbenchError
+from kvbench.schema import Record, measured, not_measured
+from kvbench.store import ResultSet
+from kvbench.suite_spec import Case, RatioSpec, Suite, load_suite
+
+__all__ = ["Case", "Suite", "Unit", "baseline_path", "load_suite", "machine_class", "run_suite",
+           "units"]
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One thing to run: a case at one sweep point and repetition."""
+
+    case: Case
+    params: dict[str, Any]
+    rep: int
+    label: str = field(compare=False)
+
+    @property
+    def case_id(self) -> str:
+        key = json.dumps([self.case.kind, self.case.name, self.params, self.rep], sort_keys=True,
+                         default=str)
+        return hashlib.sha1(key.encode()).hexdigest()[:12]
+
+    def command(self) -> str:
+        """The equivalent single command line (options mirror config fields one to one)."""
+        args = ["kvbench", "probe" if self.case.kind == "probe" else "run", self.case.name]
+        for k, v in self.params.items():
+            opt = "--" + k.replace("_", "-")
+            if isinstance(v, bool):
+                args.append(opt if v else "--no-" + k.replace("_", "-"))
+            else:
+                args += [opt, ",".join(map(str, v)) if isinstance(v, list) else str(v)]
+        return shlex.join(args)
+
+
+def units(suite: Suite, only: str | None = None) -> list[Unit]:
+    """Every unit of the suite in file order, optionally those whose label matches `only`."""
+    out = []
+    for case in suite.cases:
+        keys = list(case.sweep)
+        for point in itertools.product(*(case.sweep[k] for k in keys)):
+            params = {**case.params, **dict(zip(keys, point, strict=True))}
+            for rep in range(case.repetitions):
+                label = f"{case.name}[{','.join(f'{k}={v}' for k, v in params.items())}]#{rep}"
+                if only is None or fnmatch.fnmatch(label, only) or (
+                        case.id and fnmatch.fnmatch(case.id, only)):
+                    out.append(Unit(case, params, rep, label))
+    return out
+
+
+def machine_class(env: dict[str, Any]) -> str:
+    """'gpu-h100' (first GPU's model, 'x2' etc. when several) or 'cpu-2c-x86_64'."""
+    gpus = env.get("gpus") or []
+    if gpus:
+        import re
+
+        words = re.findall(r"[a-z]*\d+[a-z]*", gpus[0]["name"].lower().replace("nvidia", ""))
+        model = words[0] if words else "unknown"
+        return f"gpu-{model}" + (f"x{len(gpus)}" if len(gpus) > 1 else "")
+    cpu = env["cpu"]
+    return f"cpu-{cpu['logical_cpus']}c-{cpu['arch']}"
+
+
+def baseline_path(suite: Suite, results: ResultSet) -> Path:
+    """results/baselines/<machine class of the results' environment>/<suite name>.jsonl."""
+    from kvbench.store import REPO_ROOT
+
+    if not results.envs:
+        raise KvbenchError(f"'{results.path}' has no environment line to pick a baseline by")
+    cls = machine_class(next(iter(results.envs.values())))
+    path = REPO_ROOT / "results" / "baselines" / cls / f"{suite.name}.jsonl"
+    if not path.exists():
+        raise KvbenchError(f"no baseline for machine class '{cls}': {path} (record one with "
+                           f"`kvbench suite run {suite.path} --out {path}`)")
+    return path
+
+
+def _has_gpu() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def _execute(unit: Unit, gpu: bool) -> list[Record]:
+    """Run one unit to completion; a failure or an unmet requirement becomes one record."""
+    case = unit.case
+    if case.requires == "gpu" and not gpu:
+        return [not_measured(case.kind, case.name, "case", "waived",
+                             "case requires a CUDA GPU; none on this machine", unit.params)]
+    try:
+        records = list(case.records(case.build(unit.params)))
+    except Exception as e:  # a failing case is recorded and the suite goes on
+        return [not_measured(case.kind, case.name, "case", "error",
+                             f"{type(e).__name__}: {e}".strip(), unit.params)]
+    return records or [not_measured(case.kind, case.name, "case", "error",
+                                    "case produced no records", unit.params)]
+
+
+def recorded_units(path: Path) -> set[str]:
+    """Ids of the units whose records are all present in result file `path`."""
+    from kvbench.store import load
+
+    if not path.exists() or not path.stat().st_size:
+        return set()
+    seen: dict[str, list[int]] = {}
+    for r in load(path).records:
+        m = r.get("method") or {}
+        if "suite_case" in m:
+            seen.setdefault(m["suite_case"], []).append(int(m.get("case_records", 1)))
+    return {cid for cid, ns in seen.items() if len(ns) >= ns[0]}
+
+
+def derive_ratio(spec: RatioSpec, records: list[dict[str, Any]]) -> Iterator[Record]:
+    """Ratio records of numerator over denominator samples, paired by common parameters.
+
+    Samples are paired by index (repetitions pooled first), so the ratio keeps a spread
+    that `compare` can test; both quantities come from the same run of the suite.
+    """
+    def pick(ref: str) -> dict[str, tuple[dict[str, Any], list[float]]]:
+        name, _, metric = ref.partition(".")
+        out: dict[str, tuple[dict[str, Any], list[float]]] = {}
+        for r in records:
+            if r["name"] == name and r["metric"] == metric and r["status"] == "ok":
+                common = {k: v for k, v in r["params"].items() if k in spec.match}
+                key = json.dumps(common, sort_keys=True)
+                out.setdefault(key, (common, []))[1].extend(r.get("samples") or [r["value"]])
+        return out
+
+    num, den = pick(spec.numerator), pick(spec.denominator)
+    method = {"numerator": spec.numerator, "denominator": spec.denominator,
+              "statistic": "median of index-paired sample ratios"}
+    keys = [k for k in num if k in den]
+    for key in keys:
+        params, top = num[key]
+        pairs = [a / b for a, b in zip(top, den[key][1], strict=False) if b]
+        if not pairs:
+            yield not_measured("probe", "ratio", spec.name, "error", "zero denominator", params)
+            continue
+        yield measured("probe", "ratio", spec.name, "x", spec.direction, pairs, params, method)
+    if not keys:
+        yield not_measured("probe", "ratio", spec.name, "waived",
+                           f"{spec.numerator} or {spec.denominator} not measured in this run")
+
+
+def run_suite(suite: Suite, out: Path, resume: bool = False, only: str | None = None) -> int:
+    """Run the suite into `out`; returns the number of units that ended in an error."""
+    from rich.markup import escape
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvbench.console import err_console
+    from kvbench.envinfo import collect_env
+    from kvbench.store import ResultWriter, load
+
+    if out.exists() and out.stat().st_size and not resume:
+        raise KvbenchError(f"'{out}' already holds results: pass --resume to continue it, "
+                           "or --out a new file")
+    todo = units(suite, only)
+    done = recorded_units(out) if resume else set()
+    pending = [u for u in todo if u.case_id not in done]
+    if resume:
+        err_console.print(f"resume: {len(todo) - len(pending)} of {len(todo)} cases already "
+                          f"in {out}")
+    gpu = any(u.case.requires == "gpu" for u in pending) and _has_gpu()
+    errors = 0
+    cmd = shlex.join(["kvbench", "suite", "run", str(suite.path)])
+    with ResultWriter(out, collect_env(), command=cmd) as w, Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), console=err_console) as bar:
+        task = bar.add_task(suite.name, total=len(pending))
+        for unit in pending:
+            bar.update(task, description=escape(f"{suite.name}: {unit.label}"))
+            records = _execute(unit, gpu)
+            for rec in records:
+                rec.version = unit.case.version
+                rec.command = unit.command()
+                rec.method.update({"suite": str(suite.path), "suite_case": unit.case_id,
+                                   "case_records": len(records)})
+            w.write_all(records)
+            status = records[0].status if len(records) == 1 else "ok"
+            if status != "ok":
+                errors += status == "error"
+                bar.console.print(escape(f"{unit.label}: {status} {records[0].reason}"))
+            bar.advance(task)
+        if suite.ratios and only is None:
+            have = load(out).records
+            derived = {r["metric"] for r in have if r["name"] == "ratio"}
+            for spec in suite.ratios:
+                if spec.name not in derived:
+                    w.write_all(derive_ratio(spec, have))
+    return errors
