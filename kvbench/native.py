@@ -9,16 +9,18 @@ from pathlib import Path
 
 from kvbench.errors import KvbenchError
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 
 class CopyJob(ctypes.Structure):
-    """One thread's share of a copy (kvb_copy_job in probes/copy.c): iteration i copies
-    `chunk` bytes at offset (i % windows) * stride, on CPU `cpu` (-1: not pinned), with a
-    full fence after each copy when `fence` is 1."""
+    """One thread's share of a copy (kvb_copy_job in probes/copy.c): each iteration copies
+    `chunk` bytes at offset w * stride, w stepping by `hop` modulo `windows` from `start`
+    (written back on return), on CPU `cpu` (-1: not pinned), with a full fence after each
+    copy when `fence` is 1."""
 
     _fields_ = [("dst", ctypes.c_void_p), ("src", ctypes.c_void_p), ("chunk", ctypes.c_size_t),
                 ("stride", ctypes.c_size_t), ("windows", ctypes.c_size_t),
+                ("hop", ctypes.c_size_t), ("start", ctypes.c_size_t),
                 ("cpu", ctypes.c_int), ("fence", ctypes.c_int)]
 
 
@@ -51,4 +53,9 @@ def lib() -> ctypes.CDLL:
                                    ctypes.c_uint64]
     so.kvb_chase.restype = ctypes.c_uint64
     so.kvb_chase.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    i64, vp, i64p = ctypes.c_int64, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)
+    so.kvb_attn.restype = ctypes.c_int  # probes/attn.c
+    so.kvb_attn.argtypes = [ctypes.c_int, vp, vp, vp, vp, vp, i64, i64, i64, i64, i64, i64,
+                            i64p, i64p, vp, vp, i64, ctypes.c_float, ctypes.c_int, i64, i64,
+                            ctypes.c_int]
     return so

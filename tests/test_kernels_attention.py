@@ -103,18 +103,22 @@ def test_merge_with_empty_parts():
     assert torch.all(mo == 0) and torch.all(torch.isneginf(mlse))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(b=st.integers(1, 2), hkv=st.integers(1, 3), group=st.sampled_from([1, 2, 4]),
        lq=st.sampled_from([1, 2, 5, 32]), lk=st.integers(0, 80), d=st.sampled_from([8, 64]),
        frac=st.floats(0, 1), causal=st.booleans(),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 99))
-def test_contiguous_split_merges_to_full(b, hkv, group, lq, lk, d, frac, causal, dtype, seed):
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 99),
+       backend=st.sampled_from(["auto", "torch"]))
+def test_contiguous_split_merges_to_full(b, hkv, group, lq, lk, d, frac, causal, dtype, seed,
+                                         backend):
     """Old keys [0, s) and recent keys [s, Lk) attended apart then merged == full attention."""
     q, k, v = make(b, hkv * group, hkv, lq, lk, d, dtype, seed)
     s = round(frac * lk)
     start = lk - lq
-    o1, l1 = dense_attention(q, k[:, :, :s], v[:, :, :s], causal=causal, q_start=start)
-    o2, l2 = dense_attention(q, k[:, :, s:], v[:, :, s:], causal=causal, q_start=start - s)
+    o1, l1 = dense_attention(q, k[:, :, :s], v[:, :, :s], causal=causal, q_start=start,
+                             backend=backend)
+    o2, l2 = dense_attention(q, k[:, :, s:], v[:, :, s:], causal=causal, q_start=start - s,
+                             backend=backend)
     out, lse = merge(o1, l1, o2, l2)
     ref, ref_lse = reference(q, k, v, causal=causal)
     assert out.shape == q.shape and out.dtype == dtype
@@ -133,3 +137,25 @@ def test_dense_cuda_matches_cpu(dtype):
     ref, ref_lse = reference(q, k, v)
     assert out.is_cuda and max_err(out.cpu(), ref) < TOL.get(dtype, 2e-2)
     assert max_err(lse.cpu(), ref_lse) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lq, q_start, causal", [(1, None, True), (32, None, True),
+                                                 (4, 10, True), (3, -1, True), (8, None, False)])
+def test_native_matches_reference(dtype, lq, q_start, causal):
+    """The native CPU kernel (probes/attn.c), on strided KV (a preallocated cache's view)."""
+    from kvbench.kernels import cpu
+
+    if not cpu.native_ok(torch.empty(1, 1, 1, 1)):
+        pytest.skip("native library not built")
+    q, k, v = make(2, 6, 3, lq, 150, 40, dtype)
+    cache_k = torch.zeros(2, 3, 200, 40, dtype=dtype)
+    cache_v = torch.zeros(2, 3, 200, 40, dtype=dtype)
+    cache_k[:, :, :150], cache_v[:, :, :150] = k, v
+    out, lse = dense_attention(q, cache_k[:, :, :150], cache_v[:, :, :150], causal=causal,
+                               q_start=q_start, backend="native", threads=3)
+    ref, ref_lse = reference(q, k, v, causal=causal, q_start=q_start)
+    assert out.dtype == dtype and max_err(out, ref) < TOL[dtype] / 2
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse.float()))
+    fin = torch.isfinite(ref_lse)
+    assert max_err(lse[fin], ref_lse[fin]) < 1e-4

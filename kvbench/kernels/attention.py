@@ -62,18 +62,30 @@ def dense_attention(
     causal: bool = True,
     scale: float | None = None,
     q_start: int | None = None,
+    backend: str = "auto",
+    threads: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of q over all of k/v, returning (out, lse) as the module describes.
 
     q `[B, Hq, Lq, D]`, k/v `[B, Hkv, Lk, D]`; `scale` defaults to D ** -0.5; `q_start`
-    (causal only) is the absolute key position of query 0, default Lk - Lq.
+    (causal only) is the absolute key position of query 0, default Lk - Lq. `backend` is
+    "auto" (native CPU kernel where it applies, else torch), "native" or "torch";
+    `threads` caps the native kernel's threads (default: every CPU this process may use).
     """
+    from kvbench.kernels import cpu
+
     d = check_qkv(q, k, v)[3]
+    require(backend in ("auto", "native", "torch"), f"unknown attention backend '{backend}'")
     lq, lk = q.shape[2], k.shape[2]
     scale = d ** -0.5 if scale is None else float(scale)
     start = lk - lq if q_start is None else int(q_start)
     if lk == 0 or lq == 0 or q.shape[0] == 0:
         return empty_result(q)
+    native = cpu.native_ok(q)
+    require(backend != "native" or native, "the native kernel needs CPU float32/bfloat16 "
+            f"tensors with Lq <= {cpu.MAX_NATIVE_LQ} and a built kvbench._native")
+    if native and backend != "torch":
+        return cpu.run(q, k, v, scale=scale, causal=causal, q_start=start, threads=threads)
     return _torch_dense(q, k, v, scale, causal, start)
 
 

@@ -1,0 +1,113 @@
+"""The native multi-threaded CPU attention kernel (probes/attn.c) behind a torch interface.
+
+`run` computes attention of q `[B, Hq, Lq, D]` over k/v `[B, Hkv, Lk, D]` (any strides with
+a contiguous last dimension) for every (batch, KV head) row, either over all Lk positions or
+over the row's selected positions idx `[B * Hkv, N]` int32 (the first lens[row] of them).
+Rows are grouped `group` at a time into tasks for `threads` pthreads (HGCA section 3.3).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+from kvbench.errors import KvbenchError
+
+if TYPE_CHECKING:
+    import torch
+
+# Longest query block the native kernel takes (decode and append); prefill goes to torch.
+MAX_NATIVE_LQ = 32
+
+
+@lru_cache(maxsize=1)
+def _lib() -> ctypes.CDLL | None:
+    from kvbench.native import lib
+
+    try:
+        return lib()
+    except KvbenchError:
+        return None
+
+
+def default_threads() -> int:
+    """Threads for CPU attention: the CPUs this process may run on."""
+    return len(os.sched_getaffinity(0))
+
+
+def group_size(rows: int, threads: int) -> int:
+    """HGCA's adjacent-head merging: batch x heads rows spread over `threads` tasks."""
+    return max(1, math.ceil(rows / max(1, threads)))
+
+
+def native_ok(q: torch.Tensor) -> bool:
+    """Whether the native kernel handles this query: CPU, float32/bfloat16, Lq <= 32, built."""
+    import torch
+
+    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+            and q.shape[2] <= MAX_NATIVE_LQ and _lib() is not None)
+
+
+def output_buffers(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Preallocated host out `[B, Hq, Lq, D]` (q's dtype) and lse `[B, Hq, Lq]` float32,
+    pinned when CUDA is present so the GPU can read them directly (HGCA Fig. 9)."""
+    import torch
+
+    pin = torch.cuda.is_available()
+    return (torch.empty(q.shape, dtype=q.dtype, pin_memory=pin),
+            torch.empty(q.shape[:3], dtype=torch.float32, pin_memory=pin))
+
+
+def run(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool,
+    q_start: int,
+    idx: torch.Tensor | None = None,
+    lens: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    group: int | None = None,
+    threads: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Call kvb_attn; returns (out, lse), writing into `out`/`lse` when given."""
+    import torch
+
+    so = _lib()
+    if so is None:
+        raise KvbenchError("native attention kernel is not built: run `pip install -e .`")
+    b, hq, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    q = q.contiguous()
+    k = k if k.stride(3) == 1 else k.contiguous()
+    v = v if v.stride(3) == 1 else v.contiguous()
+    if out is None or lse is None:
+        out, lse = output_buffers(q)
+    if not (out.is_contiguous() and lse.is_contiguous() and out.shape == q.shape
+            and out.dtype == q.dtype and lse.shape == q.shape[:3]
+            and lse.dtype == torch.float32):
+        raise KvbenchError("out/lse buffers must be contiguous [B, Hq, Lq, D] / [B, Hq, Lq] "
+                           "float32 matching q")
+    nt = threads or default_threads()
+    rows = b * hkv
+    ks = (ctypes.c_int64 * 3)(*k.stride()[:3])
+    vs = (ctypes.c_int64 * 3)(*v.stride()[:3])
+    nmax = 0
+    if idx is not None:
+        assert lens is not None and idx.dtype == torch.int32 and idx.shape[0] == rows
+        idx, lens = idx.contiguous(), lens.to(torch.int32).contiguous()
+        nmax = idx.shape[1]
+    rc = so.kvb_attn(0 if q.dtype == torch.float32 else 1, q.data_ptr(), k.data_ptr(),
+                     v.data_ptr(), out.data_ptr(), lse.data_ptr(), b, hq, hkv, lq, lk, d, ks, vs,
+                     None if idx is None else idx.data_ptr(),
+                     None if lens is None else lens.data_ptr(), nmax, scale, int(causal),
+                     q_start, group or group_size(rows, nt), nt)
+    if rc != 0:
+        raise KvbenchError("native attention kernel could not allocate its work buffers")
+    return out, lse
