@@ -14,20 +14,26 @@
 
 uint64_t kvb_now_ns(void);
 
-/* One thread's share of a copy: iteration i copies `chunk` bytes at offset
- * (i % windows) * stride of both dst and src. The ctypes mirror is kvbench.native.CopyJob. */
+/* One thread's share of a copy: iteration i copies `chunk` bytes at offset w_i * stride of
+ * both dst and src, where w_0 = start and w_{i+1} = (w_i + hop) % windows; `start` is
+ * written back so the next call continues where this one stopped. hop 1 streams through the
+ * windows; a large hop coprime with windows visits them in an order prefetchers cannot
+ * follow. The ctypes mirror is kvbench.native.CopyJob. */
 typedef struct {
     void *dst;
     const void *src;
     size_t chunk;   /* bytes copied per iteration */
     size_t stride;  /* offset step between iterations */
-    size_t windows; /* offsets wrap after this many steps (>= 1) */
+    size_t windows; /* number of offsets visited (>= 1) */
+    size_t hop;     /* window step, 1 <= hop < windows unless windows == 1 */
+    size_t start;   /* first window; updated to the next one on return */
     int cpu;        /* CPU the thread is pinned to, -1 for none */
-    int fence;      /* 1: full fence after every copy, so copies do not overlap (latency) */
+    int fence;      /* 1: fence after every copy and make the next address depend on its
+                       data, so copies do not overlap (latency) */
 } kvb_copy_job;
 
 typedef struct {
-    const kvb_copy_job *job;
+    kvb_copy_job *job;
     size_t iters;
     int *go; /* 0: wait, 1: run, 2: abort (a sibling could not be created) */
     uint64_t t0, t1;
@@ -43,27 +49,33 @@ static void pin_self(int cpu) {
 
 static void *copy_worker(void *p) {
     worker_arg *a = p;
-    const kvb_copy_job *j = a->job;
+    kvb_copy_job *j = a->job;
     pin_self(j->cpu);
     int go;
     while ((go = __atomic_load_n(a->go, __ATOMIC_ACQUIRE)) == 0) sched_yield();
     if (go != 1) return NULL;
     a->t0 = kvb_now_ns();
-    size_t w = 0;
+    size_t w = j->start % j->windows, hop = j->hop % j->windows;
+    size_t zero = (size_t)(j->fence >> 8); /* 0, unknown to the compiler */
     for (size_t i = 0; i < a->iters; i++) {
         size_t off = w * j->stride;
         memcpy((char *)j->dst + off, (const char *)j->src + off, j->chunk);
-        if (j->fence) __atomic_thread_fence(__ATOMIC_SEQ_CST);
         __asm__ volatile("" : : "r"(j->dst) : "memory");
-        if (++w == j->windows) w = 0;
+        if (j->fence) { /* next address depends on this copy's data: no overlap */
+            __atomic_thread_fence(__ATOMIC_SEQ_CST);
+            w += ((const volatile unsigned char *)j->dst)[off] & zero;
+        }
+        w += hop;
+        if (w >= j->windows) w -= j->windows;
     }
     a->t1 = kvb_now_ns();
+    j->start = w;
     return NULL;
 }
 
 /* Run njobs threads at once, each doing `iters` copies of its job; returns the ns from the
  * first thread's start to the last thread's end, or 0 when a thread could not be created. */
-uint64_t kvb_copy_jobs(const kvb_copy_job *jobs, int njobs, size_t iters) {
+uint64_t kvb_copy_jobs(kvb_copy_job *jobs, int njobs, size_t iters) {
     if (njobs < 1 || njobs > 1024) return 0;
     pthread_t tid[1024];
     worker_arg args[1024];

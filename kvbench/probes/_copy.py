@@ -1,0 +1,270 @@
+"""Copy execution shared by the bandwidth and latency probes (issue 3, CXL paper Fig. 1a).
+
+A `Pair` is a source and destination endpoint; `open_copier` gives the object that copies
+between them with NUMA-placed host buffers (`kvbench.memory.HostBuffer`): host-to-host in
+native pinned threads (probes/copy.c), anything touching a GPU through torch CUDA. Every
+copy advances through a span of at least twice the LLC, so small copies read memory rather
+than a cache line the previous copy left behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvbench.errors import KvbenchError
+from kvbench.memory import Endpoint, HostBuffer, endpoints, gpu_count, llc_bytes, runner_cpus
+from kvbench.timing import Policy, Timing, time_cuda, time_host, time_native
+
+MEMORY_KINDS = ("pageable", "pinned")
+SAMPLE_S = 2e-3  # native samples repeat a copy until they last about this long
+_SLEEP_CYCLES = 200_000  # device-side wait queued before each timed copy (~100 us)
+NO_GPU = "no CUDA GPU on this machine"
+
+
+@dataclass(frozen=True)
+class Pair:
+    """Copy from src to dst; `direction` is h2h, h2d, d2h or d2d."""
+
+    src: Endpoint
+    dst: Endpoint
+
+    @property
+    def direction(self) -> str:
+        return f"{self.src.kind[0]}2{self.dst.kind[0]}"
+
+    def label(self) -> str:
+        return f"{self.src}->{self.dst}"
+
+
+def memory_kinds(memory: str, cuda: bool) -> tuple[list[str], list[str]]:
+    """(kinds to measure, kinds to waive) for --memory pageable|pinned|both."""
+    if memory not in ("pageable", "pinned", "both"):
+        raise KvbenchError(f"unknown memory kind '{memory}' (pageable, pinned or both)")
+    wanted = list(MEMORY_KINDS) if memory == "both" else [memory]
+    if cuda:
+        return wanted, []
+    if memory == "pinned":
+        raise KvbenchError(f"--pinned needs CUDA (cudaHostRegister): {NO_GPU}")
+    return [k for k in wanted if k != "pinned"], [k for k in wanted if k == "pinned"]
+
+
+def plan_pairs(src: str | None, dst: str | None, root: Path | str = "/"
+               ) -> tuple[list[Pair], list[tuple[str, str]]]:
+    """(pairs to measure, (src, dst) labels of default-matrix device pairs waived here)."""
+    gpus = gpu_count()
+    srcs, dsts = endpoints(src, root, gpus), endpoints(dst, root, gpus)
+    pairs = [Pair(s, d) for s in srcs for d in dsts]
+    waived: list[tuple[str, str]] = []
+    if gpus == 0:  # every endpoint is a host node here (a gpu one would have raised)
+        if dst is None:
+            waived += [(str(e), "gpu:*") for e in srcs]
+        if src is None:
+            waived += [("gpu:*", str(e)) for e in dsts]
+        if src is None and dst is None:
+            waived.append(("gpu:*", "gpu:*"))
+    return pairs, waived
+
+
+def calibrated(sample: Callable[[int], float], policy: Policy) -> Timing:
+    """Time sample(iters) -> seconds per copy with iters chosen so one sample lasts SAMPLE_S."""
+    once = max(sample(1), 1e-9)
+    iters = max(1, min(1 << 22, math.ceil(SAMPLE_S / once)))
+    return time_native(lambda: sample(iters), policy)
+
+
+def coprime_hop(windows: int) -> int:
+    """A step near windows / golden ratio that is coprime with windows (1 if windows < 3),
+    so stepping by it visits every window once per cycle in a scattered order."""
+    if windows < 3:
+        return 1
+    hop = max(2, int(windows * 0.6180339887))
+    while math.gcd(hop, windows) != 1:
+        hop += 1
+    return hop
+
+
+class HostCopier:
+    """Host-to-host copies in native threads pinned to CPUs of each source node (the
+    nearest node with CPUs for a memory-only node); `bidirectional` copies both ways at once.
+    """
+
+    def __init__(self, pair: Pair, kind: str, span: int, threads: int, bidirectional: bool,
+                 root: Path | str = "/") -> None:
+        from kvbench.native import lib
+
+        self.so = lib()
+        self.span, self.threads = span, threads
+        a, b = pair.src.index, pair.dst.index
+        routes = [(a, b)] + ([(b, a)] if bidirectional else [])
+        self.buffers: list[HostBuffer] = []
+        self.routes: list[tuple[HostBuffer, HostBuffer, tuple[int, ...]]] = []
+        try:
+            for s, d in routes:
+                sb, db = HostBuffer(s, span), HostBuffer(d, span)
+                self.buffers += [sb, db]
+                if kind == "pinned":
+                    sb.register_cuda()
+                    db.register_cuda()
+                self.routes.append((sb, db, runner_cpus(s, root)))
+        except BaseException:
+            self.close()
+            raise
+        self.cpus = sorted({c for _, _, cpus in self.routes for c in cpus})
+
+    @property
+    def placement(self) -> str:
+        bad = [f"node {b.node}: {b.placement}" for b in self.buffers if b.placement != "verified"]
+        return "; ".join(bad) or "verified"
+
+    def _jobs(self, size: int, latency: bool) -> Any:
+        from kvbench.native import CopyJob
+
+        stride = (size + 63) // 64 * 64 if latency else size
+        windows = (self.span - size) // stride + 1
+        hop = coprime_hop(windows) if latency else 1
+        n = 1 if latency else max(1, min(self.threads, size // 64))
+        chunk = (size // n) // 64 * 64
+        jobs = []
+        for sb, db, cpus in self.routes:
+            for t in range(n):
+                off = t * chunk
+                length = size - off if t == n - 1 else chunk
+                cpu = cpus[t % len(cpus)] if cpus else -1
+                jobs.append(CopyJob(db.ptr + off, sb.ptr + off, length, stride, windows, hop, 0,
+                                    cpu, int(latency)))
+        return (CopyJob * len(jobs))(*jobs), len(jobs)
+
+    def bytes_per_copy(self, size: int) -> int:
+        return size * len(self.routes)
+
+    def timing(self, size: int, policy: Policy, latency: bool = False) -> Timing:
+        """Seconds per copy of `size` bytes (per route, all routes at once). latency=True
+        uses one thread, fences after every copy and visits line-aligned windows in a
+        scattered order, so copies neither overlap nor find their lines cached: the cost of
+        one isolated small copy rather than a streaming rate."""
+        jobs, njobs = self._jobs(size, latency)
+
+        def sample(iters: int) -> float:
+            ns = self.so.kvb_copy_jobs(jobs, njobs, iters)
+            if ns == 0:
+                raise KvbenchError("native copy threads could not be created")
+            return ns * 1e-9 / iters
+
+        return calibrated(sample, policy)
+
+    def close(self) -> None:
+        for b in self.buffers:
+            b.close()
+        self.buffers = []
+
+
+class GpuCopier:
+    """Copies that touch a GPU, through torch CUDA with host buffers placed on their node
+    (registered with cudaHostRegister when pinned). Bandwidth timings use CUDA events with
+    a device-side wait queued first; latency timings are host wall time to completion."""
+
+    def __init__(self, pair: Pair, kind: str, span: int, bidirectional: bool) -> None:
+        import torch
+
+        self.torch = torch
+        self.device = torch.device("cuda", (pair.dst if pair.dst.kind == "gpu" else pair.src).index)
+        self.buffers: list[HostBuffer] = []
+        self.routes: list[tuple[Any, Any]] = []
+        try:
+            ends = [(pair.src, pair.dst)] + ([(pair.dst, pair.src)] if bidirectional else [])
+            for s, d in ends:
+                self.routes.append((self._alloc(s, kind, span), self._alloc(d, kind, span)))
+        except BaseException:
+            self.close()
+            raise
+        self.span = span
+        self.streams = [torch.cuda.Stream(self.device) for _ in self.routes]
+        self._step = 0
+
+    def _alloc(self, ep: Endpoint, kind: str, span: int) -> Any:
+        if ep.kind == "gpu":
+            return self.torch.empty(span, dtype=self.torch.uint8, device=f"cuda:{ep.index}")
+        buf = HostBuffer(ep.index, span)
+        self.buffers.append(buf)
+        if kind == "pinned":
+            buf.register_cuda()
+        return buf.tensor()
+
+    @property
+    def placement(self) -> str:
+        bad = [f"node {b.node}: {b.placement}" for b in self.buffers if b.placement != "verified"]
+        return "; ".join(bad) or ("verified" if self.buffers else "device memory")
+
+    def bytes_per_copy(self, size: int) -> int:
+        return size * len(self.routes)
+
+    def _copy(self, size: int) -> None:
+        """One copy of size bytes per route, routes concurrent on their own streams."""
+        torch = self.torch
+        windows = max(1, self.span // size)
+        off = (self._step % windows) * size
+        self._step += 1
+        cur = torch.cuda.current_stream(self.device)
+        for (src, dst), stream in zip(self.routes, self.streams, strict=True):
+            stream.wait_stream(cur)
+            with torch.cuda.stream(stream):
+                dst[off:off + size].copy_(src[off:off + size], non_blocking=True)
+        for stream in self.streams:
+            cur.wait_stream(stream)
+
+    def timing(self, size: int, policy: Policy, latency: bool = False) -> Timing:
+        torch = self.torch
+        with torch.cuda.device(self.device):
+            if latency:
+                def once() -> None:
+                    self._copy(size)
+                    torch.cuda.current_stream(self.device).synchronize()
+
+                return time_host(once, policy)
+            return time_cuda(lambda: self._copy(size), policy,
+                             before=lambda: torch.cuda._sleep(_SLEEP_CYCLES))
+
+    def torch_loop_gbps(self, size: int, reps: int = 10, rounds: int = 5) -> list[float]:
+        """GB/s of a bare back-to-back torch copy loop on the same buffers (the reference
+        for the pinned bar), one value per round of `reps` copies."""
+        torch = self.torch
+        src, dst = self.routes[0]
+        out = []
+        with torch.cuda.device(self.device):
+            for _ in range(rounds + 1):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                for _ in range(reps):
+                    dst[:size].copy_(src[:size], non_blocking=True)
+                e1.record()
+                e1.synchronize()
+                out.append(size * reps / (e0.elapsed_time(e1) * 1e-3) / 1e9)
+        return out[1:]  # the first round is the warm-up
+
+    def close(self) -> None:
+        self.routes = []
+        for b in self.buffers:
+            b.close()
+        self.buffers = []
+
+
+def open_copier(pair: Pair, kind: str, max_size: int, threads: int, bidirectional: bool,
+                root: Path | str = "/") -> HostCopier | GpuCopier:
+    """The copier for pair with buffers of max(max_size, 2 x LLC) bytes per endpoint."""
+    span = max(max_size, 2 * llc_bytes(root))
+    if pair.direction == "h2h":
+        return HostCopier(pair, kind, span, threads, bidirectional, root)
+    return GpuCopier(pair, kind, span, bidirectional)
+
+
+def host_memcpy_ref(so: ctypes.CDLL, dst: int, src: int, size: int, threads: int) -> float:
+    """Seconds for one plain C memcpy of size bytes: kvb_memcpy_loop for one thread,
+    kvb_memcpy_threads (unpinned, slices) for more."""
+    ns = (so.kvb_memcpy_loop(dst, src, size, 1) if threads == 1
+          else so.kvb_memcpy_threads(dst, src, size, 1, threads))
+    return ns * 1e-9
