@@ -49,8 +49,8 @@ def compare_cmd(
     new: Path = typer.Argument(..., help="New result file (JSONL)."),
     threshold: str = typer.Option("5%", help="Smallest relative change that counts."),
     alpha: float = typer.Option(0.05, min=1e-6, max=0.5, help="Significance level of the test."),
-    metric: str | None = typer.Option(None, help="Only metrics matching this glob "
-                                      "(against 'metric' or 'name.metric')."),
+    metric: list[str] | None = typer.Option(None, help="Only metrics matching this glob "
+                                            "(against 'metric' or 'name.metric'); repeatable."),
     fmt: str = typer.Option("table", "--format", help="table, markdown or json."),
 ) -> None:
     """Compare two result files; exit 1 when anything regressed."""
@@ -66,6 +66,64 @@ def compare_cmd(
     compare_output(rows, fmt, frac, alpha)
     if regressed(rows):
         raise typer.Exit(1)
+
+
+suite_app = typer.Typer(no_args_is_help=True, help="Run TOML suites of probes and strategies.")
+app.add_typer(suite_app, name="suite")
+
+
+@suite_app.command("run")
+def suite_run_cmd(
+    file: Path = typer.Argument(..., help="Suite file (TOML), e.g. suites/smoke.toml."),
+    resume: bool = typer.Option(False, help="Skip cases already recorded in the output file."),
+    only: str | None = typer.Option(None, help="Only cases whose label matches this glob."),
+    out: Path | None = typer.Option(None, help="Result file (default: the suite's output)."),
+) -> None:
+    """Run every case of a suite into one result file; exit 1 when a case errored."""
+    from kvbench.console import wrote
+    from kvbench.suite import load_suite, run_suite
+
+    suite = load_suite(file)
+    path = out or suite.output
+    errors = run_suite(suite, path, resume, only)
+    wrote(path)
+    if errors:
+        raise typer.Exit(1)
+
+
+@suite_app.command("check")
+def suite_check_cmd(
+    file: Path = typer.Argument(..., help="Suite file whose guard globs and threshold apply."),
+    results: Path = typer.Argument(..., help="Result file of a run of that suite."),
+    baseline: Path | None = typer.Option(None, help="Baseline (default: results/baselines/"
+                                         "<machine-class>/<suite>.jsonl)."),
+    fmt: str = typer.Option("table", "--format", help="table, markdown or json."),
+) -> None:
+    """Compare a suite's guarded metrics against the baseline; exit 1 when one regressed."""
+    from kvbench.compare import compare_sets, regressed
+    from kvbench.render import compare_output
+    from kvbench.store import load
+    from kvbench.suite import baseline_path, load_suite
+
+    suite = load_suite(file)
+    new = load(results)
+    base = load(baseline or baseline_path(suite, new))
+    rows = compare_sets(base, new, suite.threshold, 0.05, suite.guard or None)
+    compare_output(rows, fmt, suite.threshold, 0.05)
+    if regressed(rows) or not rows:
+        raise typer.Exit(1)
+
+
+@app.command("report")
+def report_cmd(
+    files: list[Path] = typer.Argument(..., help="Result files (JSONL)."),
+    fmt: str = typer.Option("table", "--format", help="table, markdown or html."),
+    out: Path | None = typer.Option(None, help="Folder for report.html / report.md + figures."),
+) -> None:
+    """Render result files: tables per probe/strategy, figures, environment, commands."""
+    from kvbench.report import report
+
+    report(files, fmt, out)
 
 
 def _add_registered_commands() -> None:
