@@ -1,9 +1,12 @@
-"""Attention kernels: dense attention with log-sum-exp, the exact LSE merge (HGCA 3.3).
+"""Attention kernels: dense and per-head sparse attention with log-sum-exp, and the exact
+LSE merge of two partial results (HGCA 3.3).
 
-`dense_attention(q, k, v, causal=, scale=) -> (out, lse)` and `merge(o1, lse1, o2, lse2)`
-are the stable API the model runtime and the strategies call; see kvbench.kernels.attention.
+`dense_attention(q, k, v, causal=, scale=) -> (out, lse)`, `merge(o1, lse1, o2, lse2)` and
+`sparse_attention(q, k, v, indices, ...) -> (out, lse)` are the stable API the model runtime
+and the strategies call; see kvbench.kernels.attention and kvbench.kernels.sparse.
 """
 
 from kvbench.kernels.attention import dense_attention, merge
+from kvbench.kernels.sparse import sparse_attention
 
-__all__ = ["dense_attention", "merge"]
+__all__ = ["dense_attention", "merge", "sparse_attention"]

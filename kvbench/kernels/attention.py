@@ -86,12 +86,17 @@ def dense_attention(
             f"tensors with Lq <= {cpu.MAX_NATIVE_LQ} and a built kvbench._native")
     if native and backend != "torch":
         return cpu.run(q, k, v, scale=scale, causal=causal, q_start=start, threads=threads)
-    return _torch_dense(q, k, v, scale, causal, start)
+    return torch_attention(q, k, v, scale, causal, start)
 
 
-def _torch_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                 causal: bool, q_start: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference-quality torch path: float32 scores and softmax, chunked over queries."""
+def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    causal: bool, q_start: int, key_pos: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference-quality torch path: float32 scores and softmax, chunked over queries.
+
+    `key_pos` `[B, Hkv, Lk]` gives each key's absolute position (default 0 .. Lk-1; -1
+    marks padding that no query sees), so gathered sparse keys use the same path.
+    """
     import torch
 
     b, hq, lq, d = q.shape
@@ -105,7 +110,10 @@ def _torch_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     lse = torch.empty(b, hkv, g, lq, dtype=torch.float32, device=q.device)
     qg = q.reshape(b, hkv, g, lq, d)
     chunk = max(1, _MAX_SCORES // max(1, b * hq * lk))
-    keys = torch.arange(lk, device=q.device)
+    if key_pos is None:
+        keys = torch.arange(lk, device=q.device).view(1, 1, 1, lk)
+    else:
+        keys = key_pos.to(q.device).reshape(b * hkv, 1, 1, lk)
     for i0 in range(0, lq, chunk):
         i1 = min(lq, i0 + chunk)
         c = i1 - i0
@@ -115,7 +123,9 @@ def _torch_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
         s = s.mul_(scale).view(b * hkv, g, c, lk)
         if causal:
             limit = q_start + torch.arange(i0, i1, device=q.device)
-            s.masked_fill_(keys[None, :] > limit[:, None], float("-inf"))
+            s.masked_fill_(keys > limit.view(1, 1, c, 1), float("-inf"))
+        if key_pos is not None:
+            s.masked_fill_(keys < 0, float("-inf"))
         m = s.amax(dim=-1, keepdim=True)
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
         p = torch.exp(s - m)

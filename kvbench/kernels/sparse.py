@@ -1,0 +1,118 @@
+"""CPU sparse attention over per-head selected KV positions (HGCA section 3.3, Fig. 9).
+
+Each (batch, KV head) row attends to its own variable-length list of selected positions of
+the host-resident KV cache (HGCA's per-head sparsification, section 3.2.2; with grouped
+query attention the G query heads of a KV head share its selection). The lists are packed
+into one index tensor padded to a common length N (`lens` marks the valid prefix of each
+row, so padding is never attended), rows are merged into tasks of adjacent heads sized
+batch x heads / threads, and a pool of native threads writes one preallocated output
+(pinned when CUDA is present), ready to be merged with the GPU's part by
+kvbench.kernels.merge.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvbench.errors import require
+from kvbench.kernels.attention import check_qkv, empty_result, torch_attention
+
+if TYPE_CHECKING:
+    import torch
+
+def pack_indices(
+    indices: torch.Tensor | Sequence[Sequence[torch.Tensor]],
+    b: int,
+    hkv: int,
+    lk: int,
+    lengths: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Selected positions as (idx `[B * Hkv, N]` int32 padded with 0, lens `[B * Hkv]` int32).
+
+    `indices` is a tensor `[B, Hkv, N]` (all N valid, or the first lengths[b, h] when
+    `lengths` `[B, Hkv]` is given) or a nested sequence [B][Hkv] of 1-D position tensors.
+    Every valid position must lie in [0, Lk); KvbenchError otherwise.
+    """
+    import torch
+
+    if isinstance(indices, torch.Tensor):
+        require(indices.dim() == 3 and tuple(indices.shape[:2]) == (b, hkv),
+                f"indices must be [B={b}, Hkv={hkv}, N], got {tuple(indices.shape)}")
+        n = indices.shape[2]
+        idx = indices.reshape(b * hkv, n).to("cpu", torch.int32)
+        if lengths is None:
+            lens = torch.full((b * hkv,), n, dtype=torch.int32)
+        else:
+            require(tuple(lengths.shape) == (b, hkv), f"lengths must be [B={b}, Hkv={hkv}]")
+            lens = lengths.reshape(-1).to("cpu", torch.int32)
+            require(bool(((lens >= 0) & (lens <= n)).all()), f"lengths must lie in [0, {n}]")
+    else:
+        require(len(indices) == b and all(len(row) == hkv for row in indices),
+                f"indices must be a [B={b}][Hkv={hkv}] nested sequence of 1-D tensors")
+        flat = [torch.as_tensor(t).reshape(-1) for row in indices for t in row]
+        lens = torch.tensor([t.numel() for t in flat], dtype=torch.int32)
+        idx = torch.zeros(b * hkv, int(lens.max()) if len(flat) else 0, dtype=torch.int32)
+        for r, t in enumerate(flat):
+            idx[r, : t.numel()] = t.to(torch.int32)
+    valid = torch.arange(idx.shape[1]).view(1, -1) < lens.view(-1, 1)
+    sel = idx[valid]
+    require(sel.numel() == 0 or (int(sel.min()) >= 0 and int(sel.max()) < lk),
+            f"selected positions must lie in [0, {lk})")
+    return idx.contiguous(), lens
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    indices: torch.Tensor | Sequence[Sequence[torch.Tensor]],
+    *,
+    lengths: torch.Tensor | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+    q_start: int | None = None,
+    group: int | None = None,
+    threads: int | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q `[B, Hq, Lq, D]` over the selected positions of k/v `[B, Hkv, Lk, D]`.
+
+    Returns (out `[B, Hq, Lq, D]` in q's dtype, lse `[B, Hq, Lq]` float32), written into
+    `out`/`lse` when given (kvbench.kernels.cpu.output_buffers makes pinned ones). Causal
+    queries sit at positions q_start + i (default Lk - Lq) and skip later selected keys.
+    `group` rows per task and `threads` default to HGCA's batch x heads / threads split.
+    Off the native kernel's reach (CUDA, float16, Lq > 32) the keys are gathered and the
+    torch path runs instead.
+    """
+    import torch
+
+    from kvbench.kernels import cpu
+
+    b, _, hkv, d = check_qkv(q, k, v)
+    lq, lk = q.shape[2], k.shape[2]
+    idx, lens = pack_indices(indices, b, hkv, lk, lengths)
+    scale = d ** -0.5 if scale is None else float(scale)
+    start = lk - lq if q_start is None else int(q_start)
+    if idx.shape[1] == 0 or lq == 0 or b == 0:
+        o, s = empty_result(q)
+        if out is None or lse is None:
+            return o, s
+        out.copy_(o)
+        lse.copy_(s)
+        return out, lse
+    if cpu.native_ok(q):
+        return cpu.run(q, k, v, scale=scale, causal=causal, q_start=start, idx=idx, lens=lens,
+                       out=out, lse=lse, group=group, threads=threads)
+    n = idx.shape[1]
+    pos = idx.to(torch.int64).view(b, hkv, n)
+    pad = torch.arange(n).view(1, 1, n) >= lens.view(b, hkv, 1)
+    gather = pos.to(q.device)[..., None].expand(b, hkv, n, d)
+    res = torch_attention(q, k.gather(2, gather), v.gather(2, gather), scale, causal, start,
+                          key_pos=pos.masked_fill(pad, -1))
+    if out is None or lse is None:
+        return res
+    out.copy_(res[0])
+    lse.copy_(res[1])
+    return out, lse

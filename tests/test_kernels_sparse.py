@@ -1,0 +1,76 @@
+"""sparse_attention: any split of KV positions into two parts merges to full attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_kernels_attention import TOL, make, max_err, reference
+
+from kvbench.errors import KvbenchError
+from kvbench.kernels import dense_attention, merge, sparse_attention
+from kvbench.kernels.cpu import output_buffers
+
+
+def ragged(keep):
+    """[B, Hkv, Lk] bool -> nested [B][Hkv] lists of the kept positions."""
+    return [[torch.nonzero(row).flatten() for row in head] for head in keep]
+
+
+@settings(max_examples=60, deadline=None)
+@given(b=st.integers(1, 2), hkv=st.integers(1, 3), group=st.sampled_from([1, 2, 4]),
+       lq=st.sampled_from([1, 3, 32]), lk=st.integers(0, 90), d=st.sampled_from([8, 64]),
+       p=st.floats(0, 1), causal=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 99),
+       task=st.sampled_from([None, 1, 3]))
+def test_any_split_merges_to_full(b, hkv, group, lq, lk, d, p, causal, dtype, seed, task):
+    q, k, v = make(b, hkv * group, hkv, lq, lk, d, dtype, seed)
+    gen = torch.Generator().manual_seed(seed)
+    part = torch.rand(b, hkv, lk, generator=gen) < p  # per-head random split, may be empty
+    o1, l1 = sparse_attention(q, k, v, ragged(part), causal=causal, group=task, threads=2)
+    o2, l2 = sparse_attention(q, k, v, ragged(~part), causal=causal, group=task, threads=2)
+    out, lse = merge(o1, l1, o2, l2)
+    ref, ref_lse = reference(q, k, v, causal=causal)
+    assert out.shape == q.shape and out.dtype == dtype and lse.dtype == torch.float32
+    assert max_err(out, ref) <= TOL[dtype]
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse.float()))
+    # Each part alone is attention restricted to its keys.
+    ref1, _ = reference(q, k, v, causal=causal, keep=part)
+    assert max_err(o1, ref1) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype, lq", [(torch.float16, 2), (torch.float32, 40)])
+def test_torch_fallback_matches_reference(dtype, lq):
+    """float16 and Lq > 32 leave the native kernel; padding (lengths) is never attended."""
+    q, k, v = make(1, 4, 2, lq, 60, 16, dtype)
+    idx = torch.stack([torch.randperm(60)[:20] for _ in range(2)]).view(1, 2, 20)
+    lengths = torch.tensor([[20, 7]])
+    out, lse = sparse_attention(q, k, v, idx, lengths=lengths)
+    keep = torch.zeros(1, 2, 60, dtype=torch.bool)
+    keep[0, 0, idx[0, 0]] = True
+    keep[0, 1, idx[0, 1, :7]] = True
+    ref, ref_lse = reference(q, k, v, keep=keep)
+    assert max_err(out, ref) < (1e-2 if dtype == torch.float16 else 1e-5)
+    assert max_err(lse, ref_lse) < 1e-3
+
+
+def test_writes_into_preallocated_buffers():
+    q, k, v = make(2, 4, 4, 1, 50, 32)
+    out, lse = output_buffers(q)
+    idx = torch.arange(50).expand(2, 4, 50)
+    res = sparse_attention(q, k, v, idx, out=out, lse=lse)
+    assert res[0].data_ptr() == out.data_ptr() and res[1].data_ptr() == lse.data_ptr()
+    dense, dense_lse = dense_attention(q, k, v, backend="torch")
+    assert max_err(out, dense) < 1e-5 and max_err(lse, dense_lse) < 1e-5
+
+
+@pytest.mark.parametrize("indices, msg", [
+    (torch.zeros(1, 3, 4, dtype=torch.long), r"indices must be \[B=1, Hkv=2"),
+    (torch.full((1, 2, 4), 10), r"positions must lie in \[0, 10\)"),
+    ([[torch.tensor([0, -1]), torch.tensor([1])]], "positions must lie"),
+])
+def test_bad_indices(indices, msg):
+    q, k, v = make(1, 2, 2, 1, 10, 8)
+    with pytest.raises(KvbenchError, match=msg):
+        sparse_attention(q, k, v, indices)
