@@ -147,6 +147,10 @@ class HostCopier:
         uses one thread, fences after every copy and visits line-aligned windows in a
         scattered order, so copies neither overlap nor find their lines cached: the cost of
         one isolated small copy rather than a streaming rate."""
+        return calibrated(self.sampler(size, latency), policy)
+
+    def sampler(self, size: int, latency: bool = False) -> Callable[[int], float]:
+        """sample(iters) -> seconds per copy, measured natively over iters copies."""
         jobs, njobs = self._jobs(size, latency)
 
         def sample(iters: int) -> float:
@@ -155,7 +159,7 @@ class HostCopier:
                 raise KvbenchError("native copy threads could not be created")
             return ns * 1e-9 / iters
 
-        return calibrated(sample, policy)
+        return sample
 
     def close(self) -> None:
         for b in self.buffers:
