@@ -7,7 +7,7 @@ STAMP := $(VENV)/.kvbench-installed
 STAMP_TIME := $(shell date +%Y%m%d-%H%M%S)
 DEMO_OUT ?= results/demo-$(STAMP_TIME).jsonl
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test lint clean bench-check
 
 $(STAMP): pyproject.toml setup.py $(wildcard probes/*.c)
 	test -x $(BIN)/python || $(PY) -m venv --system-site-packages $(VENV)
@@ -28,6 +28,13 @@ test: install
 
 lint: install
 	$(BIN)/ruff check kvbench tests
+
+# Smoke suite, then its guarded metrics (suites/smoke.toml: guard, threshold) against
+# results/baselines/<machine-class>/smoke.jsonl; exit 1 on a regression.
+BENCH_OUT ?= results/bench-check-$(STAMP_TIME).jsonl
+bench-check: install
+	$(BIN)/kvbench suite run suites/smoke.toml --out $(BENCH_OUT)
+	$(BIN)/kvbench suite check suites/smoke.toml $(BENCH_OUT)
 
 clean:
 	rm -rf build *.egg-info kvbench/_native*.so

@@ -72,16 +72,25 @@ class ResultWriter:
         self._fh.flush()
         os.fsync(self._fh.fileno())
 
-    def write(self, record: Record) -> Record:
+    def _stamp(self, record: Record) -> str:
         record.env_id = self.env_id
         record.kvbench_version = __version__
         record.git_commit = self.commit
         record.git_dirty = self.dirty
         record.command = record.command or self.command
         record.time = now_iso()
-        self._line(record.to_dict())
         self.count += 1
+        return json.dumps(record.to_dict(), separators=(",", ":"), allow_nan=True) + "\n"
+
+    def write(self, record: Record) -> Record:
+        self.write_batch([record])
         return record
+
+    def write_batch(self, records: list[Record]) -> None:
+        """Write records with one write and one fsync: an interrupt keeps all or none."""
+        self._fh.write("".join(self._stamp(r) for r in records))
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
 
     def write_all(self, records: Iterable[Record]) -> None:
         for r in records:

@@ -21,10 +21,10 @@
     direction = "lower"
 
 Each (case, sweep point, repetition) is one unit of work with a stable id (a hash of kind,
-name, explicit parameters and repetition) kept in every record's `method["suite_case"]`
-together with `method["case_records"]`, the number of records the unit wrote. Records of a
-unit are written together once it finishes, so `--resume` skips exactly the units whose
-records are all in the output file: an interrupt loses at most the unit that was running.
+name, explicit parameters and repetition) kept in every record's `method["suite_case"]`.
+A unit's records are written as one batch (one write, one fsync) once it finishes, so a
+unit is either wholly in the output file or absent: `--resume` skips exactly the units
+present, and an interrupt loses only the unit that was running.
 """
 
 from __future__ import annotations
@@ -141,17 +141,13 @@ def _execute(unit: Unit, gpu: bool) -> list[Record]:
 
 
 def recorded_units(path: Path) -> set[str]:
-    """Ids of the units whose records are all present in result file `path`."""
+    """Ids of the units recorded in result file `path` (a unit's records are one batch)."""
     from kvbench.store import load
 
     if not path.exists() or not path.stat().st_size:
         return set()
-    seen: dict[str, list[int]] = {}
-    for r in load(path).records:
-        m = r.get("method") or {}
-        if "suite_case" in m:
-            seen.setdefault(m["suite_case"], []).append(int(m.get("case_records", 1)))
-    return {cid for cid, ns in seen.items() if len(ns) >= ns[0]}
+    return {r["method"]["suite_case"] for r in load(path).records
+            if "suite_case" in (r.get("method") or {})}
 
 
 def derive_ratio(spec: RatioSpec, records: list[dict[str, Any]]) -> Iterator[Record]:
@@ -217,9 +213,8 @@ def run_suite(suite: Suite, out: Path, resume: bool = False, only: str | None = 
             for rec in records:
                 rec.version = unit.case.version
                 rec.command = unit.command()
-                rec.method.update({"suite": str(suite.path), "suite_case": unit.case_id,
-                                   "case_records": len(records)})
-            w.write_all(records)
+                rec.method.update({"suite": str(suite.path), "suite_case": unit.case_id})
+            w.write_batch(records)
             status = records[0].status if len(records) == 1 else "ok"
             if status != "ok":
                 errors += status == "error"
@@ -230,5 +225,5 @@ def run_suite(suite: Suite, out: Path, resume: bool = False, only: str | None = 
             derived = {r["metric"] for r in have if r["name"] == "ratio"}
             for spec in suite.ratios:
                 if spec.name not in derived:
-                    w.write_all(derive_ratio(spec, have))
+                    w.write_batch(list(derive_ratio(spec, have)))
     return errors
