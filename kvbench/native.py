@@ -52,7 +52,7 @@ def lib() -> ctypes.CDLL:
     so.kvb_chase_build.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
                                    ctypes.c_uint64]
     so.kvb_chase.restype = ctypes.c_uint64
-    so.kvb_chase.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    so.kvb_chase.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_int]
     i64, vp, i64p = ctypes.c_int64, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)
     so.kvb_attn.restype = ctypes.c_int  # probes/attn.c
     so.kvb_attn.argtypes = [ctypes.c_int, vp, vp, vp, vp, vp, i64, i64, i64, i64, i64, i64,

@@ -146,12 +146,12 @@ int kvb_chase_build(void *buf, size_t nlines, size_t line, uint64_t seed) {
     return 0;
 }
 
-typedef struct { const void *start; size_t loads; int cpu; uint64_t ns; const void *end; } chase_arg;
+typedef struct { const void *q; size_t loads; int cpu; uint64_t ns; } chase_arg;
 
 static void *chase_worker(void *p) {
     chase_arg *a = p;
     pin_self(a->cpu);
-    const void *q = a->start;
+    const void *q = a->q;
     uint64_t t0 = kvb_now_ns();
     for (size_t i = 0; i < a->loads; i += 8) { /* each load depends on the one before */
         q = *(void *const *)q; q = *(void *const *)q; q = *(void *const *)q;
@@ -159,17 +159,18 @@ static void *chase_worker(void *p) {
         q = *(void *const *)q; q = *(void *const *)q;
     }
     a->ns = kvb_now_ns() - t0;
-    a->end = q;
+    a->q = q;
     return NULL;
 }
 
-/* Follow `loads` (rounded up to a multiple of 8) pointers from start in a thread pinned to
- * cpu (-1: not pinned); returns elapsed ns, or 0 when the thread could not be created. */
-uint64_t kvb_chase(const void *start, size_t loads, int cpu) {
-    chase_arg a = {start, loads, cpu, 0, NULL};
+/* Follow `loads` (rounded up to a multiple of 8) pointers from *cursor in a thread pinned
+ * to cpu (-1: not pinned) and leave *cursor where the chase stopped, so the next call goes
+ * on around the cycle; returns elapsed ns, or 0 when the thread could not be created. */
+uint64_t kvb_chase(void **cursor, size_t loads, int cpu) {
+    chase_arg a = {*cursor, loads, cpu, 0};
     pthread_t tid;
     if (pthread_create(&tid, NULL, chase_worker, &a) != 0) return 0;
     pthread_join(tid, NULL);
-    __asm__ volatile("" : : "r"(a.end) : "memory");
+    *cursor = (void *)a.q;
     return a.ns;
 }

@@ -19,6 +19,7 @@ from typing import Any
 from kvbench.errors import KvbenchError
 from kvbench.memory import Endpoint, HostBuffer, endpoints, gpu_count, llc_bytes, runner_cpus
 from kvbench.timing import Policy, Timing, time_cuda, time_host, time_native
+from kvbench.units import parse_sizes
 
 MEMORY_KINDS = ("pageable", "pinned")
 SAMPLE_S = 2e-3  # native samples repeat a copy until they last about this long
@@ -68,6 +69,31 @@ def plan_pairs(src: str | None, dst: str | None, root: Path | str = "/"
         if src is None and dst is None:
             waived.append(("gpu:*", "gpu:*"))
     return pairs, waived
+
+
+@dataclass(frozen=True)
+class Plan:
+    pairs: list[Pair]
+    waived_pairs: list[tuple[str, str]]
+    kinds: list[str]
+    waived_kinds: list[str]
+    sizes: list[int]
+
+    def kinds_of(self, pair: Pair) -> list[str]:
+        return ["device"] if pair.direction == "d2d" else self.kinds
+
+    @property
+    def steps(self) -> int:
+        return sum(len(self.kinds_of(p)) for p in self.pairs) * len(self.sizes)
+
+
+def make_plan(src: str | None, dst: str | None, sizes: str, memory: str,
+              root: Path | str = "/") -> Plan:
+    """Check a sweep's options against this machine (one-line errors) and list what to
+    measure: pairs x memory kinds x sizes, and what is waived here."""
+    pairs, waived = plan_pairs(src, dst, root)
+    kinds, waived_kinds = memory_kinds(memory, gpu_count() > 0)
+    return Plan(pairs, waived, kinds, waived_kinds, sorted(set(parse_sizes(sizes))))
 
 
 def calibrated(sample: Callable[[int], float], policy: Policy) -> Timing:

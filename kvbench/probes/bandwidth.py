@@ -26,14 +26,14 @@ from kvbench.probes._copy import (
     GpuCopier,
     HostCopier,
     Pair,
+    Plan,
     host_memcpy_ref,
-    memory_kinds,
+    make_plan,
     open_copier,
-    plan_pairs,
 )
 from kvbench.schema import Record, measured, not_measured
 from kvbench.timing import DEFAULT, QUICK, Policy
-from kvbench.units import format_size, gbps, parse_sizes
+from kvbench.units import format_size, gbps
 
 BAR_SIZE = 256 << 20
 DEFAULT_SIZES = "1K..256M"
@@ -50,34 +50,6 @@ class BandwidthConfig:
     bars: bool = True
     quick: bool = False
     root: str = "/"
-
-
-@dataclass(frozen=True)
-class Plan:
-    pairs: list[Pair]
-    waived_pairs: list[tuple[str, str]]
-    kinds: list[str]
-    waived_kinds: list[str]
-    sizes: list[int]
-
-    def kinds_of(self, pair: Pair) -> list[str]:
-        return ["device"] if pair.direction == "d2d" else self.kinds
-
-    @property
-    def steps(self) -> int:
-        return sum(len(self.kinds_of(p)) for p in self.pairs) * len(self.sizes)
-
-
-def make_plan(config: BandwidthConfig) -> Plan:
-    """Check the config against this machine (one-line errors) and list what to measure."""
-    from kvbench.memory import gpu_count
-
-    if config.threads < 1:
-        raise KvbenchError(f"--threads must be at least 1 (got {config.threads})")
-    sizes = sorted(set(parse_sizes(config.sizes)))
-    pairs, waived = plan_pairs(config.src, config.dst, config.root)
-    kinds, waived_kinds = memory_kinds(config.memory, gpu_count() > 0)
-    return Plan(pairs, waived, kinds, waived_kinds, sizes)
 
 
 def at_fraction(sizes: Sequence[int], values: Sequence[float], frac: float) -> float:
@@ -120,7 +92,9 @@ class BandwidthProbe(Probe):
     config = BandwidthConfig
 
     def run(self, config: BandwidthConfig) -> Iterator[Record]:
-        plan = make_plan(config)
+        if config.threads < 1:
+            raise KvbenchError(f"--threads must be at least 1 (got {config.threads})")
+        plan = make_plan(config.src, config.dst, config.sizes, config.memory, config.root)
         policy = QUICK if config.quick else DEFAULT
         common = {"threads": config.threads, "bidirectional": config.bidirectional}
         for s, d in plan.waived_pairs:
@@ -316,7 +290,7 @@ def cli(
                              memory=memory_flag(pinned, pageable, both), threads=threads,
                              bidirectional=bidirectional, bars=bars, quick=quick, root=root)
     run_with_view(BandwidthProbe(), config, out, "bandwidth (GB/s)", "bandwidth",
-                  make_plan(config).steps)
+                  make_plan(src, dst, sizes, config.memory, root).steps)
 
 
 BandwidthProbe.cli = cli

@@ -1,0 +1,171 @@
+"""Latency probe: the cost of one small copy per memory pair, and each node's load latency.
+
+Small copies (1 B to 64 KB) between every pair of memories: host-to-host in native code,
+one thread, each copy fenced and its successor's address made dependent on its data, over
+line-aligned windows visited in a scattered order, so the figure is one isolated cold copy
+rather than a pipelined rate; copies touching a GPU are host wall time from enqueue to
+completion. The idle load-to-use latency of each host node (memory-only CXL nodes driven
+from their nearest CPUs) is a pointer chase over a random cyclic permutation of cache lines
+in a buffer four times the last-level cache, with dependent loads (CXL KV-storage paper,
+section 3.1; issue 3).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from kvbench.memory import Endpoint, HostBuffer, llc_bytes, runner_cpus, runner_node
+from kvbench.probes import PROBES, Probe
+from kvbench.probes._copy import calibrated, make_plan, open_copier
+from kvbench.probes.bandwidth import memory_flag, series
+from kvbench.schema import Record, measured, not_measured
+from kvbench.timing import DEFAULT, QUICK, Policy
+from kvbench.units import format_size, parse_size
+
+DEFAULT_SIZES = "1..64K"
+LINE = 64
+
+
+@dataclass(frozen=True)
+class LatencyConfig:
+    src: str | None = None  # endpoints 'host:N'/'gpu:K', comma-separated; None: all
+    dst: str | None = None
+    sizes: str = DEFAULT_SIZES
+    memory: str = "both"  # pageable, pinned or both
+    chase_size: str | None = None  # pointer-chase buffer; None: max(4 x LLC, 64M)
+    quick: bool = False
+    root: str = "/"
+
+
+def chase_bytes(config: LatencyConfig) -> int:
+    if config.chase_size is not None:
+        return max(parse_size(config.chase_size) // LINE, 2) * LINE
+    return max(4 * llc_bytes(config.root), 64 << 20)
+
+
+@PROBES.register
+class LatencyProbe(Probe):
+    """Cost of one small copy per memory pair, and each host node's load-to-use latency."""
+
+    name = "latency"
+    version = "1"
+    config = LatencyConfig
+
+    def run(self, config: LatencyConfig) -> Iterator[Record]:
+        plan = make_plan(config.src, config.dst, config.sizes, config.memory, config.root)
+        policy = QUICK if config.quick else DEFAULT
+        nodes = sorted({e.index for p in plan.pairs for e in (p.src, p.dst) if e.kind == "host"})
+        for node in nodes:
+            yield self._chase(node, chase_bytes(config), policy, config.root)
+        for s, d in plan.waived_pairs:
+            yield not_measured("probe", self.name, "copy_latency", "waived",
+                               "no CUDA GPU on this machine", {"src": s, "dst": d})
+        for pair in plan.pairs:
+            for kind in plan.waived_kinds if pair.direction != "d2d" else []:
+                yield not_measured("probe", self.name, "copy_latency", "waived", "pinned memory "
+                                   "needs CUDA (cudaHostRegister)",
+                                   {"src": str(pair.src), "dst": str(pair.dst), "memory": kind})
+            for kind in plan.kinds_of(pair):
+                params = {"src": str(pair.src), "dst": str(pair.dst),
+                          "direction": pair.direction, "memory": kind}
+                copier = open_copier(pair, kind, plan.sizes[-1], 1, False, config.root)
+                try:
+                    for size in plan.sizes:
+                        t = copier.timing(size, policy, latency=True)
+                        method = {**t.method(), "placement": copier.placement,
+                                  "per": "one isolated copy" if pair.direction == "h2h"
+                                  else "enqueue to completion (stream synchronize)"}
+                        yield measured("probe", self.name, "copy_latency", "us", "lower",
+                                       [x * 1e6 for x in t.seconds], {**params, "size": size},
+                                       method)
+                finally:
+                    copier.close()
+
+    def _chase(self, node: int, size: int, policy: Policy, root: str) -> Record:
+        """Pointer chase over size bytes on node, from a CPU of its runner node."""
+        from kvbench.native import lib
+
+        so = lib()
+        cpus = runner_cpus(node, root)
+        cpu = cpus[0] if cpus else -1
+        params = {"node": str(Endpoint("host", node)), "size": size}
+        with HostBuffer(node, size, hugepages=True) as buf:
+            if so.kvb_chase_build(buf.ptr, size // LINE, LINE, 0x9E3779B97F4A7C15) != 0:
+                return not_measured("probe", self.name, "load_latency", "error",
+                                    "out of memory building the chase", params)
+            cursor = ctypes.c_void_p(buf.ptr)
+
+            def sample(iters: int) -> float:
+                loads = iters * 64
+                return so.kvb_chase(ctypes.byref(cursor), loads, cpu) * 1e-9 / loads
+
+            t = calibrated(sample, policy)
+            placement = buf.placement
+        return measured("probe", self.name, "load_latency", "ns", "lower",
+                        [x * 1e9 for x in t.seconds], params,
+                        {**t.method(), "placement": placement, "cpu": cpu,
+                         "runner_node": runner_node(node, root).id,
+                         "per": "dependent load over a random cyclic permutation of "
+                                f"{LINE}-byte lines (transparent huge pages advised)"})
+
+    @classmethod
+    def plot(cls, records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+        """latency.png: small-copy latency against size per pair and memory kind (log-log),
+        and the pointer-chase load latency of each host node."""
+        from kvbench.plots import pyplot, save
+
+        lines = series(records, cls.name, "copy_latency")
+        chase = [(r["params"]["node"], r["value"]) for r in records
+                 if r["name"] == cls.name and r["metric"] == "load_latency" and r["status"] == "ok"]
+        if not lines and not chase:
+            return []
+        plt = pyplot()
+        fig, (ax_c, ax_l) = plt.subplots(1, 2, figsize=(11, 4),
+                                         gridspec_kw={"width_ratios": [3, 1]})
+        for label, pts in lines.items():
+            ax_c.plot([s for s, _ in pts], [v for _, v in pts], marker="o", label=label)
+        ticks = sorted({s for pts in lines.values() for s, _ in pts})
+        ax_c.set_xscale("log", base=2)
+        ax_c.set_yscale("log")
+        ax_c.set_xticks(ticks, [format_size(s) for s in ticks], rotation=45)
+        ax_c.set(xlabel="copy size", ylabel="one copy (us)", title="small-copy latency")
+        ax_c.grid(True, which="both", alpha=0.3)
+        if lines:
+            ax_c.legend(fontsize=7)
+        ax_l.bar([n for n, _ in chase], [v for _, v in chase], color="tab:gray")
+        ax_l.set(ylabel="load-to-use latency (ns)", title="pointer chase")
+        return [save(fig, out_dir / "latency.png")]
+
+
+def cli(
+    src: str | None = typer.Option(None, help="Source endpoints host:N / gpu:K, comma-separated "
+                                   "(default: every host node and GPU)."),
+    dst: str | None = typer.Option(None, help="Destination endpoints (default: all)."),
+    sizes: str = typer.Option(DEFAULT_SIZES, help="Copy sizes: 1,4,...,64K or 1..64K."),
+    pinned: bool = typer.Option(False, "--pinned", help="Pinned host memory only (needs CUDA)."),
+    pageable: bool = typer.Option(False, "--pageable", help="Pageable host memory only."),
+    both: bool = typer.Option(False, "--both", help="Pinned and pageable (the default)."),
+    chase_size: str | None = typer.Option(None, help="Pointer-chase buffer per node "
+                                          "(default: max(4 x LLC, 64M))."),
+    quick: bool = typer.Option(False, "--quick", help="Fewer repetitions (quick look, CI)."),
+    root: str = typer.Option("/", hidden=True, help="Root of sysfs/procfs (tests)."),
+    out: Path | None = typer.Option(None, help="Result file (default: new file in results/)."),
+) -> None:
+    """Measure small-copy latency per memory pair and each node's load latency."""
+    from kvbench.probes._view import run_with_view
+
+    config = LatencyConfig(src=src, dst=dst, sizes=sizes,
+                           memory=memory_flag(pinned, pageable, both), chase_size=chase_size,
+                           quick=quick, root=root)
+    plan = make_plan(src, dst, sizes, config.memory, root)
+    chase_bytes(config)  # a bad --chase-size fails before anything runs
+    run_with_view(LatencyProbe(), config, out, "copy latency (us)", "copy_latency", plan.steps)
+
+
+LatencyProbe.cli = cli
