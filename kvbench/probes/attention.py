@@ -1,0 +1,333 @@
+"""Attention probe: GPU, GPU-after-transfer, CPU dense/sparse and hybrid attention steps.
+
+HGCA sections 2.3 (Fig. 6) and 5.1 (Figs. 10, 11): over a grid of batch, heads, KV heads,
+head dim, tokens on the GPU, tokens on the host, query length and dtype, time each mode
+(kvbench.kernels.workload) with its breakdown (transfer, gpu, cpu, merge) and KV-read GB/s,
+and judge the kernels against bars measured in the same run: CPU dense decode vs the host
+copy bandwidth and vs torch SDPA, sparse vs dense GB/s, the merge's share of a hybrid step,
+GPU decode vs the device copy bandwidth. Without CUDA the GPU modes are waived.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from kvbench.errors import KvbenchError, require
+from kvbench.probes import PROBES, Probe, run_and_store
+from kvbench.schema import Record, from_timing, measured, not_measured
+from kvbench.timing import Policy, Timing, time_cuda, time_host, time_native
+from kvbench.units import gbps, parse_sizes
+
+MODES = ("gpu", "gpu-transfer", "cpu-dense", "cpu-sparse", "hybrid")
+GPU_ONLY = ("gpu", "gpu-transfer")
+BIG_KV = 64 << 20  # the CPU dense bar applies from 64 MiB of KV
+COPY_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    batch: str = "1"
+    heads: str = "32"
+    kv_heads: str = "32"
+    head_dim: str = "128"
+    gpu_tokens: str = "1K,4K"
+    host_tokens: str = "1K,4K"
+    query: str = "1,32"
+    dtype: str = "float32,bfloat16"
+    keep: float = 0.1
+    modes: str = "all"
+    threads: int = 0
+    min_time: float = 0.2
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        vals = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise KvbenchError(f"cannot parse {what} '{text}' (expected e.g. 1,4,8)") from None
+    require(all(v > 0 for v in vals), f"{what} must be positive, got '{text}'")
+    return vals
+
+
+def grid(config: AttentionConfig):
+    """The grid points (validated) in measuring order."""
+    from kvbench.kernels.workload import Point
+
+    tokens = [(g, h) for g in parse_sizes(config.gpu_tokens)
+              for h in parse_sizes(config.host_tokens)]
+    pts = [Point(b, h, kv, d, g, ht, q, dt) for b, h, kv, d, (g, ht), q, dt in itertools.product(
+        _ints(config.batch, "batch"), _ints(config.heads, "heads"),
+        _ints(config.kv_heads, "kv heads"), _ints(config.head_dim, "head dim"), tokens,
+        _ints(config.query, "query length"), [t.strip() for t in config.dtype.split(",")])]
+    for p in pts:
+        p.check()
+    return pts
+
+
+def modes(config: AttentionConfig, cuda: bool) -> list[str]:
+    if config.modes == "all":
+        return list(MODES)
+    chosen = [m.strip() for m in config.modes.split(",")]
+    for m in chosen:
+        require(m in MODES, f"unknown mode '{m}' (known: {', '.join(MODES)}, all)")
+        require(cuda or m not in GPU_ONLY, f"mode '{m}' needs a CUDA GPU and there is none")
+    return chosen
+
+
+@PROBES.register
+class AttentionProbe(Probe):
+    """Attention steps: GPU, GPU+transfer, CPU dense/sparse, hybrid (HGCA Figs. 6, 10, 11)."""
+
+    name = "attention"
+    version = "1"
+    config = AttentionConfig
+
+    def run(self, config: AttentionConfig) -> Iterator[Record]:
+        import torch
+
+        from kvbench.kernels.cpu import default_threads
+        from kvbench.kernels.workload import Workload
+
+        require(0 < config.keep <= 1, f"keep fraction {config.keep} must lie in (0, 1]")
+        require(config.min_time >= 0, "min-time must be >= 0")
+        cuda = torch.cuda.is_available()
+        points, chosen = grid(config), modes(config, cuda)
+        threads = config.threads or default_threads()
+        self.policy = Policy(warmup=1, min_reps=3, min_time_s=config.min_time, max_reps=50,
+                             max_time_s=max(3.0, 4 * config.min_time))
+        host_bw = yield from self._host_copy(threads)
+        dev_bw = yield from self._device_copy(cuda)
+        for p in points:
+            w = Workload(p, config.keep, threads, cuda)
+            params = {**p.params(), "keep": config.keep, "threads": threads,
+                      "device": w.device}
+            res: dict[str, tuple[float, float]] = {}  # mode -> (seconds, GB/s)
+            for mode in chosen:
+                if mode in GPU_ONLY and not cuda:
+                    yield not_measured("probe", self.name, "time", "waived",
+                                       "no CUDA GPU on this machine", {**params, "mode": mode})
+                    continue
+                yield from self._mode(w, mode, {**params, "mode": mode}, res)
+            yield from self._bars(w, params, res, host_bw, dev_bw)
+
+    def _time(self, fn: Callable[[], object], device: str) -> Timing:
+        return time_cuda(fn, self.policy) if device == "cuda" else time_host(fn, self.policy)
+
+    def _host_copy(self, threads: int) -> Iterator[Record]:
+        """Host copy GB/s (bytes copied once per copy): native memcpy on `threads` threads
+        and torch's copy_, the stronger being the bar's reference."""
+        import torch
+
+        from kvbench.native import lib
+
+        src = torch.ones(COPY_BYTES, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        so = lib()
+        t_native = time_native(lambda: so.kvb_memcpy_threads(
+            dst.data_ptr(), src.data_ptr(), COPY_BYTES, 1, threads) * 1e-9, self.policy)
+        t_torch = time_host(lambda: dst.copy_(src), self.policy)
+        best = 0.0
+        for how, t in (("native memcpy threads", t_native), ("torch copy_", t_torch)):
+            rec = measured("probe", self.name, "host_copy_gbps", "GB/s", "higher",
+                           [gbps(COPY_BYTES, s) for s in t.seconds],
+                           {"how": how, "bytes": COPY_BYTES, "threads": threads}, t.method())
+            best = max(best, rec.value or 0.0)
+            yield rec
+        return best
+
+    def _device_copy(self, cuda: bool) -> Iterator[Record]:
+        if not cuda:
+            yield not_measured("probe", self.name, "device_copy_gbps", "waived",
+                               "no CUDA GPU on this machine")
+            return None
+        import torch
+
+        n = 1 << 30
+        src = torch.ones(n, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        t = time_cuda(lambda: dst.copy_(src), self.policy)
+        rec = measured("probe", self.name, "device_copy_gbps", "GB/s", "higher",
+                       [gbps(n, s) for s in t.seconds], {"bytes": n}, t.method())
+        yield rec
+        return rec.value
+
+    def _mode(self, w, mode: str, params: dict, res: dict) -> Iterator[Record]:
+        import torch
+
+        p, dev = w.p, w.device
+        sparse_tokens = w.selected / (p.batch * p.kv_heads)
+        parts: dict[str, Timing] = {}
+        if mode == "gpu":
+            total = parts["gpu"] = self._time(w.gpu, dev)
+            nbytes = p.kv_bytes(w.total)
+        elif mode == "gpu-transfer":
+            parts["transfer"] = self._time(w.transfer, dev)
+            parts["gpu"] = self._time(w.gpu, dev)
+            total = self._time(w.gpu_transfer, dev)
+            nbytes = p.kv_bytes(w.total)
+        elif mode == "cpu-dense":
+            total = parts["cpu"] = time_host(w.cpu_dense, self.policy)
+            nbytes = p.kv_bytes(p.host_tokens)
+        elif mode == "cpu-sparse":
+            total = parts["cpu"] = time_host(w.cpu_sparse, self.policy)
+            nbytes = p.kv_bytes(sparse_tokens)
+        else:
+            from kvbench.kernels import merge
+
+            sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+            parts["gpu"] = self._time(w.device_part, dev)
+            parts["cpu"] = time_host(w.cpu_sparse, self.policy)
+            d_part, h_part = w.device_part(), w.cpu_sparse()
+            parts["merge"] = self._time(lambda: merge(*d_part, *h_part), dev)
+            total = time_host(lambda: (w.hybrid(), sync()), self.policy)
+            nbytes = p.kv_bytes(p.gpu_tokens + sparse_tokens)
+            res["merge"] = (parts["merge"].median, 0.0)
+        yield from_timing("probe", self.name, total, params)
+        for part, t in parts.items():
+            yield from_timing("probe", self.name, t, params, metric=f"time_{part}")
+        rates = [gbps(nbytes, s) for s in total.seconds]
+        yield measured("probe", self.name, "kv_read_gbps", "GB/s", "higher", rates,
+                       {**params, "kv_bytes": int(nbytes)}, total.method())
+        res[mode] = (total.median, gbps(nbytes, total.median))
+        if mode == "cpu-dense" and p.query == 1:
+            res["sdpa"] = (time_host(w.sdpa, self.policy).median, 0.0)
+
+    def _bars(self, w, params: dict, res: dict, host_bw: float,
+              dev_bw: float | None) -> Iterator[Record]:
+        p = w.p
+        bars: list[tuple[str, str, float, str]] = []  # metric, direction, value, bar
+        if p.query == 1 and "cpu-dense" in res and p.kv_bytes(p.host_tokens) >= BIG_KV:
+            bars.append(("bar.cpu_dense_over_host_copy", "higher", res["cpu-dense"][1] / host_bw,
+                         ">= 0.6"))
+        if "sdpa" in res:
+            bars.append(("bar.sdpa_time_over_cpu_dense_time", "higher",
+                         res["sdpa"][0] / res["cpu-dense"][0], ">= 1.0"))
+        if "cpu-sparse" in res and "cpu-dense" in res:
+            bars.append(("bar.cpu_sparse_over_dense_gbps", "higher",
+                         res["cpu-sparse"][1] / res["cpu-dense"][1], ">= 0.5"))
+        if "hybrid" in res:
+            bars.append(("bar.merge_share_of_hybrid", "lower", res["merge"][0] / res["hybrid"][0],
+                         "<= 0.05"))
+        if "gpu" in res and dev_bw and p.query == 1:
+            bars.append(("bar.gpu_decode_over_device_copy", "higher", res["gpu"][1] / dev_bw,
+                         ">= 0.8"))
+        for metric, direction, value, bar in bars:
+            op, limit = bar.split()
+            ok = value >= float(limit) if op == ">=" else value <= float(limit)
+            yield measured("probe", self.name, metric, "ratio", direction, [value], params,
+                           {"bar": bar, "pass": ok, "statistic": "ratio of medians"})
+
+    @classmethod
+    def plot(cls, records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+        """Fig. 10 (hybrid speedup over gpu-transfer vs tokens on GPU/host) and Fig. 11
+        (stacked time breakdown per mode at the smallest GPU window), where data exist."""
+        ok = [r for r in records if r.get("name") == cls.name and r["status"] == "ok"
+              and r["metric"].startswith("time")]
+        return [p for p in (_heatmap(ok, out_dir), _breakdown(ok, out_dir)) if p]
+
+
+_SHAPE = ("batch", "heads", "kv_heads", "head_dim", "query", "dtype")
+
+
+def _panel(r: dict[str, Any]) -> str:
+    return " ".join(f"{k}={r['params'][k]}" for k in _SHAPE)
+
+
+def _heatmap(recs: list[dict[str, Any]], out_dir: Path) -> Path | None:
+    from kvbench.plots import pyplot, save
+
+    times: dict[tuple[str, int, int, str], float] = {}
+    for r in recs:
+        if r["metric"] == "time" and r["params"]["mode"] in ("hybrid", "gpu-transfer"):
+            pr = r["params"]
+            times[(_panel(r), pr["gpu_tokens"], pr["host_tokens"], pr["mode"])] = r["value"]
+    cells = {k[:3]: times[(*k[:3], "gpu-transfer")] / v for k, v in times.items()
+             if k[3] == "hybrid" and (*k[:3], "gpu-transfer") in times}
+    if not cells:
+        return None
+    panels = sorted({k[0] for k in cells})
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
+    for ax, panel in zip(axes[0], panels, strict=True):
+        gs = sorted({k[1] for k in cells if k[0] == panel})
+        hs = sorted({k[2] for k in cells if k[0] == panel})
+        grid_ = [[cells.get((panel, g, h), float("nan")) for h in hs] for g in gs]
+        im = ax.imshow(grid_, origin="lower", cmap="coolwarm", aspect="auto")
+        for i, row in enumerate(grid_):
+            for j, val in enumerate(row):
+                ax.text(j, i, f"{val:.2f}", ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(len(hs)), [str(h) for h in hs])
+        ax.set_yticks(range(len(gs)), [str(g) for g in gs])
+        ax.set_xlabel("KV tokens on host")
+        ax.set_ylabel("KV tokens on GPU")
+        ax.set_title(panel, fontsize=8)
+        fig.colorbar(im, ax=ax, label="hybrid speedup over gpu-transfer")
+    return save(fig, out_dir / "attention-fig10-hybrid-speedup.png")
+
+
+def _breakdown(recs: list[dict[str, Any]], out_dir: Path) -> Path | None:
+    from kvbench.plots import pyplot, save
+
+    parts = [r for r in recs if r["metric"].startswith("time_")]
+    if not parts:
+        return None
+    panel = _panel(parts[0])
+    window = min(r["params"]["gpu_tokens"] for r in parts if _panel(r) == panel)
+    bars: dict[tuple[int, str], dict[str, float]] = {}
+    for r in parts:
+        if _panel(r) == panel and r["params"]["gpu_tokens"] == window:
+            key = (r["params"]["host_tokens"], r["params"]["mode"])
+            bars.setdefault(key, {})[r["metric"][5:]] = r["value"]
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(bars)), 4))
+    colours = {"transfer": "tab:red", "gpu": "tab:green", "cpu": "tab:blue", "merge": "tab:orange"}
+    labels = []
+    for x, (key, comp) in enumerate(sorted(bars.items())):
+        bottom = 0.0
+        for name, colour in colours.items():
+            if name in comp:
+                ax.bar(x, comp[name] * 1e3, bottom=bottom, color=colour,
+                       label=name if name not in ax.get_legend_handles_labels()[1] else None)
+                bottom += comp[name] * 1e3
+        labels.append(f"{key[1]}\nhost={key[0]}")
+    ax.set_xticks(range(len(labels)), labels, fontsize=7, rotation=45, ha="right")
+    ax.set_ylabel("time per step (ms; parts timed alone)")
+    ax.set_title(f"{panel} gpu_tokens={window}", fontsize=8)
+    ax.legend()
+    return save(fig, out_dir / "attention-fig11-breakdown.png")
+
+
+def cli(
+    batch: str = typer.Option("1", help="Batch sizes, e.g. 1,4."),
+    heads: str = typer.Option("32", help="Query heads."),
+    kv_heads: str = typer.Option("32", help="KV heads (heads must be a multiple)."),
+    head_dim: str = typer.Option("128", help="Head dimensions."),
+    gpu_tokens: str = typer.Option("1K,4K", help="KV tokens resident on the GPU."),
+    host_tokens: str = typer.Option("1K,4K", help="KV tokens resident on the host."),
+    query: str = typer.Option("1,32", help="Query lengths (1 decode, 32 append)."),
+    dtype: str = typer.Option("float32,bfloat16", help="float32, bfloat16, float16."),
+    keep: float = typer.Option(0.1, help="Fraction of host KV the sparse CPU part keeps."),
+    modes: str = typer.Option("all", help=f"Modes: all or a list of {', '.join(MODES)}."),
+    threads: int = typer.Option(0, min=0, help="CPU threads (0: every CPU available)."),
+    min_time: float = typer.Option(0.2, help="Seconds to time each quantity at least."),
+    out: Path | None = typer.Option(None, help="Result file (default: new file in results/)."),
+) -> None:
+    """Time attention modes over a grid; plots Figs. 10 and 11 next to the result file."""
+    from kvbench.console import show_record, wrote
+    from kvbench.store import load
+
+    cfg = AttentionConfig(batch, heads, kv_heads, head_dim, gpu_tokens, host_tokens, query,
+                          dtype, keep, modes, threads, min_time)
+    path = run_and_store(AttentionProbe(), cfg, out, show_record)
+    wrote(path)
+    for png in AttentionProbe.plot(load(path).records, path.parent / f"{path.stem}-plots"):
+        wrote(png)
+
+
+AttentionProbe.cli = cli
