@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
         message = " ".join(e.format_message().split())
         print(f"kvbench: error: {message}", file=sys.stderr)
         sys.exit(2)
+    if code == 130:  # typer turns Ctrl-C into Exit(130) before it reaches the handler above
+        print("kvbench: interrupted (finished records are saved)", file=sys.stderr)
     sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -1,0 +1,162 @@
+"""Suites: validation with lines, sweeps, errors recorded, resume after a real kill, check."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from kvbench.cli import main
+from kvbench.compare import compare_sets
+from kvbench.schema import measured
+from kvbench.store import ResultWriter, load
+from kvbench.suite import load_suite, machine_class, recorded_units, run_suite, units
+
+REPO = Path(__file__).resolve().parent.parent
+TIMER = '[[case]]\nprobe = "timer"\nparams = { calls = 200, reps = 3 }\n'
+
+
+def write(tmp_path: Path, text: str, name: str = "s.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(f'[suite]\nname = "t"\noutput = "{tmp_path / "out.jsonl"}"\n' + text)
+    return path
+
+
+def run_cli(argv: list[str]) -> int:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    return e.value.code
+
+
+def test_every_problem_reported_with_its_line(tmp_path, capsys):
+    path = write(tmp_path, 'bogus = 1\n\n[[case]]\nprobe = "timer"\n'
+                           'params = { calls = "lots", nope = 2 }\nsweep = { reps = [3, true] }\n'
+                           'requires = "tpu"\n\n[[case]]\nprobe = "nosuch"\n')
+    assert run_cli(["suite", "run", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "6 problem(s), nothing was run" in err
+    for line, text in [(4, "unknown key 'bogus'"), (8, "timer has no parameter 'nope'"),
+                       (8, "timer.calls: expected an integer or a size"),
+                       (9, "timer.reps: expected an integer"), (10, "requires must be"),
+                       (13, "unknown probe 'nosuch'")]:
+        assert f"s.toml:{line}: {text}" in err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_bad_toml_is_one_line(tmp_path, capsys):
+    path = write(tmp_path, "[[case]\n")
+    assert run_cli(["suite", "run", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kvbench: error:") and "not valid TOML" in err and "line" in err
+
+
+def test_sweep_and_repetitions_expand_with_stable_ids(tmp_path):
+    suite = load_suite(write(tmp_path, TIMER + "sweep = { reps = [3, 4] }\nrepetitions = 2\n"))
+    us = units(suite)
+    assert [u.params["reps"] for u in us] == [3, 3, 4, 4]
+    assert len({u.case_id for u in us}) == 4
+    assert [u.case_id for u in units(load_suite(suite.path))] == [u.case_id for u in us]
+    assert [u.label for u in units(suite, "timer*reps=4*")] == ["timer[calls=200,reps=4]#0",
+                                                                "timer[calls=200,reps=4]#1"]
+    assert us[0].command() == "kvbench probe timer --calls 200 --reps 3"
+
+
+def test_failing_case_is_recorded_and_suite_goes_on(tmp_path, monkeypatch, capsys):
+    from kvbench.probes.timer import TimerProbe
+
+    calls = []
+
+    def flaky(self, config):
+        calls.append(config.reps)
+        if config.reps == 3:
+            raise RuntimeError("boom")
+        yield measured("probe", "timer", "x", "ns", "lower", [1.0, 2.0], {"reps": config.reps})
+
+    monkeypatch.setattr(TimerProbe, "run", flaky)
+    path = write(tmp_path, TIMER + "sweep = { reps = [3, 4] }\n\n" + TIMER + 'requires = "gpu"\n')
+    monkeypatch.setattr("kvbench.suite._has_gpu", lambda: False)
+    assert run_cli(["suite", "run", str(path)]) == 1
+    recs = load(tmp_path / "out.jsonl").records
+    assert calls == [3, 4]
+    assert [(r["status"], r["metric"]) for r in recs] == [("error", "case"), ("ok", "x"),
+                                                          ("waived", "case")]
+    assert recs[0]["reason"] == "RuntimeError: boom"
+    assert "requires a CUDA GPU" in recs[2]["reason"]
+    assert "error RuntimeError: boom" in capsys.readouterr().err
+    # an existing output is never appended to silently
+    assert run_cli(["suite", "run", str(path)]) == 2
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+def test_resume_after_kill_loses_and_repeats_nothing(tmp_path, sig):
+    path = write(tmp_path, '[[case]]\nprobe = "timer"\nparams = { calls = 20000, reps = 6 }\n'
+                           'repetitions = 24\n\n[[ratio]]\nname = "r"\n'
+                           'numerator = "timer.native_clock_overhead"\n'
+                           'denominator = "timer.perf_counter_ns_overhead"\n')
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "kvbench.cli", "suite", "run", str(path)],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(recorded_units(out)) < 3:
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=30)
+    before = recorded_units(out)
+    assert 3 <= len(before) < 24, "the suite finished before it could be interrupted"
+    if sig == signal.SIGINT:
+        assert proc.returncode == 130 and b"interrupted" in err
+    suite = load_suite(path)
+    assert run_suite(suite, out, resume=True) == 0
+    recs = load(out).records
+    per_unit = Counter(r["method"]["suite_case"] for r in recs if r["name"] == "timer")
+    assert set(per_unit) == {u.case_id for u in units(suite)}
+    assert set(per_unit.values()) == {3}  # every unit exactly once, whole
+    assert [r["metric"] for r in recs if r["name"] == "ratio"] == ["r"]
+    assert run_suite(suite, out, resume=True) == 0  # nothing left: nothing added
+    assert len(load(out).records) == len(recs)
+
+
+def test_machine_class():
+    cpu = {"cpu": {"logical_cpus": 2, "arch": "x86_64"}, "gpus": []}
+    assert machine_class(cpu) == "cpu-2c-x86_64"
+    h100 = {"name": "NVIDIA H100 80GB HBM3"}
+    assert machine_class({**cpu, "gpus": [h100]}) == "gpu-h100"
+    assert machine_class({**cpu, "gpus": [{"name": "NVIDIA RTX A6000"}] * 2}) == "gpu-a6000x2"
+
+
+def _ratio_file(path: Path, samples: list[float]) -> Path:
+    from kvbench.envinfo import collect_env
+
+    with ResultWriter(path, collect_env()) as w:
+        w.write(measured("probe", "ratio", "r", "x", "lower", samples))
+        w.write(measured("probe", "timer", "t", "ns", "lower", [s * 100 for s in samples]))
+    return path
+
+
+def test_check_guards_only_listed_metrics(tmp_path, capsys):
+    suite = write(tmp_path, TIMER.replace("[[case]]", 'guard = ["ratio.*"]\nthreshold = "25%"'
+                                                      "\n\n[[case]]"))
+    base = _ratio_file(tmp_path / "base.jsonl", [2.0 + 0.01 * i for i in range(20)])
+    same = _ratio_file(tmp_path / "same.jsonl", [2.05 + 0.01 * i for i in range(20)])
+    slow = _ratio_file(tmp_path / "slow.jsonl", [3.0 + 0.01 * i for i in range(20)])
+    assert run_cli(["suite", "check", str(suite), str(same), "--baseline", str(base)]) == 0
+    assert run_cli(["suite", "check", str(suite), str(slow), "--baseline", str(base)]) == 1
+    out = capsys.readouterr().out
+    assert "regressed" in out and "1 quantities" in out  # the timer metric is not guarded
+    rows = compare_sets(load(base), load(slow), 0.25, 0.05, ["ratio.*", "timer.t"])
+    assert [r.verdict for r in rows] == ["regressed", "regressed"]
+
+
+def test_shipped_suites_validate():
+    for path in sorted((REPO / "suites").glob("*.toml")):
+        suite = load_suite(path)
+        assert units(suite), path
+    smoke = load_suite(REPO / "suites" / "smoke.toml")
+    assert smoke.guard and smoke.threshold > 0
+    assert os.path.exists(REPO / "results" / "baselines" / "cpu-2c-x86_64" / "smoke.jsonl")
