@@ -1,0 +1,230 @@
+"""Memory probes (issue 3): endpoints, NUMA placement, native copies, bandwidth/latency CLIs."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import pytest
+from conftest import cuda_available
+
+from kvbench.cli import main
+from kvbench.errors import KvbenchError
+from kvbench.memory import (
+    Endpoint,
+    HostBuffer,
+    check_endpoint,
+    endpoints,
+    parse_endpoint,
+    runner_cpus,
+    runner_node,
+)
+from kvbench.probes import _copy
+from kvbench.probes._copy import HostCopier, Pair, coprime_hop, plan_pairs
+from kvbench.probes.bandwidth import at_fraction, derived
+from kvbench.probes.latency import LatencyProbe
+from kvbench.store import load
+from kvbench.timing import QUICK, Policy, time_native
+from kvbench.topology import libnuma
+
+H0 = Endpoint("host", 0)
+
+
+def fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kvbench: error:") and "\n" not in err and "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize("sizes,msg", [("0", "greater than zero"), ("4Q", "cannot parse"),
+                                       ("16K..4K", "smaller than the first"), ("", "empty"),
+                                       ("1K,4K,...,100K", "not reached"), ("1.5", "whole")])
+@pytest.mark.parametrize("probe", ["bandwidth", "latency"])
+def test_bad_sizes_exit_2(probe: str, sizes: str, msg: str,
+                          capsys: pytest.CaptureFixture[str]) -> None:
+    assert msg in fails(["probe", probe, "--pageable", "--sizes", sizes], capsys)
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--src", "host:7"], "NUMA node 7 does not exist"),
+    (["--dst", "host:3"], "NUMA node 3 does not exist"),
+    (["--src", "cpu:0"], "cannot parse endpoint 'cpu:0'"),
+    (["--src", ","], "empty endpoint list"),
+])
+def test_unknown_endpoint_exit_2(fake_sysfs: Path, args: list[str], msg: str,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    for probe in ("bandwidth", "latency"):
+        assert msg in fails(["probe", probe, *args, "--root", str(fake_sysfs)], capsys)
+
+
+@pytest.mark.skipif(cuda_available(), reason="checks the CPU-only refusals")
+def test_gpu_requests_without_cuda_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "no CUDA GPU" in fails(["probe", "bandwidth", "--dst", "gpu:0"], capsys)
+    assert "--pinned needs CUDA" in fails(["probe", "bandwidth", "--pinned"], capsys)
+    assert "--pinned needs CUDA" in fails(["probe", "latency", "--pinned"], capsys)
+
+
+def test_other_bad_options_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "--threads" in fails(["probe", "bandwidth", "--pageable", "--threads", "0"], capsys)
+    assert "only one of" in fails(["probe", "bandwidth", "--pinned", "--pageable"], capsys)
+    assert "cannot parse size" in fails(["probe", "latency", "--chase-size", "x"], capsys)
+
+
+def test_endpoint_parsing_and_memory_only_node(fake_sysfs: Path) -> None:
+    assert parse_endpoint(" gpu:3 ") == Endpoint("gpu", 3) and str(H0) == "host:0"
+    assert endpoints("host:0,host:0,", fake_sysfs, gpus=0) == [H0]
+    assert endpoints(None, fake_sysfs, gpus=0) == [H0, Endpoint("host", 1), Endpoint("host", 2)]
+    assert endpoints(None, fake_sysfs, gpus=2)[-2:] == [Endpoint("gpu", 0), Endpoint("gpu", 1)]
+    check_endpoint(Endpoint("host", 2), fake_sysfs)  # memory-only CXL node is an endpoint
+    with pytest.raises(KvbenchError, match="GPU 2 does not exist"):
+        check_endpoint(Endpoint("gpu", 2), fake_sysfs, gpus=2)
+    # node 2 has no CPUs: its accesses run on node 0 (distance 14, node 1 is 24)
+    assert runner_node(2, fake_sysfs).id == 0
+    assert runner_node(1, fake_sysfs).id == 1
+    assert set(runner_cpus(2, fake_sysfs)) <= set(range(4))
+
+
+def test_default_matrix_waives_device_pairs_without_gpu(fake_sysfs: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_copy, "gpu_count", lambda: 0)
+    pairs, waived = plan_pairs(None, None, fake_sysfs)
+    assert len(pairs) == 9 and Pair(Endpoint("host", 2), H0) in pairs
+    assert ("host:2", "gpu:*") in waived and ("gpu:*", "host:1") in waived
+    assert ("gpu:*", "gpu:*") in waived and len(waived) == 7
+    pairs, waived = plan_pairs("host:2", None, fake_sysfs)
+    assert [str(p.dst) for p in pairs] == ["host:0", "host:1", "host:2"]
+    assert waived == [("host:2", "gpu:*")]
+    assert plan_pairs("host:0", "host:1", fake_sysfs)[1] == []
+
+
+def test_placement_verified_on_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    if libnuma() is None:
+        pytest.skip("libnuma not available here")
+    with HostBuffer(0, 4 << 20) as buf:
+        assert buf.placement == "verified"
+        assert ctypes.string_at(buf.ptr + (3 << 20), 4) == b"\x5a" * 4  # touched
+    monkeypatch.setattr("kvbench.memory.libnuma", lambda: None)
+    with HostBuffer(0, 1 << 20) as buf:
+        assert buf.placement.startswith("unverified (libnuma unavailable")
+
+
+@pytest.mark.parametrize("threads,size", [(1, 4096), (2, 4096), (2, 1000), (3, 64 << 10)])
+def test_native_copy_moves_the_bytes(threads: int, size: int) -> None:
+    c = HostCopier(Pair(H0, H0), "pageable", 1 << 20, threads, False)
+    try:
+        sb, db, _ = c.routes[0]
+        pattern = bytes(range(256)) * (size // 256 + 1)
+        ctypes.memmove(sb.ptr, pattern, size)
+        ctypes.memset(db.ptr, 0, size + 64)
+        assert c.sampler(size)(1) > 0
+        assert ctypes.string_at(db.ptr, size) == pattern[:size]
+        assert ctypes.string_at(db.ptr + size, 64) == b"\0" * 64  # nothing past the copy
+    finally:
+        c.close()
+
+
+def test_coprime_hop_visits_every_window() -> None:
+    for w in range(1, 60):
+        hop = coprime_hop(w)
+        assert {(i * hop) % w for i in range(w)} == set(range(w))
+
+
+def test_time_native_keeps_returned_samples() -> None:
+    vals = iter([9.0, 1.0, 2.0, 3.0])
+    t = time_native(lambda: next(vals), Policy(warmup=1, min_reps=3, min_time_s=0, max_reps=3))
+    assert t.seconds == (1.0, 2.0, 3.0) and t.timer.startswith("CLOCK_MONOTONIC")
+
+
+def test_derived_sizes_interpolate_in_log2() -> None:
+    sizes, gbs = [1024, 4096, 16384], [1.0, 2.0, 4.0]
+    assert at_fraction(sizes, gbs, 0.9) == pytest.approx(2 ** 13.6)
+    assert at_fraction(sizes, gbs, 0.5) == pytest.approx(4096)
+    assert at_fraction(sizes, gbs, 0.2) == 1024
+    recs = {r.metric: r for r in derived("bandwidth", sizes, gbs, {"src": "host:0"})}
+    assert recs["peak_bandwidth"].value == 4.0
+    assert recs["latency_floor"].value == pytest.approx(1024 / 1e9 * 1e6)
+    assert all(r.provenance == "measured" and "derived" in r.method["derived"]
+               for r in recs.values())
+
+
+def test_bandwidth_sweep_writes_records_and_plot(tmp_path: Path) -> None:
+    out = tmp_path / "bw.jsonl"
+    with pytest.raises(SystemExit) as e:
+        main(["probe", "bandwidth", "--src", "host:0", "--dst", "host:0", "--sizes", "4K,64K",
+              "--threads", "2", "--quick", "--no-bars", "--out", str(out)])
+    assert e.value.code == 0
+    rs = load(out)
+    bw = [r for r in rs.records if r["metric"] == "bandwidth" and r["status"] == "ok"]
+    assert [r["params"]["size"] for r in bw] == [4096, 65536]
+    for r in bw:
+        assert r["unit"] == "GB/s" and r["value"] > 0 and len(r["samples"]) >= 3
+        assert r["params"]["memory"] == "pageable" and r["params"]["threads"] == 2
+        assert r["method"]["placement"] in ("verified", "node 0: unverified (libnuma "
+                                            "unavailable: buffer not placed)")
+    peak = next(r for r in rs.records if r["metric"] == "peak_bandwidth")
+    assert peak["value"] == max(r["value"] for r in bw)
+    assert (tmp_path / "bw" / "bandwidth.png").stat().st_size > 0
+
+
+def test_bandwidth_memcpy_bar_record(tmp_path: Path) -> None:
+    out = tmp_path / "bar.jsonl"
+    with pytest.raises(SystemExit):
+        main(["probe", "bandwidth", "--src", "host:0", "--dst", "host:0", "--sizes", "4K",
+              "--pageable", "--quick", "--out", str(out)])
+    bar = next(r for r in load(out).records if r["metric"] == "memcpy_ratio")
+    assert bar["params"]["size"] == 256 << 20 and bar["params"]["reference"] == "kvb_memcpy_loop"
+    assert bar["value"] > 0 and bar["method"]["reference_gbps"] > 0
+    assert bar["method"]["pass"] == (bar["value"] >= 0.9)
+
+
+def test_pointer_chase_plausible() -> None:
+    rec = LatencyProbe()._chase(0, 8 << 20, QUICK, "/")
+    assert rec.status == "ok" and rec.unit == "ns"
+    assert 0.3 < rec.value < 10_000  # an L1 hit to a very slow remote miss
+
+
+def test_latency_cli_small(tmp_path: Path) -> None:
+    out = tmp_path / "lat.jsonl"
+    with pytest.raises(SystemExit) as e:
+        main(["probe", "latency", "--src", "host:0", "--dst", "host:0", "--sizes", "1,4K",
+              "--pageable", "--chase-size", "4M", "--quick", "--out", str(out)])
+    assert e.value.code == 0
+    recs = load(out).records
+    lat = [r for r in recs if r["metric"] == "copy_latency"]
+    assert [r["params"]["size"] for r in lat] == [1, 4096]
+    assert all(r["value"] > 0 and r["unit"] == "us" for r in lat)
+    assert lat[1]["value"] > lat[0]["value"]  # 4 KiB costs more than one byte
+    assert [r["params"]["node"] for r in recs if r["metric"] == "load_latency"] == ["host:0"]
+    assert (tmp_path / "lat" / "latency.png").is_file()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["pageable", "pinned"])
+def test_gpu_copies(kind: str) -> None:
+    from kvbench.probes._copy import GpuCopier
+
+    g0 = Endpoint("gpu", 0)
+    for pair in (Pair(H0, g0), Pair(g0, H0), Pair(g0, g0)):
+        c = GpuCopier(pair, kind, 1 << 20, bidirectional=pair.src == pair.dst)
+        try:
+            assert c.timing(1 << 16, QUICK).median > 0
+            assert c.timing(1 << 10, QUICK, latency=True).median > 0
+            assert all(g > 0 for g in c.torch_loop_gbps(1 << 20, reps=2, rounds=2))
+        finally:
+            c.close()
+
+
+@pytest.mark.gpu
+def test_gpu_pinned_sweep_records(tmp_path: Path) -> None:
+    out = tmp_path / "gpu.jsonl"
+    with pytest.raises(SystemExit):
+        main(["probe", "bandwidth", "--src", "host:0", "--dst", "gpu:0", "--sizes", "64K,1M",
+              "--quick", "--out", str(out)])
+    recs = load(out).records
+    kinds = {r["params"].get("memory") for r in recs if r["metric"] == "bandwidth"}
+    assert kinds == {"pageable", "pinned"}
+    assert any(r["metric"] == "pageable_pinned_ratio" for r in recs)
+    assert any(r["metric"] == "torch_loop_ratio" for r in recs)
