@@ -21,6 +21,8 @@ install: $(STAMP)
 demo: install
 	$(BIN)/kvbench env
 	$(BIN)/kvbench probe timer --out $(DEMO_OUT)
+	$(BIN)/kvbench probe bandwidth --sizes 1K..256M:x16 --quick --out $(DEMO_OUT)
+	$(BIN)/kvbench probe latency --quick --out $(DEMO_OUT)
 	@echo "results: $(DEMO_OUT)"
 
 test: install
