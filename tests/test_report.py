@@ -1,0 +1,132 @@
+"""Report: grouping, run figures, accuracy table, formats, and the HTML in a real browser."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvbench.cli import main
+from kvbench.envinfo import collect_env
+from kvbench.plots import pyplot, save
+from kvbench.probes.timer import TimerProbe
+from kvbench.schema import measured, not_measured
+from kvbench.store import ResultWriter
+
+RUN_CMD = "kvbench run hgca --model smollm2 --batch 2"
+
+
+@pytest.fixture
+def results(tmp_path: Path) -> Path:
+    """A probe group (timer, one waived) and runs of full/hgca over batch and context."""
+    path = tmp_path / "res.jsonl"
+    with ResultWriter(path, collect_env(), command="kvbench probe timer") as w:
+        w.write(measured("probe", "timer", "perf_counter_ns_overhead", "ns", "lower",
+                         [70.0, 71.0, 75.0], {"calls": 1000}))
+        w.write(not_measured("probe", "timer", "cuda_event_floor", "waived",
+                             "no CUDA GPU on this machine", {"calls": 1000}))
+        for name, extra, scale in (("full", {}, 1.0), ("hgca", {"beta": 1.0}, 0.8)):
+            for batch in (1, 2, 4):
+                for context in (256, 512):
+                    p = {"batch": batch, "context": context, **extra}
+                    rec = measured("run", name, "throughput", "tok/s", "higher",
+                                   [scale * 10 * batch / context * 256] * 3, p)
+                    rec.command = RUN_CMD if name == "hgca" else "kvbench run full"
+                    w.write(rec)
+                    w.write(measured("run", name, "tbt", "s", "lower",
+                                     [0.1 * context / 256 / scale], p))
+            w.write(measured("run", name, "perplexity", "", "lower",
+                             [12.0 if name == "full" else 12.3], {"context": 512, **extra}))
+        proj = measured("run", "hgca", "throughput", "tok/s", "higher", [50.0],
+                        {"batch": 8, "context": 256, "beta": 1.0})
+        proj.provenance = "projected"
+        w.write(proj)
+    return path
+
+
+def report(argv: list[str]) -> int:
+    with pytest.raises(SystemExit) as e:
+        main(["report", *argv])
+    return e.value.code
+
+
+def test_html_is_self_contained_with_figures_commands_and_env(results, tmp_path, monkeypatch):
+    def timer_plot(cls, records, out_dir):
+        fig, ax = pyplot().subplots()
+        ax.plot([r["value"] for r in records])
+        return [save(fig, out_dir / "timer-overhead.png")]
+
+    monkeypatch.setattr(TimerProbe, "plot", classmethod(timer_plot))
+    assert report([str(results), "--format", "html", "--out", str(tmp_path / "rep")]) == 0
+    html = (tmp_path / "rep" / "report.html").read_text()
+    assert list((tmp_path / "rep").iterdir()) == [tmp_path / "rep" / "report.html"]
+    assert not re.search(r'(src|href)="(?!data:)', html)  # nothing loaded from elsewhere
+    captions = re.findall(r"<figcaption>(.*?)</figcaption>", html)
+    assert captions == ["probe timer: timer-overhead", "runs: tbt against batch",
+                        "runs: tbt against context", "runs: throughput against batch",
+                        "runs: throughput against context"]
+    assert html.count('src="data:image/png;base64,') == len(captions)
+    assert RUN_CMD in html and "kvbench probe timer" in html
+    assert "no CUDA GPU on this machine" in html and 'class="waived"' in html
+    assert 'class="projected"' in html and "throughput (projected)" in html
+    assert "logical CPUs" in html and "versions" in html
+    # accuracy: hgca next to the full-attention reference at the same context
+    assert re.search(r"<td>hgca</td><td>context=512 beta=1.0</td><td>12.3</td><td>12</td>"
+                     r"<td>\+2.50%</td>", html)
+
+
+def test_markdown_and_table(results, tmp_path, capsys):
+    assert report([str(results), "--format", "markdown"]) == 0
+    md = capsys.readouterr().out
+    assert "## probe timer" in md and "## runs (all strategies)" in md
+    assert "| hgca | throughput (projected) | batch=8 context=256 beta=1.0 |" in md
+    assert "waived: no CUDA GPU on this machine" in md and "![" not in md
+    assert report([str(results), "--format", "markdown", "--out", str(tmp_path / "md")]) == 0
+    md = (tmp_path / "md" / "report.md").read_text()
+    figs = re.findall(r"!\[[^]]*\]\((figures/[^)]+)\)", md)
+    assert len(figs) == 5 and all((tmp_path / "md" / f).is_file() for f in figs)
+    assert report([str(results)]) == 0
+    assert "accuracy (perplexity" in capsys.readouterr().out
+
+
+def test_bad_input_is_one_line(results, tmp_path, capsys):
+    assert report([str(results), "--format", "pdf"]) == 2
+    assert capsys.readouterr().err.strip() == ("kvbench: error: unknown format 'pdf' "
+                                               "(table, markdown, html)")
+    assert report([str(tmp_path / "missing.jsonl")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--hide-scrollbars", "--virtual-time-budget=5000"]
+
+
+def chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    profile = tmp_path / f"profile{len(list(tmp_path.glob('profile*')))}"
+    profile.mkdir()
+    return subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={profile}", *args],
+                          capture_output=True, text=True, timeout=120, check=True)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH (apt-get install chromium; "
+                    ".ci/run installs it)")
+def test_html_renders_in_headless_chromium(results, tmp_path):
+    from matplotlib.image import imread
+
+    assert report([str(results), "--format", "html", "--out", str(tmp_path / "rep")]) == 0
+    url = (tmp_path / "rep" / "report.html").resolve().as_uri()
+    dom = chromium(tmp_path, "--dump-dom", url).stdout
+    n = dom.count("<img ")
+    assert n == 5  # four run figures; the timer has no plot of its own: its samples figure
+    assert 'data-figures="5/5"' in dom  # set by the page once every image has decoded
+    shot = tmp_path / "shot.png"
+    chromium(tmp_path, "--window-size=1280,3000", f"--screenshot={shot}", url)
+    px = imread(shot)
+    assert px.shape[:2] == (3000, 1280)
+    ink = (px[..., :3].mean(axis=2) < 0.9).mean()  # share of pixels that are not white
+    assert 0.02 < ink < 0.9 and px[..., :3].std() > 0.1
