@@ -173,7 +173,7 @@ class BandwidthProbe(Probe):
         try:
             sample = copier.sampler(BAR_SIZE)
             sb, db, _ = copier.routes[0]
-            rounds = max(policy.min_reps, 5)
+            rounds = 2 * policy.min_reps + 1
             probe_s, ref_s = [], []
             for i in range(rounds + 1):
                 p, r = sample(1), host_memcpy_ref(lib(), db.ptr, sb.ptr, BAR_SIZE, config.threads)
