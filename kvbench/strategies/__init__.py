@@ -114,4 +114,20 @@ def column_scores(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *,
     return out
 
 
+def decode_weights(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *,
+                   scale: float | None = None) -> torch.Tensor:
+    """Attention weights of single-token queries over every key: softmax rows [B, Hq, N].
+
+    q [B, Hq, 1, D], k [B, Hkv, N, D], lse [B, Hq, 1] (from dense_attention over the same
+    keys, causal=False); fp32. What H2O accumulates and HGCA averages (A_gpu, Alg. 1 line 8).
+    """
+    import torch
+
+    b, hq, _, d = q.shape
+    hkv = k.shape[1]
+    s = scale if scale is not None else d ** -0.5
+    logits = torch.matmul(q.float().view(b, hkv, hq // hkv, d), k.float().transpose(-1, -2))
+    return torch.exp(logits.view(b, hq, -1) * s - lse.view(b, hq, 1))
+
+
 STRATEGIES: Registry[type[Strategy]] = Registry("strategy", __name__)

@@ -1,0 +1,137 @@
+"""H2O: heavy hitters by accumulated attention plus a recent window; evicted KV is dropped.
+
+Zhang et al., "H2O: Heavy-Hitter Oracle" (the baseline of HGCA sections 2.2 and 5.2): each
+(batch, KV head) row keeps at most `budget` tokens on the accelerator: the `recent` share
+of them are the latest tokens, the rest the tokens with the largest attention accumulated
+over all steps so far (column sums of the prefill attention, then each decode step's
+softmax row, summed over the query heads of a GQA group). After each decode step the
+row's lowest-scoring token outside the recent window is evicted (per head, so rows keep
+different tokens); evicted tokens are gone for good. The default budget, 20% of the KV
+(prompt + generated), is the HGCA paper's H2O setting.
+
+Layout per layer: k/v [B, Hkv, budget + 1, D] with scores [B, Hkv, budget + 1] and token
+positions, one free slot per row after each eviction. Positions are those the decoder
+applied (no re-indexing inside the cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvbench.errors import require
+from kvbench.strategies import STRATEGIES, Strategy, column_scores, decode_weights
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvbench.runtime.context import RunContext
+
+
+@dataclass(frozen=True)
+class H2OParams:
+    """KV budget (share of prompt + generated tokens) and its recent-window share."""
+
+    budget: float = field(default=0.2, metadata={
+        "help": "Share of the KV (prompt + generated) kept, in (0, 1]."})
+    recent: float = field(default=0.5, metadata={
+        "help": "Share of the budget reserved for the most recent tokens, in [0, 1)."})
+
+    def __post_init__(self) -> None:
+        require(0 < self.budget <= 1, f"--budget {self.budget}: must be in (0, 1]")
+        require(0 <= self.recent < 1, f"--recent {self.recent}: must be in [0, 1)")
+
+
+def group_sum(w: torch.Tensor, hkv: int) -> torch.Tensor:
+    """Per-query-head weights [B, Hq, N] summed over each KV head's group: [B, Hkv, N]."""
+    b, hq, n = w.shape
+    return w.view(b, hkv, hq // hkv, n).sum(dim=2)
+
+
+@STRATEGIES.register
+class H2O(Strategy):
+    """H2O: keep heavy hitters (accumulated attention) + recent tokens, drop the rest."""
+
+    name = "h2o"
+    version = "1"
+    params = H2OParams
+
+    @classmethod
+    def kv_placement(cls, params: H2OParams, kv_bytes: int) -> dict[str, int]:
+        return {"accel": int(kv_bytes * params.budget), "host": 0}
+
+    def __init__(self, params: H2OParams, ctx: RunContext) -> None:
+        import torch
+
+        super().__init__(params, ctx)
+        s = ctx.spec
+        self.budget = int(params.budget * ctx.max_len)
+        require(self.budget >= 1, f"--budget {params.budget} of {ctx.max_len} tokens keeps none")
+        self.n_recent = int(self.budget * params.recent)
+        shape = (ctx.batch, s.n_kv_heads, self.budget + 1)
+        self.k = [torch.empty(*shape, s.head_dim, dtype=ctx.dtype, device=ctx.accel)
+                  for _ in range(ctx.n_layers)]
+        self.v = [torch.empty_like(t) for t in self.k]
+        self.score = [torch.zeros(shape, dtype=torch.float32, device=ctx.accel)
+                      for _ in range(ctx.n_layers)]
+        self.pos = [torch.zeros(shape, dtype=torch.long, device=ctx.accel)
+                    for _ in range(ctx.n_layers)]
+        self.n = [0] * ctx.n_layers  # filled slots (same for every row)
+        self.seen = [0] * ctx.n_layers  # tokens seen (next position)
+        self.free: list[torch.Tensor | None] = [None] * ctx.n_layers  # [B, Hkv] slot
+
+    def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        from kvbench.kernels.attention import dense_attention
+
+        p, hkv = k.shape[2], k.shape[1]
+        out, lse = dense_attention(q, k, v)
+        self.ctx.counters.attended("accel", q, p)
+        with self.ctx.counters.timed("bookkeeping.scores"):
+            score = group_sum(column_scores(q, k, lse), hkv)  # [B, Hkv, P]
+        pos = torch.arange(p, device=k.device).expand_as(score)
+        if p > self.budget:  # keep the recent tokens and the heaviest of the others
+            old = p - self.n_recent
+            heavy = score[:, :, :old].topk(self.budget - self.n_recent, dim=-1).indices
+            recent = torch.arange(old, p, device=k.device).expand(*score.shape[:2], -1)
+            pos = torch.cat([heavy.sort(dim=-1).values, recent], dim=-1)
+            score = score.gather(2, pos)
+            idx = pos[..., None].expand(-1, -1, -1, k.shape[3])
+            k, v = k.gather(2, idx), v.gather(2, idx)
+        n = k.shape[2]
+        self.k[layer][:, :, :n], self.v[layer][:, :, :n] = k, v
+        self.score[layer][:, :, :n], self.pos[layer][:, :, :n] = score, pos
+        self.n[layer], self.seen[layer] = n, p
+        return out
+
+    def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        from kvbench.kernels.attention import dense_attention
+
+        kc, vc, score, pos = self.k[layer], self.v[layer], self.score[layer], self.pos[layer]
+        t = self.seen[layer]
+        free = self.free[layer]
+        if free is None:  # room left: append at the end
+            n = self.n[layer]
+            kc[:, :, n], vc[:, :, n] = k[:, :, 0], v[:, :, 0]
+            score[:, :, n], pos[:, :, n] = 0.0, t
+            self.n[layer] = n = n + 1
+        else:  # the slot each row freed last step
+            n = self.n[layer]
+            slot = free[..., None]
+            idx = slot[..., None].expand(-1, -1, 1, k.shape[3])
+            kc.scatter_(2, idx, k)
+            vc.scatter_(2, idx, v)
+            score.scatter_(2, slot, 0.0)
+            pos.scatter_(2, slot, t)
+        self.seen[layer] = t + 1
+        out, lse = dense_attention(q, kc[:, :, :n], vc[:, :, :n], causal=False)
+        self.ctx.counters.attended("accel", q, n)
+        with self.ctx.counters.timed("bookkeeping.scores"):
+            score[:, :, :n] += group_sum(decode_weights(q, kc[:, :, :n], lse), k.shape[1])
+            if n == self.budget + 1:  # evict each row's lightest token outside the window
+                old = pos[:, :, :n] < t + 1 - self.n_recent
+                self.free[layer] = score[:, :, :n].masked_fill(~old, float("inf")).argmin(-1)
+        return out

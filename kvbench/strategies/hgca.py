@@ -1,0 +1,314 @@
+"""HGCA: hybrid GPU-CPU attention (HGCA paper sections 3.2-3.3, Algorithms 1 and 2).
+
+Per layer (Algorithm 1, section 3.2.1) the accelerator holds a ring of `window / block`
+fixed-size KV blocks (k/v [B, Hkv, W, D]) and a moving average of attention weights (MAW)
+per resident entry and query head ([B, Hq, W], factor alpha, line 8). When the ring is
+full after a step (line 10) its oldest block is evicted: copied with its MAW to host
+memory (line 13) on a side CUDA stream (on a CPU-only machine the copy is a memcpy,
+counted on the d2h link all the same). A single host worker thread, off the critical
+path (section 3.2.2), appends the block to the layer's host cache KV_cpu and selects per
+KV head the entries whose MAW exceeds beta / W (lines 23-25; W = GPU-side entries, the
+paper's A_gpu.size), appending them to the contextual cache KV_ctx, stored contiguously
+per (batch, KV head) row ([B, Hkv, N, D] with per-row lengths). With grouped-query
+attention an entry is kept for a KV head when any of its query heads selects it (max of
+the group's MAW); for multi-head models (the paper's OPT) that is exactly per head.
+beta = 0 selects every host entry (no sparsification): the hybrid result is then exact.
+
+A decode step (Algorithm 2, section 3.3): dense attention over the resident window on
+the accelerator, sparse attention of the query over each row's KV_ctx entries on the
+host (kvbench.kernels.cpu: `threads` pthreads, adjacent heads merged per task as in the
+paper's footnote 4), merged by log-sum-exp into the accelerator output. On CUDA the GPU
+kernels are queued first, so the host part runs while they execute; on a CPU-only
+machine both parts run on the CPU one after the other, and the accelerator role's wait
+for the host part is what `accel_idle` records.
+
+The prefill is dense causal attention over the whole prompt; prompt tokens get their
+initial MAW from the prefill attention: the mean weight a key received from the queries
+that saw it (`column_scores` / number of such queries). Tokens beyond the ring are evicted
+in whole blocks at once (line 11). Multi-turn appends (re-evaluation, lines 19-21) do not
+occur in kvbench's runtime (one prefill, then single-token steps) and are not modelled.
+
+Counters: attended accel (window) and host (mean selected entries per row); moved d2h
+(evicted blocks, queries) and h2d (partial outputs); time phases "bookkeeping.maw",
+"bookkeeping.evict", "bookkeeping.select" (worker time, filed when joined),
+"bookkeeping.handoff" (waiting for the worker), "bookkeeping.merge", "accel_idle";
+tokens "host_resident" and "host_selected.h{i}" (per KV head, summed over the batch) from
+which the selected fraction per head follows.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvbench.errors import require
+from kvbench.kernels.cpu import default_threads
+from kvbench.strategies import STRATEGIES, Strategy, column_scores, decode_weights
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvbench.runtime.context import RunContext
+
+
+@dataclass(frozen=True)
+class HgcaParams:
+    """HGCA knobs (section 3.2): GPU window, sparsification, moving average, blocks, threads."""
+
+    gpu_share: float = field(default=0.25, metadata={
+        "help": "Share of the KV (prompt + generated) kept on the accelerator, in (0, 1]; "
+                "rounded down to whole blocks."})
+    gpu_tokens: int = field(default=0, metadata={
+        "help": "Accelerator window in tokens (overrides --gpu-share when > 0; a multiple "
+                "of --block)."})
+    beta: float = field(default=1.0, metadata={
+        "help": "Sparsification factor: host entries with MAW > beta / window are attended "
+                "(0: all)."})
+    alpha: float = field(default=0.1, metadata={
+        "help": "Moving-average factor of attention weights, in (0, 1]."})
+    block: int = field(default=64, metadata={"help": "KV block size in tokens."})
+    cpu_threads: int = field(default=default_threads(), metadata={
+        "help": "Threads of the host sparse attention (default: this machine's CPUs)."})
+
+    def __post_init__(self) -> None:
+        require(self.beta >= 0, f"--beta {self.beta}: must be >= 0")
+        require(0 < self.gpu_share <= 1, f"--gpu-share {self.gpu_share}: must be in (0, 1]")
+        require(self.gpu_tokens >= 0, f"--gpu-tokens {self.gpu_tokens}: must be >= 0")
+        require(0 < self.alpha <= 1, f"--alpha {self.alpha}: must be in (0, 1]")
+        require(self.block >= 1, f"--block {self.block}: must be at least 1")
+        require(self.cpu_threads >= 1, f"--cpu-threads {self.cpu_threads}: must be at least 1")
+
+    def window(self, max_len: int) -> int:
+        """Accelerator window W in tokens for a cache of max_len; KvbenchError if unusable."""
+        if self.gpu_tokens:
+            require(self.gpu_tokens % self.block == 0, f"--block {self.block} does not divide "
+                    f"the GPU window of {self.gpu_tokens} tokens")
+            w = self.gpu_tokens
+        else:
+            w = int(self.gpu_share * max_len) // self.block * self.block
+        require(w >= self.block, f"GPU share leaves no room for the prompt: a window of "
+                f"{w} tokens of {max_len} is less than one block of {self.block}")
+        return w
+
+
+class _Layer:
+    """One layer's state: accelerator ring + MAW, host cache, contextual cache, worker job."""
+
+    def __init__(self, ctx: RunContext, w: int, block: int) -> None:
+        import torch
+
+        s, b, n = ctx.spec, ctx.batch, ctx.max_len
+        hkv, hq, d = s.n_kv_heads, s.n_heads, s.head_dim
+        pin = ctx.accel.type == "cuda"
+        # host dtype: what the native kernel reads (float16 models keep float32 on the host)
+        hd = ctx.dtype if ctx.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        self.gk = torch.empty(b, hkv, w, d, dtype=ctx.dtype, device=ctx.accel)
+        self.gv = torch.empty_like(self.gk)
+        self.maw = torch.zeros(b, hq, w, dtype=torch.float32, device=ctx.accel)
+        self.n = 0  # resident entries
+        self.tail = 0  # slot of the oldest resident entry (block aligned)
+        self.hk = torch.empty(b, hkv, n, d, dtype=hd, pin_memory=pin)  # KV_cpu
+        self.hv = torch.empty_like(self.hk, pin_memory=pin)
+        self.n_host = 0
+        self.ck = torch.empty(b, hkv, n, d, dtype=hd)  # KV_ctx, contiguous per row
+        self.cv = torch.empty_like(self.ck)
+        self.lens = torch.zeros(b * hkv, dtype=torch.int32)
+        self.sk = torch.empty(b, hkv, block, d, dtype=hd, pin_memory=pin)  # eviction staging
+        self.sv = torch.empty_like(self.sk, pin_memory=pin)
+        self.smaw = torch.empty(b, hq, block, dtype=torch.float32, pin_memory=pin)
+        self.job: Future[float] | None = None
+        self.copied: Any = None  # CUDA event: the staging copy is complete
+
+
+@STRATEGIES.register
+class Hgca(Strategy):
+    """HGCA: dense attention on a GPU ring window + per-head sparse attention on the host."""
+
+    name = "hgca"
+    version = "1"
+    params = HgcaParams
+
+    @classmethod
+    def kv_placement(cls, params: HgcaParams, kv_bytes: int) -> dict[str, int]:
+        accel = kv_bytes if params.gpu_tokens else int(kv_bytes * params.gpu_share)
+        return {"accel": min(accel, kv_bytes), "host": kv_bytes}  # host: KV_cpu (+ KV_ctx)
+
+    def __init__(self, params: HgcaParams, ctx: RunContext) -> None:
+        import torch
+
+        super().__init__(params, ctx)
+        self.w = params.window(ctx.max_len)
+        self.layers = [_Layer(ctx, self.w, params.block) for _ in range(ctx.n_layers)]
+        rows = ctx.batch * ctx.spec.n_kv_heads
+        self.idx = torch.arange(ctx.max_len, dtype=torch.int32).repeat(rows, 1)
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hgca-select")
+        self.stream = torch.cuda.Stream(ctx.accel) if ctx.accel.type == "cuda" else None
+        self.scale = ctx.spec.head_dim ** -0.5
+
+    # -- Algorithm 1: KV manager -------------------------------------------------------------
+
+    def _join(self, L: _Layer) -> None:
+        """Wait for the layer's host job (hand-off) and file the worker's selection time."""
+        if L.job is None:
+            return
+        c = self.ctx.counters
+        with c.timed("bookkeeping.handoff"):
+            took = L.job.result()
+        L.job = None
+        c.add("time", "bookkeeping.select", took)
+
+    def _offload(self, L: _Layer, k: torch.Tensor, v: torch.Tensor, maw: torch.Tensor) -> None:
+        """Copy evicted k/v [B, Hkv, n, D] and MAW [B, Hq, n] to host, select on the worker."""
+        import torch
+
+        n = k.shape[2]
+        c = self.ctx.counters
+        c.moved("d2h", (k.numel() + v.numel()) * k.element_size() + maw.numel() * 4)
+        if n <= L.sk.shape[2]:
+            sk, sv, sm = L.sk[:, :, :n], L.sv[:, :, :n], L.smaw[:, :, :n]
+        else:  # the prompt's overflow: staged once, in fresh host buffers
+            sk, sv = torch.empty(k.shape, dtype=L.hk.dtype), torch.empty(v.shape, dtype=L.hk.dtype)
+            sm = torch.empty(maw.shape, dtype=torch.float32)
+        with c.timed("bookkeeping.evict"):
+            if self.stream is not None:
+                self.stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self.stream):
+                    for dst, src in ((sk, k), (sv, v), (sm, maw)):
+                        dst.copy_(src, non_blocking=True)
+                    L.copied = torch.cuda.Event()
+                    L.copied.record(self.stream)
+            else:
+                for dst, src in ((sk, k), (sv, v), (sm, maw)):
+                    dst.copy_(src)
+        L.job = self.worker.submit(self._select, L, sk, sv, sm, L.copied)
+
+    def _select(self, L: _Layer, k: torch.Tensor, v: torch.Tensor, maw: torch.Tensor,
+                copied: Any) -> float:
+        """Worker: KV_cpu += block; KV_ctx[row] += entries with MAW > beta / W (lines 23-25)."""
+        import time
+
+        import torch
+
+        t0 = time.perf_counter()
+        if copied is not None:
+            copied.synchronize()
+        with torch.inference_mode():
+            b, hkv, n, d = k.shape
+            h0 = L.n_host
+            L.hk[:, :, h0:h0 + n] = k
+            L.hv[:, :, h0:h0 + n] = v
+            L.n_host += n
+            g = maw.shape[1] // hkv
+            score = maw.view(b, hkv, g, n).amax(dim=2).reshape(b * hkv, n)
+            if self.p.beta > 0:
+                keep = score > self.p.beta / self.w
+            else:
+                keep = torch.ones_like(score, dtype=torch.bool)
+            rows, j = keep.nonzero(as_tuple=True)
+            pos = L.lens.long()[rows] + (keep.long().cumsum(dim=1) - 1)[rows, j]
+            ck, cv = L.ck.view(b * hkv, -1, d), L.cv.view(b * hkv, -1, d)
+            ck[rows, pos] = k.reshape(b * hkv, n, d)[rows, j]
+            cv[rows, pos] = v.reshape(b * hkv, n, d)[rows, j]
+            L.lens += keep.sum(dim=1, dtype=torch.int32)
+        return time.perf_counter() - t0
+
+    def _update_maw(self, L: _Layer, q: torch.Tensor, lse: torch.Tensor) -> None:
+        """Line 8: MAW <- (1 - alpha) MAW + alpha A_gpu, A_gpu the window softmax [B, Hq, W]."""
+        a = decode_weights(q, L.gk, lse, scale=self.scale)
+        L.maw.mul_(1 - self.p.alpha).add_(a, alpha=self.p.alpha)
+
+    # -- Algorithm 2: hybrid attention -------------------------------------------------------
+
+    def _window(self, L: _Layer, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense attention over the resident slots (one range, or two when the ring wraps)."""
+        from kvbench.kernels.attention import dense_attention, merge
+
+        a, e = L.tail, L.tail + L.n
+        if e <= self.w:
+            return dense_attention(q, L.gk[:, :, a:e], L.gv[:, :, a:e], causal=False)
+        o1, l1 = dense_attention(q, L.gk[:, :, a:], L.gv[:, :, a:], causal=False)
+        o2, l2 = dense_attention(q, L.gk[:, :, :e - self.w], L.gv[:, :, :e - self.w],
+                                 causal=False)
+        return merge(o1, l1, o2, l2)
+
+    def _host(self, L: _Layer, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Sparse attention of q over each row's KV_ctx on the host thread pool (line 12)."""
+        from kvbench.kernels import cpu
+
+        nmax = int(L.lens.max()) if L.n_host else 0
+        if nmax == 0:
+            return None
+        c = self.ctx.counters
+        qh = q.to(device="cpu", dtype=L.ck.dtype)
+        c.moved("d2h", q.numel() * q.element_size())
+        out, lse = cpu.run(qh, L.ck, L.cv, scale=self.scale, causal=False, q_start=0,
+                           idx=self.idx[:, :nmax], lens=L.lens, threads=self.p.cpu_threads)
+        c.moved("h2d", out.numel() * q.element_size() + lse.numel() * 4)
+        sel = L.lens.view(q.shape[0], -1).sum(dim=0).tolist()
+        c.attended("host", q, sum(sel) / len(L.lens))
+        c.add("tokens", "host_resident", q.shape[0] * L.n_host)
+        for h, n in enumerate(sel):
+            c.add("tokens", f"host_selected.h{h}", n)
+        return out, lse
+
+    def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        from kvbench.kernels.attention import dense_attention
+
+        L = self.layers[layer]
+        require(L.n == 0 and L.n_host == 0, "hgca: a second prefill (append) is not supported")
+        c = self.ctx.counters
+        p = k.shape[2]
+        out, lse = dense_attention(q, k, v)
+        c.attended("accel", q, p)
+        evict = math.ceil((p - self.w + 1) / self.p.block) * self.p.block if p >= self.w else 0
+        if self.ctx.max_len > self.w:  # some token will leave the window: it needs a MAW
+            with c.timed("bookkeeping.scores"):
+                seen = torch.arange(p, 0, -1, dtype=torch.float32, device=q.device)
+                init = column_scores(q, k, lse) / seen  # mean weight from its p - j queries
+        else:
+            init = L.maw.new_zeros(q.shape[0], q.shape[1], p)
+        r = p - evict
+        L.gk[:, :, :r] = k[:, :, evict:]
+        L.gv[:, :, :r] = v[:, :, evict:]
+        L.maw[:, :, :r] = init[:, :, evict:]
+        L.n, L.tail = r, 0
+        if evict:
+            self._offload(L, k[:, :, :evict], v[:, :, :evict], init[:, :, :evict])
+        return out
+
+    def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        from kvbench.kernels.attention import merge
+
+        L = self.layers[layer]
+        c = self.ctx.counters
+        self._join(L)  # KV_ctx complete for this layer (the paper's per-layer sync)
+        slot = (L.tail + L.n) % self.w  # line 9: insert at the head of the ring
+        if L.copied is not None and self.stream is not None:
+            torch.cuda.current_stream().wait_event(L.copied)  # evicted slots are free
+        L.gk[:, :, slot] = k[:, :, 0]
+        L.gv[:, :, slot] = v[:, :, 0]
+        L.maw[:, :, slot] = 0
+        L.n += 1
+        out, lse = self._window(L, q)
+        c.attended("accel", q, L.n)
+        with c.timed("bookkeeping.maw"):
+            self._update_maw(L, q, lse)
+        with c.timed("accel_idle"):
+            host = self._host(L, q)
+        if host is not None:
+            with c.timed("bookkeeping.merge"):
+                out, lse = merge(out, lse, *host)
+        if L.n == self.w:  # line 10: full after the append, evict the oldest block
+            a, e = L.tail, L.tail + self.p.block
+            self._offload(L, L.gk[:, :, a:e], L.gv[:, :, a:e], L.maw[:, :, a:e])
+            L.tail = e % self.w
+            L.n -= self.p.block
+        return out

@@ -1,0 +1,102 @@
+"""StreamingLLM: attention sinks (the first tokens) plus a window of the most recent ones.
+
+Xiao et al., "Efficient Streaming Language Models with Attention Sinks" (a baseline in the
+HGCA comparison, section 2.2's static sparse attention): each layer keeps the first
+`sinks` tokens and the latest `budget - sinks` tokens on the accelerator; a token leaving
+the window is dropped. Positions are those the decoder applied (the cache is not
+re-indexed, unlike the paper's rolling positions), which matches how HGCA Table 1 style
+evaluations apply static patterns to a model's original positions.
+
+Layout per layer: k/v [B, Hkv, budget, D]; slots [0, sinks) hold the sinks, the rest a ring
+where the token at position t lives in slot sinks + (t - sinks) mod (budget - sinks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvbench.errors import require
+from kvbench.strategies import STRATEGIES, Strategy
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvbench.runtime.context import RunContext
+
+
+@dataclass(frozen=True)
+class StreamingParams:
+    """KV budget (share of prompt + generated tokens) and the number of sink tokens."""
+
+    budget: float = field(default=0.2, metadata={
+        "help": "Share of the KV (prompt + generated) kept, in (0, 1]."})
+    sinks: int = field(default=4, metadata={"help": "Initial tokens always kept (>= 0)."})
+
+    def __post_init__(self) -> None:
+        require(0 < self.budget <= 1, f"--budget {self.budget}: must be in (0, 1]")
+        require(self.sinks >= 0, f"--sinks {self.sinks}: must be >= 0")
+
+
+@STRATEGIES.register
+class Streaming(Strategy):
+    """StreamingLLM: attention sinks + a recent window on the accelerator, the rest dropped."""
+
+    name = "streaming"
+    version = "1"
+    params = StreamingParams
+
+    @classmethod
+    def kv_placement(cls, params: StreamingParams, kv_bytes: int) -> dict[str, int]:
+        return {"accel": int(kv_bytes * params.budget), "host": 0}
+
+    def __init__(self, params: StreamingParams, ctx: RunContext) -> None:
+        import torch
+
+        super().__init__(params, ctx)
+        s = ctx.spec
+        self.budget = int(params.budget * ctx.max_len)
+        self.ring = self.budget - params.sinks
+        require(self.ring >= 1, f"--budget {params.budget} of {ctx.max_len} tokens leaves no "
+                f"recent window after {params.sinks} sinks")
+        shape = (ctx.batch, s.n_kv_heads, self.budget, s.head_dim)
+        self.k = [torch.empty(shape, dtype=ctx.dtype, device=ctx.accel)
+                  for _ in range(ctx.n_layers)]
+        self.v = [torch.empty_like(t) for t in self.k]
+        self.seen = [0] * ctx.n_layers
+
+    def _slot(self, t: int) -> int:
+        """Slot of the token at position t (t < budget: slot t)."""
+        s = self.p.sinks
+        return t if t < s else s + (t - s) % self.ring
+
+    def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        from kvbench.kernels.attention import dense_attention
+
+        p = k.shape[2]
+        out, _ = dense_attention(q, k, v)
+        self.ctx.counters.attended("accel", q, p)
+        keep = list(range(min(p, self.p.sinks))) + list(range(max(self.p.sinks, p - self.ring), p))
+        slots = torch.tensor([self._slot(t) for t in keep], device=k.device)
+        src = torch.tensor(keep, device=k.device)
+        self.k[layer][:, :, slots] = k[:, :, src]
+        self.v[layer][:, :, slots] = v[:, :, src]
+        self.seen[layer] = p
+        return out
+
+    def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        from kvbench.kernels.attention import dense_attention
+
+        t = self.seen[layer]
+        slot = self._slot(t)
+        self.k[layer][:, :, slot], self.v[layer][:, :, slot] = k[:, :, 0], v[:, :, 0]
+        self.seen[layer] = t + 1
+        n = min(t + 1, self.budget)
+        out, _ = dense_attention(q, self.k[layer][:, :, :n], self.v[layer][:, :, :n],
+                                 causal=False)
+        self.ctx.counters.attended("accel", q, n)
+        return out
