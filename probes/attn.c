@@ -22,6 +22,7 @@
 #include <string.h>
 
 #define BLK 64
+#define PF_BLOCKS 1
 
 typedef struct {
     int dtype;
@@ -76,6 +77,18 @@ static inline void axpy(float *y, float a, const float *x, int64_t n) {
     for (int64_t d = 0; d < n; d++) y[d] += a * x[d];
 }
 
+/* Prefetch the K and V rows of selected positions idx[lo..hi) (whole rows, 64 B lines). */
+static inline void prefetch_rows(const job_t *j, const int32_t *idx, int64_t kb, int64_t vb,
+                                 int64_t lo, int64_t hi) {
+    const int64_t esz = j->dtype == 0 ? 4 : 2, row_bytes = j->D * esz;
+    const char *kbase = (const char *)j->k, *vbase = (const char *)j->v;
+    for (int64_t jj = lo; jj < hi; jj++)
+        for (int64_t c = 0; c < row_bytes; c += 64) {
+            __builtin_prefetch(kbase + (kb + idx[jj] * j->ks[2]) * esz + c);
+            __builtin_prefetch(vbase + (vb + idx[jj] * j->vs[2]) * esz + c);
+        }
+}
+
 typedef struct {
     float *qf, *acc, *m, *l, *s, *kbuf, *vbuf;
     const float *kp[BLK];
@@ -96,8 +109,13 @@ static void do_row(job_t *j, work_t *w, int64_t r) {
     }
     memset(w->acc, 0, sizeof(float) * nr * D);
     int32_t pos[BLK];
+    /* Sparse rows are scattered (a page each): prefetch K and V rows PF_BLOCKS blocks
+     * ahead so their misses overlap instead of serialising behind each dot product. */
+    if (idx) prefetch_rows(j, idx, kb, vb, 0, PF_BLOCKS * BLK < n ? PF_BLOCKS * BLK : n);
     for (int64_t j0 = 0; j0 < n; j0 += BLK) {
         const int64_t nb = n - j0 < BLK ? n - j0 : BLK;
+        const int64_t pf = j0 + PF_BLOCKS * BLK;
+        if (idx && pf < n) prefetch_rows(j, idx, kb, vb, pf, pf + BLK < n ? pf + BLK : n);
         for (int64_t jj = 0; jj < nb; jj++) {
             pos[jj] = idx ? idx[j0 + jj] : (int32_t)(j0 + jj);
             w->kp[jj] = row_f32(j, j->k, kb + pos[jj] * j->ks[2], w->kbuf + jj * D);
