@@ -98,8 +98,9 @@ def make_plan(src: str | None, dst: str | None, sizes: str, memory: str,
 
 def calibrated(sample: Callable[[int], float], policy: Policy) -> Timing:
     """Time sample(iters) -> seconds per copy with iters chosen so one sample lasts SAMPLE_S."""
-    once = max(sample(1), 1e-9)
-    iters = max(1, min(1 << 22, math.ceil(SAMPLE_S / once)))
+    iters = 1
+    for _ in range(2):  # one copy can hit warm caches: refine once from a full-length sample
+        iters = max(1, min(1 << 22, math.ceil(SAMPLE_S / max(sample(iters), 1e-10))))
     return time_native(lambda: sample(iters), policy)
 
 
