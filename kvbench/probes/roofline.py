@@ -1,0 +1,193 @@
+"""Roofline probe: peak matmul FLOP/s and memory bandwidth per device, attention intensity.
+
+HGCA section 1 (Fig. 1): decode and append attention are memory-bound. For every device
+present (the CPU, each CUDA GPU) this measures the matmul peak (square torch.mm) and the
+memory roof (copy traffic: bytes read plus written per second), projects the operational
+intensity (FLOP per byte of Q/K/V/O traffic) of prefill, append (32 queries) and decode
+attention at a model's shapes, measures those attention steps with kvbench.kernels, and
+draws the roofline with the measured points.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from kvbench.errors import require
+from kvbench.probes import PROBES, Probe, run_and_store
+from kvbench.schema import Record, measured
+from kvbench.timing import Policy, time_cuda, time_host
+from kvbench.units import gbps
+
+STAGES = {"prefill": None, "append": 32, "decode": 1}  # query length (None: = tokens)
+
+
+@dataclass(frozen=True)
+class RooflineConfig:
+    model: str = "opt-6.7b"
+    heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    tokens: int = 2048
+    batch: int = 1
+    dtype: str = "float32"
+    matmul: int = 2048
+    min_time: float = 0.2
+
+
+def intensity(stage_q: int, tokens: int, batch: int, heads: int, kv_heads: int, head_dim: int,
+              elem: int) -> tuple[float, float]:
+    """(FLOPs, bytes) of one causal attention step: QK^T and PV over the visible keys
+    (2 * 2 * D per query-key pair), Q/O read and written once and K/V read once."""
+    lq = stage_q
+    visible = lq * tokens - lq * (lq - 1) / 2  # causal: query i sees tokens - lq + i + 1
+    flops = 4.0 * batch * heads * head_dim * visible
+    nbytes = elem * batch * head_dim * (2 * heads * lq + 2 * kv_heads * tokens)
+    return flops, nbytes
+
+
+def shapes(config: RooflineConfig) -> tuple[str, int, int, int]:
+    """(label, heads, kv heads, head dim): explicit --heads/--kv-heads/--head-dim win."""
+    from kvbench.models import get_spec
+
+    if config.heads:
+        kv = config.kv_heads or config.heads
+        require(config.head_dim > 0, "--heads needs --head-dim")
+        require(config.heads % kv == 0,
+                f"heads ({config.heads}) must be a multiple of kv heads ({kv})")
+        return "custom", config.heads, kv, config.head_dim
+    spec = get_spec(config.model)
+    return spec.name, spec.n_heads, spec.n_kv_heads, spec.head_dim
+
+
+@PROBES.register
+class RooflineProbe(Probe):
+    """Peak FLOP/s and bandwidth per device; attention intensity and points (HGCA Fig. 1)."""
+
+    name = "roofline"
+    version = "1"
+    config = RooflineConfig
+
+    def run(self, config: RooflineConfig) -> Iterator[Record]:
+        import torch
+
+        from kvbench.kernels import dense_attention
+        from kvbench.kernels.workload import torch_dtype
+
+        label, heads, kv_heads, head_dim = shapes(config)
+        require(config.tokens >= 32 and config.batch > 0 and config.matmul > 0,
+                "tokens must be >= 32, batch and matmul size positive")
+        devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+        dts = {d: torch_dtype(config.dtype, d.split(":")[0]) for d in devices}
+        policy = Policy(warmup=1, min_reps=3, min_time_s=config.min_time, max_reps=50,
+                        max_time_s=max(3.0, 4 * config.min_time))
+        elem = torch.empty(0, dtype=dts["cpu"]).element_size()
+        base = {"model": label, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+                "tokens": config.tokens, "batch": config.batch, "dtype": config.dtype}
+        for stage, q in STAGES.items():
+            flops, nbytes = intensity(q or config.tokens, config.tokens, config.batch, heads,
+                                      kv_heads, head_dim, elem)
+            rec = measured("probe", self.name, "intensity", "FLOP/B", "none", [flops / nbytes],
+                           {**base, "stage": stage}, {"formula": "4*B*H*D*visible pairs / "
+                                                      "(Q+O+K+V bytes)"})
+            rec.provenance = "projected"
+            yield rec
+        for dev in devices:
+            dt = dts[dev]
+
+            def timed(fn, dev=dev):
+                return time_cuda(fn, policy) if dev.startswith("cuda") else time_host(fn, policy)
+
+            with torch.cuda.device(dev) if dev.startswith("cuda") else nullcontext():
+                n = config.matmul
+                a = torch.randn(n, n, device=dev).to(dt)
+                t = timed(lambda a=a: torch.mm(a, a))
+                yield measured("probe", self.name, "peak_flops", "TFLOP/s", "higher",
+                               [2 * n**3 / s / 1e12 for s in t.seconds],
+                               {"device": dev, "dtype": config.dtype, "n": n}, t.method())
+                size = 256 << 20
+                src = torch.ones(size, dtype=torch.uint8, device=dev)
+                dst = torch.empty_like(src)
+                t = timed(lambda s=src, d=dst: d.copy_(s))
+                yield measured("probe", self.name, "memory_gbps", "GB/s", "higher",
+                               [gbps(2 * size, s) for s in t.seconds],
+                               {"device": dev, "bytes": size, "how": "torch copy_, read+write"},
+                               t.method())
+                del a, src, dst
+                gen = torch.Generator().manual_seed(0)
+                k = torch.randn(config.batch, kv_heads, config.tokens, head_dim, generator=gen)
+                k, v = k.to(dev, dt), k.flip(2).to(dev, dt)
+                for stage, q in STAGES.items():
+                    lq = q or config.tokens
+                    qt = torch.randn(config.batch, heads, lq, head_dim).to(dev, dt)
+                    flops, nbytes = intensity(lq, config.tokens, config.batch, heads, kv_heads,
+                                              head_dim, elem)
+                    t = timed(lambda qt=qt, k=k, v=v: dense_attention(qt, k, v))
+                    yield measured("probe", self.name, "attention_tflops", "TFLOP/s", "higher",
+                                   [flops / s / 1e12 for s in t.seconds],
+                                   {**base, "stage": stage, "device": dev,
+                                    "intensity": round(flops / nbytes, 4)}, t.method())
+
+    @classmethod
+    def plot(cls, records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+        """Fig. 1: per device the roof min(peak, I * bandwidth), stage intensities, points."""
+        from kvbench.plots import pyplot, save
+
+        ok = [r for r in records if r.get("name") == cls.name and r["status"] == "ok"]
+        peak = {r["params"]["device"]: r["value"] * 1e12 for r in ok if r["metric"] == "peak_flops"}
+        bw = {r["params"]["device"]: r["value"] * 1e9 for r in ok if r["metric"] == "memory_gbps"}
+        if not peak or not bw:
+            return []
+        plt = pyplot()
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        xs = [2.0 ** (e / 4) for e in range(-16, 53)]
+        for dev in sorted(set(peak) & set(bw)):
+            line = ax.plot(xs, [min(peak[dev], x * bw[dev]) for x in xs], label=f"{dev} roof")[0]
+            pts = [r for r in ok if r["metric"] == "attention_tflops"
+                   and r["params"]["device"] == dev]
+            ax.scatter([r["params"]["intensity"] for r in pts], [r["value"] * 1e12 for r in pts],
+                       color=line.get_color(), zorder=3)
+            for r in pts:
+                ax.annotate(r["params"]["stage"], (r["params"]["intensity"], r["value"] * 1e12),
+                            fontsize=7, xytext=(3, 3), textcoords="offset points")
+        for r in ok:
+            if r["metric"] == "intensity":
+                ax.axvline(r["value"], color="grey", ls=":", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("operational intensity (FLOP/byte)")
+        ax.set_ylabel("FLOP/s")
+        ax.set_title("attention roofline (dotted: projected stage intensities)", fontsize=9)
+        ax.legend(fontsize=8)
+        return [save(fig, out_dir / "roofline-fig1.png")]
+
+
+def cli(
+    model: str = typer.Option("opt-6.7b", help="Model whose attention shapes to use."),
+    heads: int = typer.Option(0, min=0, help="Query heads (overrides --model)."),
+    kv_heads: int = typer.Option(0, min=0, help="KV heads (default: --heads)."),
+    head_dim: int = typer.Option(0, min=0, help="Head dimension (with --heads)."),
+    tokens: int = typer.Option(2048, help="Context tokens of the attention points."),
+    batch: int = typer.Option(1, help="Batch size of the attention points."),
+    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
+    matmul: int = typer.Option(2048, help="Square matmul size for the peak FLOP/s."),
+    min_time: float = typer.Option(0.2, help="Seconds to time each quantity at least."),
+    out: Path | None = typer.Option(None, help="Result file (default: new file in results/)."),
+) -> None:
+    """Measure device roofs and attention points; plots Fig. 1 next to the result file."""
+    from kvbench.console import show_record, wrote
+    from kvbench.store import load
+
+    cfg = RooflineConfig(model, heads, kv_heads, head_dim, tokens, batch, dtype, matmul, min_time)
+    path = run_and_store(RooflineProbe(), cfg, out, show_record)
+    wrote(path)
+    for png in RooflineProbe.plot(load(path).records, path.parent / f"{path.stem}-plots"):
+        wrote(png)
+
+
+RooflineProbe.cli = cli

@@ -1,0 +1,114 @@
+"""attention and roofline probes: tiny runs through the CLI, bad input, plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import cuda_available
+
+from kvbench.cli import main
+from kvbench.probes.attention import AttentionProbe
+from kvbench.probes.roofline import intensity
+from kvbench.store import load
+
+TINY = ["probe", "attention", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+        "--gpu-tokens", "64", "--host-tokens", "128", "--query", "1,4", "--dtype", "float32",
+        "--min-time", "0"]
+
+
+def run_cli(args: list[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 0
+
+
+def test_attention_tiny_run(tmp_path: Path):
+    out = tmp_path / "att.jsonl"
+    run_cli([*TINY, "--out", str(out)])
+    recs = load(out).records
+    by = {(r["metric"], r["params"].get("mode"), r["params"].get("query")): r for r in recs}
+    for mode in ("cpu-dense", "cpu-sparse", "hybrid"):
+        for q in (1, 4):
+            assert by[("time", mode, q)]["status"] == "ok" and by[("time", mode, q)]["value"] > 0
+            assert by[("kv_read_gbps", mode, q)]["value"] > 0
+    assert by[("time_merge", "hybrid", 1)]["status"] == "ok"
+    bars = {r["metric"] for r in recs if r["metric"].startswith("bar.")}
+    assert {"bar.sdpa_time_over_cpu_dense_time", "bar.cpu_sparse_over_dense_gbps",
+            "bar.merge_share_of_hybrid"} <= bars
+    assert all(isinstance(r["method"]["pass"], bool) for r in recs if r["metric"] in bars)
+    if not cuda_available():
+        assert by[("time", "gpu", 1)]["status"] == "waived"
+        assert "no CUDA" in by[("time", "gpu-transfer", 4)]["reason"]
+    assert (tmp_path / "att-plots" / "attention-fig11-breakdown.png").stat().st_size > 0
+
+
+def test_heatmap_from_records(tmp_path: Path):
+    shape = {"batch": 1, "heads": 4, "kv_heads": 4, "head_dim": 16, "query": 1,
+             "dtype": "float32"}
+    recs = [{"name": "attention", "metric": "time", "status": "ok", "value": t,
+             "params": {**shape, "gpu_tokens": g, "host_tokens": h, "mode": m}}
+            for g in (64, 128) for h in (64, 256)
+            for m, t in (("hybrid", 1.0), ("gpu-transfer", 2.0))]
+    paths = AttentionProbe.plot(recs, tmp_path)
+    assert [p.name for p in paths] == ["attention-fig10-hybrid-speedup.png"]
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--heads", "6", "--kv-heads", "4"], "multiple of kv heads"),
+    (["--keep", "1.5"], "keep fraction"),
+    (["--keep", "0"], "keep fraction"),
+    (["--dtype", "int8"], "unknown dtype"),
+    (["--modes", "cpu-dense,warp"], "unknown mode"),
+])
+def test_attention_bad_input(args, msg, capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        main([*TINY, *args, "--out", str(tmp_path / "x.jsonl")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert msg in err and err.count("\n") == 1
+
+
+@pytest.mark.skipif(cuda_available(), reason="checks the CPU-only refusal")
+def test_gpu_mode_forced_without_gpu(capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        main([*TINY, "--modes", "gpu-transfer", "--out", str(tmp_path / "x.jsonl")])
+    assert e.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_decode_intensity_is_memory_bound():
+    # MHA float32 decode over T tokens: 4*H*D*T FLOPs over 4*D*(2H + 2H*T) bytes -> ~0.5.
+    flops, nbytes = intensity(1, 4096, 1, 32, 32, 128, 4)
+    assert flops == 4 * 32 * 128 * 4096 and nbytes == 4 * 128 * (64 + 64 * 4096)
+    assert 0.49 < flops / nbytes < 0.5
+    # Grouped-query attention reads fewer KV bytes for the same FLOPs: higher intensity.
+    assert intensity(1, 4096, 1, 32, 8, 128, 4)[1] < nbytes
+    prefill = intensity(4096, 4096, 1, 32, 32, 128, 4)
+    assert prefill[0] / prefill[1] > 100 * flops / nbytes
+
+
+def test_roofline_tiny_run(tmp_path: Path):
+    out = tmp_path / "roof.jsonl"
+    run_cli(["probe", "roofline", "--model", "smollm2-135m", "--tokens", "256", "--matmul",
+             "128", "--min-time", "0", "--out", str(out)])
+    recs = [json.loads(x) for x in out.read_text().splitlines()[1:]]
+    stages = {r["params"]["stage"]: r for r in recs if r["metric"] == "intensity"}
+    assert set(stages) == {"prefill", "append", "decode"}
+    assert all(r["provenance"] == "projected" for r in stages.values())
+    assert stages["decode"]["value"] < stages["append"]["value"] < stages["prefill"]["value"]
+    pts = [r for r in recs if r["metric"] == "attention_tflops" and r["params"]["device"] == "cpu"]
+    assert len(pts) == 3 and all(r["value"] > 0 for r in pts)
+    assert {r["metric"] for r in recs} >= {"peak_flops", "memory_gbps"}
+    assert (tmp_path / "roof-plots" / "roofline-fig1.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--model", "gpt-7"], "unknown model"),
+    (["--heads", "6", "--kv-heads", "4", "--head-dim", "8"], "multiple of kv heads"),
+    (["--dtype", "int8"], "int8"),
+])
+def test_roofline_bad_input(args, msg, capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        main(["probe", "roofline", *args, "--out", str(tmp_path / "x.jsonl")])
+    assert e.value.code == 2 and msg in capsys.readouterr().err
