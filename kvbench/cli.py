@@ -102,7 +102,8 @@ def suite_check_cmd(
                                          "<machine-class>/<suite>.jsonl)."),
     fmt: str = typer.Option("table", "--format", help="table, markdown or json."),
 ) -> None:
-    """Compare a suite's guarded metrics against the baseline; exit 1 when one regressed."""
+    """Compare a suite's guarded metrics (each glob with its threshold) against the baseline;
+    exit 1 when one regressed or none was found."""
     from kvbench.compare import compare_sets, regressed
     from kvbench.render import compare_output
     from kvbench.store import load
@@ -111,7 +112,11 @@ def suite_check_cmd(
     suite = load_suite(file)
     new = load(results)
     base = load(baseline or baseline_path(suite, new))
-    rows = compare_sets(base, new, suite.threshold, 0.05, suite.guard or None)
+    rows = []
+    for glob, threshold in (suite.guard or {"*": suite.threshold}).items():
+        for row in compare_sets(base, new, threshold, 0.05, glob):
+            row.marks.append(f"threshold {threshold:.0%}")
+            rows.append(row)
     compare_output(rows, fmt, suite.threshold, 0.05)
     if regressed(rows) or not rows:
         raise typer.Exit(1)

@@ -3,7 +3,8 @@
 All problems (unknown keys, unknown probe or strategy names, values of the wrong type,
 sizes that do not parse) are collected with their line and raised as one KvbenchError.
 A probe case builds its `config` dataclass from `params` by field name; a strategy case
-is run as the `kvbench run NAME` command, its options checked against that command's.
+is checked against the runtime's RunConfig and the strategy's `params` dataclass, and run
+as the `kvbench run NAME` command in a child process.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class Suite:
     output: Path
     cases: list[Case]
     ratios: list[RatioSpec]
-    guard: list[str]
+    guard: dict[str, float]  # metric glob -> threshold
     threshold: float
     description: str = ""
 
@@ -160,18 +161,14 @@ def _fields(config: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(config)}
 
 
-def _strategy_options(name: str) -> dict[str, Any] | None:
-    """Options of `kvbench run NAME` (None when this kvbench has no `run` command)."""
-    import typer.main
-
-    from kvbench import cli
-
-    group = typer.main.get_command(cli.app)
-    run = getattr(group, "commands", {}).get("run")
-    if run is None:
+def _strategy_options(cls: type) -> dict[str, Any] | None:
+    """Field types of a strategy case: the shared RunConfig and the strategy's `params`
+    (None when this kvbench has no model runtime)."""
+    try:
+        from kvbench.runtime.run import RunConfig
+    except ImportError:
         return None
-    cmd = run.commands.get(name, run) if hasattr(run, "commands") else run
-    return {p.name: p for p in cmd.params if p.name and p.param_type_name == "option"}
+    return {**_fields(RunConfig), **_fields(cls.params)}
 
 
 def _target(case: dict[str, Any]) -> tuple[str, str, type, Any]:
@@ -183,7 +180,7 @@ def _target(case: dict[str, Any]) -> tuple[str, str, type, Any]:
         cls = PROBES.get(str(case["probe"]))
         return "probe", cls.name, cls, cls.config
     cls = STRATEGIES.get(str(case["strategy"]))
-    return "run", cls.name, cls, getattr(cls, "params", None)
+    return "run", cls.name, cls, cls.params
 
 
 def _run_strategy(name: str, params: dict[str, Any]) -> Iterator[Record]:
@@ -228,13 +225,10 @@ def _case(raw: dict[str, Any], i: int, lines: _Lines, default_reps: int,
     except KvbenchError as e:
         bad("probe" if "probe" in raw else "strategy", str(e))
         return None
-    types_ = _fields(config) if config else {}
-    if kind == "run":
-        options = _strategy_options(name)
-        if options is None:
-            bad("strategy", "strategy cases need the `kvbench run` command, not in this kvbench")
-            return None
-        types_ = {**dict.fromkeys(options, Any), **types_}
+    types_ = _strategy_options(cls) if kind == "run" else _fields(config)
+    if types_ is None:
+        bad("strategy", "strategy cases need the model runtime (kvbench.runtime), not here")
+        return None
     params, sweep = raw.get("params", {}), raw.get("sweep", {})
     reps, requires = raw.get("repetitions", default_reps), raw.get("requires")
     if not isinstance(params, dict) or not isinstance(sweep, dict):
@@ -310,6 +304,15 @@ def load_suite(path: Path | str) -> Suite:
         elif not unknown:
             ratios.append(RatioSpec(r["name"], r["numerator"], r["denominator"],
                                     r.get("direction", "higher"), tuple(r.get("match", ()))))
+    guard = head.get("guard", [])
+    if isinstance(guard, list):
+        guard = dict.fromkeys(guard, str(head.get("threshold", "5%")))
+    guards = {}
+    for glob, text in guard.items() if isinstance(guard, dict) else []:
+        try:
+            guards[glob] = parse_fraction(str(text), "threshold")
+        except KvbenchError as e:
+            problems.append((lines.key("suite.guard", 0, glob), f"guard '{glob}': {e}"))
     if not doc.get("case"):
         problems.append((1, "the suite has no [[case]]"))
     if problems:
@@ -317,4 +320,4 @@ def load_suite(path: Path | str) -> Suite:
         raise KvbenchError(f"{path}: {len(problems)} problem(s), nothing was run\n{detail}")
     return Suite(path, head.get("name", path.stem), Path(head.get("output",
                  f"results/{path.stem}.jsonl")), [c for c in cases if c], ratios,
-                 list(head.get("guard", [])), threshold, head.get("description", ""))
+                 guards, threshold, head.get("description", ""))

@@ -140,8 +140,7 @@ def _ratio_file(path: Path, samples: list[float]) -> Path:
 
 
 def test_check_guards_only_listed_metrics(tmp_path, capsys):
-    suite = write(tmp_path, TIMER.replace("[[case]]", 'guard = ["ratio.*"]\nthreshold = "25%"'
-                                                      "\n\n[[case]]"))
+    suite = write(tmp_path, '[suite.guard]\n"ratio.*" = "25%"\n\n' + TIMER)
     base = _ratio_file(tmp_path / "base.jsonl", [2.0 + 0.01 * i for i in range(20)])
     same = _ratio_file(tmp_path / "same.jsonl", [2.05 + 0.01 * i for i in range(20)])
     slow = _ratio_file(tmp_path / "slow.jsonl", [3.0 + 0.01 * i for i in range(20)])
@@ -149,6 +148,7 @@ def test_check_guards_only_listed_metrics(tmp_path, capsys):
     assert run_cli(["suite", "check", str(suite), str(slow), "--baseline", str(base)]) == 1
     out = capsys.readouterr().out
     assert "regressed" in out and "1 quantities" in out  # the timer metric is not guarded
+    assert "threshold 25%" in out
     rows = compare_sets(load(base), load(slow), 0.25, 0.05, ["ratio.*", "timer.t"])
     assert [r.verdict for r in rows] == ["regressed", "regressed"]
 
