@@ -88,6 +88,8 @@ class HgcaParams:
             w = self.gpu_tokens
         else:
             w = int(self.gpu_share * max_len) // self.block * self.block
+            if max_len <= self.block:  # the whole cache fits in one block: never evicted
+                w = max(w, self.block)
         require(w >= self.block, f"GPU share leaves no room for the prompt: a window of "
                 f"{w} tokens of {max_len} is less than one block of {self.block}")
         return w

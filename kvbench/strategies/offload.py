@@ -1,0 +1,126 @@
+"""FlexGen-style full offload: the whole KV cache on the host, streamed in layer by layer.
+
+Sheng et al., "FlexGen" (HGCA section 5.2 and Fig. 12 baseline, with InfiniGen's set-up
+of 100% of the KV starting on the host): each layer's KV lives in host memory (pinned on
+CUDA); every decode step copies it to an accelerator staging buffer for dense attention.
+The copy of the next layer (the next step's layer 0 after the last layer) is issued before
+the current layer's attention so that transfer and compute overlap (FlexGen's schedule):
+on CUDA a side stream, pinned buffers and an event per copy; on a CPU-only machine the
+"accelerator" is the CPU, the copy is a memcpy on a helper thread, and the bytes are
+counted on the h2d link all the same (transfer time is then DRAM time, not PCIe time).
+
+Two staging buffers [B, Hkv, max_len, D] (for k and v each) alternate between calls: one is
+read by the current layer's attention while the other is filled. The prefill attends over
+the prompt where it was computed (the accelerator) and writes it back to the host.
+`accel_idle` records how long the accelerator role waits for a copy to finish.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from kvbench.strategies import STRATEGIES, Strategy
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvbench.runtime.context import RunContext
+
+
+@STRATEGIES.register
+class Offload(Strategy):
+    """FlexGen-style: all KV on the host, each layer copied in for dense attention, overlapped."""
+
+    name = "offload"
+    version = "1"
+
+    @classmethod
+    def kv_placement(cls, params: object, kv_bytes: int) -> dict[str, int]:
+        return {"accel": 0, "host": kv_bytes}  # plus two one-layer staging buffers
+
+    def __init__(self, params: object, ctx: RunContext) -> None:
+        import torch
+
+        super().__init__(params, ctx)
+        s = ctx.spec
+        shape = (ctx.batch, s.n_kv_heads, ctx.max_len, s.head_dim)
+        self.cuda = ctx.accel.type == "cuda"
+        self.hk = [torch.empty(shape, dtype=ctx.dtype, pin_memory=self.cuda)
+                   for _ in range(ctx.n_layers)]
+        self.hv = [torch.empty(shape, dtype=ctx.dtype, pin_memory=self.cuda)
+                   for _ in range(ctx.n_layers)]
+        self.sk = [torch.empty(shape, dtype=ctx.dtype, device=ctx.accel) for _ in range(2)]
+        self.sv = [torch.empty(shape, dtype=ctx.dtype, device=ctx.accel) for _ in range(2)]
+        self.length = [0] * ctx.n_layers
+        self.cur = 0  # staging buffer the next decode call reads
+        self.pending: Any = None  # CUDA event or Future of the copy into buffer `cur`
+        self.stream = torch.cuda.Stream(ctx.accel) if self.cuda else None
+        self.copier = None if self.cuda else ThreadPoolExecutor(1, "offload-copy")
+
+    def _prefetch(self, layer: int, buf: int) -> None:
+        """Start copying `layer`'s host KV into staging buffer `buf` (async)."""
+        import torch
+
+        n = self.length[layer]
+        src = (self.hk[layer][:, :, :n], self.hv[layer][:, :, :n])
+        dst = (self.sk[buf][:, :, :n], self.sv[buf][:, :, :n])
+        self.ctx.counters.moved("h2d", 2 * src[0].numel() * src[0].element_size())
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream())  # buf's last reader is done
+            with torch.cuda.stream(self.stream):
+                for d, s in zip(dst, src, strict=True):
+                    d.copy_(s, non_blocking=True)
+                self.pending = torch.cuda.Event()
+                self.pending.record(self.stream)
+        else:
+            pairs = list(zip(dst, src, strict=True))
+            self.pending = self.copier.submit(lambda: [d.copy_(s) for d, s in pairs])
+
+    def _wait(self) -> None:
+        """The accelerator waits for the copy into the current buffer (timed as idle)."""
+        import torch
+
+        with self.ctx.counters.timed("accel_idle"):
+            if isinstance(self.pending, Future):
+                self.pending.result()
+            elif self.pending is not None:
+                torch.cuda.current_stream().wait_event(self.pending)
+        self.pending = None
+
+    def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write new k/v [B, Hkv, T, D] back to the host cache (d2h)."""
+        n0, n1 = self.length[layer], self.length[layer] + k.shape[2]
+        self.hk[layer][:, :, n0:n1].copy_(k, non_blocking=self.cuda)
+        self.hv[layer][:, :, n0:n1].copy_(v, non_blocking=self.cuda)
+        self.ctx.counters.moved("d2h", 2 * k.numel() * k.element_size())
+        self.length[layer] = n1
+
+    def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> torch.Tensor:
+        from kvbench.kernels.attention import dense_attention
+
+        out, _ = dense_attention(q, k, v)
+        self.ctx.counters.attended("accel", q, k.shape[2])
+        self._store(layer, k, v)
+        if layer == self.ctx.n_layers - 1:  # the first decode step's layer 0
+            if self.cuda:
+                import torch
+
+                torch.cuda.current_stream().synchronize()  # host copies of the prompt done
+            self._prefetch(0, self.cur)
+        return out
+
+    def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        from kvbench.kernels.attention import dense_attention
+
+        buf, n = self.cur, self.length[layer]
+        self._wait()
+        self.sk[buf][:, :, n], self.sv[buf][:, :, n] = k[:, :, 0], v[:, :, 0]
+        self._store(layer, k, v)
+        self._prefetch((layer + 1) % self.ctx.n_layers, buf ^ 1)  # overlaps this attention
+        out, _ = dense_attention(q, self.sk[buf][:, :, :n + 1], self.sv[buf][:, :, :n + 1])
+        self.ctx.counters.attended("accel", q, n + 1)
+        self.cur = buf ^ 1
+        return out
