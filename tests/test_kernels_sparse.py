@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from test_kernels_attention import TOL, make, max_err, reference
 
 from kvbench.errors import KvbenchError
-from kvbench.kernels import dense_attention, merge, sparse_attention
+from kvbench.kernels import dense_attention, merge, pack_indices, sparse_attention
 from kvbench.kernels.cpu import output_buffers
 
 
@@ -74,3 +74,14 @@ def test_bad_indices(indices, msg):
     q, k, v = make(1, 2, 2, 1, 10, 8)
     with pytest.raises(KvbenchError, match=msg):
         sparse_attention(q, k, v, indices)
+
+
+def test_packed_selection_is_reused_and_checked():
+    q, k, v = make(1, 4, 2, 1, 40, 16)
+    keep = torch.rand(1, 2, 40, generator=torch.Generator().manual_seed(3)) < 0.3
+    sel = pack_indices(ragged(keep), 1, 2, 40)
+    assert sel.idx.dtype == torch.int32 and sel.idx.shape[1] == int(sel.lens.max())
+    out, _ = sparse_attention(q, k, v, sel)
+    assert max_err(out, reference(q, k, v, keep=keep)[0]) < 1e-5
+    with pytest.raises(KvbenchError, match="does not fit"):
+        sparse_attention(q, k[:, :, :30], v[:, :, :30], sel)

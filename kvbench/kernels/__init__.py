@@ -7,6 +7,6 @@ and the strategies call; see kvbench.kernels.attention and kvbench.kernels.spars
 """
 
 from kvbench.kernels.attention import dense_attention, merge
-from kvbench.kernels.sparse import sparse_attention
+from kvbench.kernels.sparse import Selection, pack_indices, sparse_attention
 
-__all__ = ["dense_attention", "merge", "sparse_attention"]
+__all__ = ["Selection", "dense_attention", "merge", "pack_indices", "sparse_attention"]

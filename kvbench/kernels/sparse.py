@@ -13,6 +13,7 @@ kvbench.kernels.merge.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvbench.errors import require
@@ -21,14 +22,26 @@ from kvbench.kernels.attention import check_qkv, empty_result, torch_attention
 if TYPE_CHECKING:
     import torch
 
+@dataclass(frozen=True)
+class Selection:
+    """Packed, validated selected positions: idx `[B * Hkv, N]` int32 (padded with 0), lens
+    `[B * Hkv]` int32, every valid position below `lk`. Pack once per selection and pass it
+    to every step: packing runs torch ops whose OpenMP threads would otherwise spin on the
+    cores the native kernel's threads need."""
+
+    idx: torch.Tensor
+    lens: torch.Tensor
+    lk: int
+
+
 def pack_indices(
     indices: torch.Tensor | Sequence[Sequence[torch.Tensor]],
     b: int,
     hkv: int,
     lk: int,
     lengths: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Selected positions as (idx `[B * Hkv, N]` int32 padded with 0, lens `[B * Hkv]` int32).
+) -> Selection:
+    """Selected positions packed as a Selection (rows padded to a common length N).
 
     `indices` is a tensor `[B, Hkv, N]` (all N valid, or the first lengths[b, h] when
     `lengths` `[B, Hkv]` is given) or a nested sequence [B][Hkv] of 1-D position tensors.
@@ -59,14 +72,14 @@ def pack_indices(
     sel = idx[valid]
     require(sel.numel() == 0 or (int(sel.min()) >= 0 and int(sel.max()) < lk),
             f"selected positions must lie in [0, {lk})")
-    return idx.contiguous(), lens
+    return Selection(idx.contiguous(), lens.contiguous(), lk)
 
 
 def sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    indices: torch.Tensor | Sequence[Sequence[torch.Tensor]],
+    indices: torch.Tensor | Sequence[Sequence[torch.Tensor]] | Selection,
     *,
     lengths: torch.Tensor | None = None,
     causal: bool = True,
@@ -83,6 +96,7 @@ def sparse_attention(
     `out`/`lse` when given (kvbench.kernels.cpu.output_buffers makes pinned ones). Causal
     queries sit at positions q_start + i (default Lk - Lq) and skip later selected keys.
     `group` rows per task and `threads` default to HGCA's batch x heads / threads split.
+    `indices` is a Selection from pack_indices or what pack_indices takes.
     Off the native kernel's reach (CUDA, float16, Lq > 32) the keys are gathered and the
     torch path runs instead.
     """
@@ -92,7 +106,12 @@ def sparse_attention(
 
     b, _, hkv, d = check_qkv(q, k, v)
     lq, lk = q.shape[2], k.shape[2]
-    idx, lens = pack_indices(indices, b, hkv, lk, lengths)
+    sel = indices if isinstance(indices, Selection) else pack_indices(indices, b, hkv, lk,
+                                                                       lengths)
+    require(sel.idx.shape[0] == b * hkv and sel.lk <= lk,
+            f"selection for {sel.idx.shape[0]} rows below {sel.lk} does not fit B x Hkv = "
+            f"{b * hkv} rows of {lk} positions")
+    idx, lens = sel.idx, sel.lens
     scale = d ** -0.5 if scale is None else float(scale)
     start = lk - lq if q_start is None else int(q_start)
     if idx.shape[1] == 0 or lq == 0 or b == 0:

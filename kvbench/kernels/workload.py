@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from kvbench.errors import KvbenchError, require
 from kvbench.kernels.attention import dense_attention, merge
 from kvbench.kernels.cpu import output_buffers
-from kvbench.kernels.sparse import sparse_attention
+from kvbench.kernels.sparse import pack_indices, sparse_attention
 
 if TYPE_CHECKING:
     import torch
@@ -105,7 +105,8 @@ class Workload:
         self.lengths = counts.to(torch.int64)
         n = int(self.lengths.max()) if self.lengths.numel() else 0
         order = torch.rand(b, hk, p.host_tokens, generator=gen).argsort(dim=-1)[..., :n]
-        self.indices = order.sort(dim=-1).values
+        self.selection = pack_indices(order.sort(dim=-1).values, b, hk, p.host_tokens,
+                                      self.lengths)
         self.out, self.lse = output_buffers(self.q)
 
     @property
@@ -138,9 +139,9 @@ class Workload:
                                threads=self.threads)
 
     def cpu_sparse(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return sparse_attention(self.q, self.k_host, self.v_host, self.indices,
-                                lengths=self.lengths, q_start=self.total - self.p.query,
-                                threads=self.threads, out=self.out, lse=self.lse)
+        return sparse_attention(self.q, self.k_host, self.v_host, self.selection,
+                                q_start=self.total - self.p.query, threads=self.threads,
+                                out=self.out, lse=self.lse)
 
     def sdpa(self) -> torch.Tensor:
         """torch's CPU scaled_dot_product_attention over the host part (the bar's yardstick)."""
