@@ -120,6 +120,8 @@ class _Layer:
         self.sk = torch.empty(b, hkv, block, d, dtype=hd, pin_memory=pin)  # eviction staging
         self.sv = torch.empty_like(self.sk, pin_memory=pin)
         self.smaw = torch.empty(b, hq, block, dtype=torch.float32, pin_memory=pin)
+        self.out: torch.Tensor | None = None  # host part's output buffers [B, Hq, 1, D]
+        self.lse: torch.Tensor | None = None
         self.job: Future[float] | None = None
         self.copied: Any = None  # CUDA event: the staging copy is complete
 
@@ -237,7 +239,7 @@ class Hgca(Strategy):
 
     def _host(self, L: _Layer, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Sparse attention of q over each row's KV_ctx on the host thread pool (line 12)."""
-        from kvbench.kernels import cpu
+        from kvbench.kernels.sparse import Selection, sparse_attention
 
         nmax = int(L.lens.max()) if L.n_host else 0
         if nmax == 0:
@@ -245,13 +247,18 @@ class Hgca(Strategy):
         c = self.ctx.counters
         qh = q.to(device="cpu", dtype=L.ck.dtype)
         c.moved("d2h", q.numel() * q.element_size())
-        out, lse = cpu.run(qh, L.ck, L.cv, scale=self.scale, causal=False, q_start=0,
-                           idx=self.idx[:, :nmax], lens=L.lens, threads=self.p.cpu_threads)
+        if L.out is None:
+            from kvbench.kernels.cpu import output_buffers
+
+            L.out, L.lse = output_buffers(qh)  # pinned on CUDA: read in place by the merge
+        sel = Selection(self.idx[:, :nmax], L.lens, nmax)  # row r: KV_ctx[r, :lens[r]]
+        out, lse = sparse_attention(qh, L.ck, L.cv, sel, causal=False, scale=self.scale,
+                                    threads=self.p.cpu_threads, out=L.out, lse=L.lse)
         c.moved("h2d", out.numel() * q.element_size() + lse.numel() * 4)
-        sel = L.lens.view(q.shape[0], -1).sum(dim=0).tolist()
-        c.attended("host", q, sum(sel) / len(L.lens))
+        per_head = L.lens.view(q.shape[0], -1).sum(dim=0).tolist()
+        c.attended("host", q, sum(per_head) / len(L.lens))
         c.add("tokens", "host_resident", q.shape[0] * L.n_host)
-        for h, n in enumerate(sel):
+        for h, n in enumerate(per_head):
             c.add("tokens", f"host_selected.h{h}", n)
         return out, lse
 
