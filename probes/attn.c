@@ -22,7 +22,6 @@
 #include <string.h>
 
 #define BLK 64
-#define PF_BLOCKS 1
 
 typedef struct {
     int dtype;
@@ -77,16 +76,11 @@ static inline void axpy(float *y, float a, const float *x, int64_t n) {
     for (int64_t d = 0; d < n; d++) y[d] += a * x[d];
 }
 
-/* Prefetch the K and V rows of selected positions idx[lo..hi) (whole rows, 64 B lines). */
-static inline void prefetch_rows(const job_t *j, const int32_t *idx, int64_t kb, int64_t vb,
-                                 int64_t lo, int64_t hi) {
-    const int64_t esz = j->dtype == 0 ? 4 : 2, row_bytes = j->D * esz;
-    const char *kbase = (const char *)j->k, *vbase = (const char *)j->v;
-    for (int64_t jj = lo; jj < hi; jj++)
-        for (int64_t c = 0; c < row_bytes; c += 64) {
-            __builtin_prefetch(kbase + (kb + idx[jj] * j->ks[2]) * esz + c);
-            __builtin_prefetch(vbase + (vb + idx[jj] * j->vs[2]) * esz + c);
-        }
+/* Prefetch one whole row (64 B lines) of `base` at element offset `off`. */
+static inline void prefetch_row(const job_t *j, const void *base, int64_t off) {
+    const int64_t esz = j->dtype == 0 ? 4 : 2;
+    const char *p = (const char *)base + off * esz;
+    for (int64_t c = 0; c < j->D * esz; c += 64) __builtin_prefetch(p + c);
 }
 
 typedef struct {
@@ -109,14 +103,18 @@ static void do_row(job_t *j, work_t *w, int64_t r) {
     }
     memset(w->acc, 0, sizeof(float) * nr * D);
     int32_t pos[BLK];
-    /* Sparse rows are scattered (a page each): prefetch K and V rows PF_BLOCKS blocks
-     * ahead so their misses overlap instead of serialising behind each dot product. */
-    if (idx) prefetch_rows(j, idx, kb, vb, 0, PF_BLOCKS * BLK < n ? PF_BLOCKS * BLK : n);
+    /* Sparse rows are scattered (a page each): while a block is used, the rows of the next
+     * block are prefetched one by one (K with the K loads, V with the V loads) so their
+     * misses overlap instead of serialising behind each dot product. */
+    if (idx)
+        for (int64_t jj = 0; jj < BLK && jj < n; jj++)
+            prefetch_row(j, j->k, kb + idx[jj] * j->ks[2]);
     for (int64_t j0 = 0; j0 < n; j0 += BLK) {
         const int64_t nb = n - j0 < BLK ? n - j0 : BLK;
-        const int64_t pf = j0 + PF_BLOCKS * BLK;
-        if (idx && pf < n) prefetch_rows(j, idx, kb, vb, pf, pf + BLK < n ? pf + BLK : n);
+        const int64_t nx = n - j0 - BLK < BLK ? n - j0 - BLK : BLK; /* next block's size */
         for (int64_t jj = 0; jj < nb; jj++) {
+            if (idx && jj < nx) prefetch_row(j, j->k, kb + idx[j0 + BLK + jj] * j->ks[2]);
+            if (idx && j0 == 0) prefetch_row(j, j->v, vb + idx[jj] * j->vs[2]);
             pos[jj] = idx ? idx[j0 + jj] : (int32_t)(j0 + jj);
             w->kp[jj] = row_f32(j, j->k, kb + pos[jj] * j->ks[2], w->kbuf + jj * D);
         }
@@ -145,6 +143,7 @@ static void do_row(job_t *j, work_t *w, int64_t r) {
             w->m[t] = mn;
         }
         for (int64_t jj = 0; jj < nb; jj++) {
+            if (idx && jj < nx) prefetch_row(j, j->v, vb + idx[j0 + BLK + jj] * j->vs[2]);
             const float *vr = row_f32(j, j->v, vb + pos[jj] * j->vs[2], w->vbuf);
             for (int64_t t = 0; t < nr; t++) {
                 const float p = w->s[t * BLK + jj];
