@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 # quantity -> unit of its records
 UNITS = {"tokens": "tokens", "flops": "FLOP", "bytes_read": "B", "bytes_moved": "B",
-         "time": "s"}
+         "time": "s", "rel_error": "ratio"}
 
 
 class Counters:
