@@ -270,13 +270,13 @@ class NeoXDecoder(Decoder):
         self.embed_in = nn.Embedding(s.vocab, s.hidden)
         self.layers = nn.ModuleList(NeoXLayer(s) for _ in range(n_layers))
         self.final_layer_norm = nn.LayerNorm(s.hidden, eps=s.norm_eps)
-        self.embed_out = nn.Linear(s.hidden, s.vocab, bias=False)
+        self.lm_head = nn.Linear(s.hidden, s.vocab, bias=False)
 
     def embed(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
         return self.embed_in(tokens)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.embed_out(self.final_layer_norm(x))
+        return self.lm_head(self.final_layer_norm(x))
 
 
 FAMILIES: dict[str, type[Decoder]] = {"llama": LlamaDecoder, "opt": OPTDecoder,

@@ -105,6 +105,7 @@ def _random(spec: ModelSpec, n_layers: int, dtype: torch.dtype, device: torch.de
 
 def _from_pretrained(path: str, dtype: torch.dtype, **kw: str) -> tuple[Any, Any]:
     import logging
+    import os
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -112,12 +113,19 @@ def _from_pretrained(path: str, dtype: torch.dtype, **kw: str) -> tuple[Any, Any
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    saved = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"  # the GGUF de-quantiser's own progress bar
     try:
         tok = AutoTokenizer.from_pretrained(path, **kw)
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
     except (OSError, ValueError) as e:
         raise KvbenchError(f"cannot load checkpoint '{path}': {str(e).splitlines()[0]}") \
             from None
+    finally:
+        if saved is None:
+            del os.environ["TQDM_DISABLE"]
+        else:
+            os.environ["TQDM_DISABLE"] = saved
     return hf.eval(), tok
 
 

@@ -1,0 +1,103 @@
+"""Model specs against published sizes; each decoder family against transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvbench.models import MODELS, ModelSpec, get_spec
+
+
+def test_param_counts_match_published_sizes() -> None:
+    for spec in MODELS.values():
+        assert spec.published_params > 0, spec.name
+        assert spec.params() == pytest.approx(spec.published_params, rel=0.03), spec.name
+
+
+def test_published_dimensions() -> None:
+    opt = get_spec("opt-6.7b")
+    assert (opt.n_layers, opt.n_heads, opt.hidden, opt.ffn, opt.vocab, opt.ctx) == (
+        32, 32, 4096, 16384, 50272, 2048)
+    llama = get_spec("llama-3.1-8b")
+    assert (llama.n_kv_heads, llama.ffn, llama.vocab, llama.rope_theta) == (
+        8, 14336, 128256, 500000.0)
+    # KV bytes per token (bf16): 2 (k, v) * layers * kv heads * head dim * 2 bytes
+    assert opt.kv_bytes_per_token() == 2 * 32 * 32 * 128 * 2 == 512 * 1024
+    assert llama.kv_bytes_per_token() == 128 * 1024
+    assert opt.kv_bytes_per_token(layers=4) == opt.kv_bytes_per_token() // 8
+
+
+def test_smollm2_spec_matches_bundled_gguf_metadata() -> None:
+    from gguf import GGUFReader
+
+    from kvbench.models.weights import bundled_gguf
+
+    reader = GGUFReader(bundled_gguf())
+
+    def field(key: str) -> float:
+        f = reader.fields[key]
+        return f.parts[f.data[0]][0].item()
+
+    s = get_spec("smollm2-135m")
+    assert field("llama.block_count") == s.n_layers
+    assert field("llama.attention.head_count") == s.n_heads
+    assert field("llama.attention.head_count_kv") == s.n_kv_heads
+    assert field("llama.embedding_length") == s.hidden
+    assert field("llama.feed_forward_length") == s.ffn
+    assert field("llama.rope.freq_base") == s.rope_theta
+    assert field("llama.context_length") == s.ctx
+    assert "output.weight" not in {t.name for t in reader.tensors}  # tied embeddings
+
+
+def _tiny(family: str) -> tuple[ModelSpec, object]:
+    """A tiny spec and the matching transformers config of the same family."""
+    import transformers as tf
+
+    if family == "opt":
+        spec = ModelSpec("tiny-opt", "opt", 2, 4, 4, 32, 64, 100, 64, tied=True)
+        cfg = tf.OPTConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, ffn_dim=64,
+                           num_attention_heads=4, max_position_embeddings=64,
+                           word_embed_proj_dim=32)
+    elif family == "neox":
+        spec = ModelSpec("tiny-neox", "neox", 2, 4, 4, 32, 64, 100, 64, rotary_pct=0.25)
+        cfg = tf.GPTNeoXConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+                               num_attention_heads=4, intermediate_size=64,
+                               max_position_embeddings=64, rotary_pct=0.25,
+                               hidden_act="gelu_pytorch_tanh", use_parallel_residual=True)
+    else:  # qwen3: GQA, q/k norm, untied head
+        spec = ModelSpec("tiny-qwen3", "llama", 2, 4, 2, 32, 64, 100, 64, head_dim=16,
+                         rope_theta=1e6, qk_norm=True, norm_eps=1e-6)
+        cfg = tf.Qwen3Config(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             intermediate_size=64, max_position_embeddings=64,
+                             rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    return spec, cfg
+
+
+@pytest.mark.parametrize("family", ["opt", "neox", "qwen3"])
+def test_decoder_family_matches_transformers(family: str, tmp_path: Path) -> None:
+    """A saved tiny checkpoint of each family loads through --weights DIR and gives the
+    same last-position logits as transformers, for the prefill and each decode step."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvbench.models.weights import load
+    from kvbench.runtime.context import Counters, RunContext
+    from kvbench.strategies import STRATEGIES
+
+    spec, cfg = _tiny(family)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    model = load(spec, str(tmp_path), 2, torch.float32, torch.device("cpu")).model
+    tokens = torch.randint(0, 100, (2, 12))
+    cpu = torch.device("cpu")
+    counters = Counters(spec.n_kv_heads, 4)
+    ctx = RunContext(spec, 2, 2, 12, torch.float32, cpu, cpu, counters, model)
+    model.setup(STRATEGIES.get("full")(None, ctx), counters, 12)
+    with torch.no_grad():
+        ref = hf(tokens).logits
+    got = [model(tokens[:, :8], 0)] + [model(tokens[:, t:t + 1], t) for t in range(8, 12)]
+    for i, logits in enumerate(got):
+        torch.testing.assert_close(logits, ref[:, 7 + i], rtol=1e-4, atol=1e-4)

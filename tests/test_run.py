@@ -1,0 +1,142 @@
+"""The run: perplexity against transformers on the bundled model, records, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvbench.cli import main
+from kvbench.runtime.run import RunConfig, read_text, token_rows
+
+
+@pytest.fixture(scope="session")
+def bundled():
+    """The bundled SmolLM2-135M in float32 (de-quantised once per session, ~20 s)."""
+    import torch
+
+    from kvbench.models import get_spec
+    from kvbench.models.weights import load
+
+    return load(get_spec("smollm2-135m"), "bundled", 30, torch.float32, torch.device("cpu"))
+
+
+def test_perplexity_matches_transformers(bundled) -> None:
+    """Full attention, eval mode through the decode path: perplexity of tokens P..P+G
+    equals transformers' on the same tokens within 0.1% relative (issue bar)."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    from kvbench.runtime.context import Counters, RunContext
+    from kvbench.runtime.run import decode_run
+    from kvbench.strategies import STRATEGIES
+
+    p, g = 64, 48
+    spec, model = bundled.model.spec, bundled.model
+    rows = token_rows(bundled.encode(read_text("")), 1, p + g + 1, spec.vocab)
+    cpu = torch.device("cpu")
+    counters = Counters(spec.n_kv_heads, 4)
+    ctx = RunContext(spec, 30, 1, p + g + 1, torch.float32, cpu, cpu, counters, model)
+    strategy = STRATEGIES.get("full")(None, ctx)
+    model.setup(strategy, counters, p + g + 1)
+    out = decode_run(model, strategy, rows, g, "eval", lambda: None)
+    assert len(out.nll) == g + 1
+    ours = math.exp(sum(out.nll) / len(out.nll))
+    with torch.no_grad():
+        logits = bundled.hf_model(rows[:, :-1]).logits[:, p - 1:].float()
+    ref = math.exp(F.cross_entropy(logits.reshape(-1, spec.vocab), rows[:, p:].reshape(-1)))
+    assert 1.5 < ref < 100  # a real model on English text, not a random one
+    assert abs(ours / ref - 1) < 1e-3
+    # the work trace counted every layer of every step
+    assert counters.step_total("tokens", "accel", g) == (p + g) * 30
+
+
+def test_token_rows_windows_and_short_text() -> None:
+    rows = token_rows(list(range(100)), 3, 40, 1000)
+    assert rows.shape == (3, 40)
+    assert rows[:, 0].tolist() == [0, 30, 60]
+    from kvbench.errors import KvbenchError
+
+    with pytest.raises(KvbenchError, match="longer than the text"):
+        token_rows(list(range(10)), 1, 11, 1000)
+
+
+def _records(path: Path) -> list[dict]:
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == "run"]
+
+
+def test_random_run_writes_labelled_records(tmp_path: Path) -> None:
+    out = tmp_path / "r.jsonl"
+    with pytest.raises(SystemExit) as e:
+        main(["run", "full", "--model", "opt-125m", "--weights", "random", "--layers", "2",
+              "--prompt-len", "24", "--gen-len", "6", "--batch", "2", "--mode", "eval",
+              "--out", str(out)])
+    assert e.value.code == 0
+    recs = _records(out)
+    by = {r["metric"]: r for r in recs if not r["metric"].startswith("trace.")}
+    assert by["tbt"]["stats"]["n"] == 6 and by["tbt"]["value"] > 0
+    assert by["perplexity"]["status"] == "waived" and "random" in by["perplexity"]["reason"]
+    assert all(r["params"]["layers"] == 2 and r["params"]["layers_total"] == 12 for r in recs)
+    tok = [r for r in recs if r["metric"] == "trace.tokens" and r["params"]["phase"] == "decode"
+           and r["params"]["layer"] == 1]
+    # batch 2, step s attends to the prompt plus s tokens
+    assert tok[0]["samples"] == [2.0 * (24 + s) for s in range(1, 7)]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "gpt-5"], "unknown model"),
+    (["--model", "opt-125m", "--weights", "/nonexistent"], "not 'bundled', 'random' or"),
+    (["--model", "opt-125m", "--weights", "bundled"], "bundled weights exist only"),
+    (["--model", "opt-125m", "--weights", "random", "--prompt-len", "2040"],
+     "exceeds opt-125m's context"),
+    (["--model", "llama-3.1-405b", "--weights", "random", "--batch", "64",
+      "--prompt-len", "100000"], "does not fit"),
+    (["--mode", "train"], "--mode"),
+])
+def test_bad_input_exits_2(args: list[str], message: str, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["run", "full", *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_prompt_longer_than_text_exits_2(tmp_path: Path, capsys) -> None:
+    text = tmp_path / "short.txt"
+    text.write_text("a short text")
+    with pytest.raises(SystemExit) as e:
+        main(["run", "full", "--model", "opt-125m", "--weights", "random", "--layers", "1",
+              "--text", str(text), "--prompt-len", "64", "--out", str(tmp_path / "x.jsonl")])
+    assert e.value.code == 2
+    assert "longer than the text" in capsys.readouterr().err
+
+
+def test_cuda_without_gpu_exits_2(capsys) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(SystemExit) as e:
+        main(["run", "full", "--device", "cuda"])
+    assert e.value.code == 2
+    assert "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_run_config_defaults_match_cli() -> None:
+    """Suites build RunConfig from TOML by field name: every field is a CLI option."""
+    from dataclasses import fields
+
+    import typer.main
+
+    from kvbench.runtime.command import make_command
+    from kvbench.strategies import STRATEGIES
+
+    cmd = typer.main.get_command_from_info(
+        typer.models.CommandInfo(callback=make_command(STRATEGIES.get("full"))),
+        pretty_exceptions_short=True, rich_markup_mode=None)
+    names = {p.name: p.default for p in cmd.params}
+    for f in fields(RunConfig):
+        assert names[f.name] == f.default
