@@ -53,11 +53,18 @@ def env_tables(env: dict[str, Any]) -> None:
 
 
 def listing(as_json: bool) -> None:
+    from kvbench.models import MODELS
     from kvbench.probes import PROBES
     from kvbench.strategies import STRATEGIES
 
     entries = [{"kind": reg.kind, "name": c.name, "version": c.version, "summary": c.summary()}
                for reg in (PROBES, STRATEGIES) for c in reg.all()]
+    entries += [{"kind": "model", "name": m.name, "version": "", "params": m.params(),
+                 "kv_bytes_per_token": m.kv_bytes_per_token(),
+                 "summary": f"{m.family}: {m.params() / 1e9:.3g}B params, KV "
+                            f"{format_bytes(m.kv_bytes_per_token())}/token (16-bit), "
+                            f"{m.n_layers} layers, {m.n_heads}/{m.n_kv_heads} q/kv heads, "
+                            f"context {m.ctx}"} for m in MODELS.values()]
     if as_json:
         print(json.dumps(entries, indent=2))
         return

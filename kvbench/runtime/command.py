@@ -115,7 +115,8 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
         ctx = RunContext(spec, layers, cfg.batch, max_len, dtype, device,
                          torch.device("cpu"), counters, model)
         strategy = cls(sparams, ctx)
-        if cfg.mode == "eval":  # per-layer error against full attention on the same inputs
+        # per-layer error against full attention on the same inputs (nil for full itself)
+        if cfg.mode == "eval" and cls.name != "full":
             from kvbench.runtime.shadow import Shadow
 
             strategy = Shadow(strategy, ctx)
