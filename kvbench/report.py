@@ -11,6 +11,7 @@ Table 1). Projected values are dashed/hatched in figures and labelled in tables.
 
 from __future__ import annotations
 
+import re
 import tempfile
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from kvbench.units import format_bytes
 
 FORMATS = ("table", "markdown", "html")
 REFERENCE = "full"  # the strategy whose perplexity every other one is compared with
+RUN_AXES = ("batch", "context", "prompt_len")  # run parameters figures put on the x axis
 
 
 @dataclass
@@ -73,20 +75,21 @@ def label(r: dict[str, Any]) -> str:
 
 
 def _numeric_axes(records: list[dict[str, Any]]) -> list[str]:
-    """Parameters with numeric values that take at least two values in these records."""
+    """RUN_AXES parameters that take at least two numeric values in these records."""
     values: dict[str, set] = defaultdict(set)
     for r in records:
         for k, v in r["params"].items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 values[k].add(v)
-    return [k for k, vs in values.items() if len(vs) > 1]
+    return [k for k in RUN_AXES if len(values.get(k, ())) > 1]
 
 
 def run_figures(records: list[dict[str, Any]], out_dir: Path) -> list[Figure]:
     """Each run metric against each numeric parameter swept, a line per strategy+rest."""
     plt = pyplot()
     figs = []
-    ok = [r for r in records if r["status"] == "ok" and r["direction"] != "none"]
+    ok = [r for r in records if r["status"] == "ok" and r["direction"] != "none"
+          and not re.search(r"_p\d+$", r["metric"])]  # percentiles: in the tables
     for metric in sorted({r["metric"] for r in ok}):
         recs = [r for r in ok if r["metric"] == metric]
         for axis in _numeric_axes(recs):
