@@ -1,0 +1,234 @@
+"""Offload strategies I (issue 6): hgca, offload, h2o, streaming on synthetic q/k/v and
+end to end on the bundled model; bad input through the CLI."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvbench.cli import main
+from kvbench.kernels.attention import dense_attention
+from kvbench.models import get_spec
+from kvbench.runtime.context import Counters, RunContext
+from kvbench.strategies import STRATEGIES, NoParams, column_scores
+from kvbench.strategies.h2o import H2OParams
+from kvbench.strategies.hgca import HgcaParams
+from kvbench.strategies.streaming import StreamingParams
+
+SPEC = get_spec("smollm2-135m")  # GQA: 9 query heads, 3 KV heads, head dim 64
+
+
+def make(name: str, params, layers: int = 2, batch: int = 2, max_len: int = 80):
+    cpu = torch.device("cpu")
+    ctx = RunContext(SPEC, layers, batch, max_len, torch.float32, cpu, cpu,
+                     Counters(SPEC.n_kv_heads, 4))
+    return STRATEGIES.get(name)(params, ctx)
+
+
+def inputs(p: int, g: int, batch: int = 2, seed: int = 0):
+    """Prompt (q, k, v) then g single-token (q, k, v), [B, H, T, D] float32."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def mk(t: int, h: int) -> torch.Tensor:
+        return torch.randn(batch, h, t, SPEC.head_dim, generator=gen)
+
+    steps = [(mk(p, SPEC.n_heads), mk(p, SPEC.n_kv_heads), mk(p, SPEC.n_kv_heads))]
+    steps += [(mk(1, SPEC.n_heads), mk(1, SPEC.n_kv_heads), mk(1, SPEC.n_kv_heads))
+              for _ in range(g)]
+    return steps
+
+
+def drive(s, steps) -> list[list[torch.Tensor]]:
+    """Run prefill + decode over every layer; outputs[step][layer]."""
+    outs = []
+    for i, (q, k, v) in enumerate(steps):
+        s.ctx.counters.step = i
+        s.begin_step(i)
+        row = []
+        for layer in range(s.ctx.n_layers):
+            s.ctx.counters.layer = layer
+            row.append((s.prefill if i == 0 else s.decode)(layer, q, k, v))
+        outs.append(row)
+    return outs
+
+
+def max_diff(a, b) -> float:
+    return max(float((x - y).abs().max()) for ra, rb in zip(a, b, strict=True)
+               for x, y in zip(ra, rb, strict=True))
+
+
+@pytest.mark.parametrize("name, params, layers", [
+    ("hgca", HgcaParams(gpu_tokens=16, block=8, beta=0.0), 2),
+    ("offload", NoParams(), 3),  # odd layer count: the staging buffers alternate per call
+    ("offload", NoParams(), 1),
+    ("h2o", H2OParams(budget=1.0), 2),
+    ("streaming", StreamingParams(budget=1.0), 2),
+])
+def test_exact_configurations_equal_full(name, params, layers) -> None:
+    """hgca with beta 0 (ring wraps and evicts many times), offload, and h2o/streaming
+    with the whole cache as budget reproduce full attention."""
+    steps = inputs(40, 39)
+    ref = drive(make("full", NoParams(), layers), steps)
+    assert max_diff(drive(make(name, params, layers), steps), ref) < 2e-5
+
+
+def test_hgca_ring_and_host_accounting() -> None:
+    """GPU window never full between steps, every token on exactly one side, selection
+    per row within the host cache, and the counters agree with the state."""
+    s = make("hgca", HgcaParams(gpu_tokens=16, block=8, beta=1.0), layers=1)
+    steps = inputs(40, 39)
+    drive(s, steps)
+    s._join(s.layers[0])
+    L = s.layers[0]
+    assert L.n < 16 and L.n + L.n_host == 79 and L.n_host % 8 == 0
+    assert int(L.lens.max()) <= L.n_host and int(L.lens.min()) >= 0
+    c = s.ctx.counters
+    b, hkv = 2, SPEC.n_kv_heads
+    assert c.step_total("tokens", "host_resident", 39) == b * (L.n_host - 8 * (L.n == 8))
+    # d2h at the prefill: ceil((40 - 16 + 1) / 8) = 4 blocks leave at once (Alg. 1 line 11)
+    blocks = c.step_total("bytes_moved", "d2h", 0)
+    assert blocks == 32 * b * (2 * hkv * 64 * 4 + SPEC.n_heads * 4)
+
+
+def test_hgca_selection_rule_per_head() -> None:
+    """Alg. 1 lines 23-25: KV_ctx[row] gets, in order, the evicted entries whose MAW exceeds
+    beta / W for any query head of the KV head's group; KV_cpu gets all of them."""
+    s = make("hgca", HgcaParams(gpu_tokens=16, block=8, beta=1.0), layers=1, batch=1)
+    L = s.layers[0]
+    k = torch.randn(1, 3, 8, 64)
+    v = torch.randn(1, 3, 8, 64)
+    maw = torch.full((1, 9, 8), 0.01)  # below 1 / 16
+    maw[0, 0, 2] = 0.1  # KV head 0 (query heads 0-2): entry 2
+    maw[0, 2, 5] = 0.07  # KV head 0: entry 5
+    maw[0, 4, 7] = 1 / 16  # KV head 1: not strictly above the threshold
+    maw[0, 8, [0, 1]] = 0.5  # KV head 2: entries 0 and 1
+    s._select(L, k, v, maw, None)
+    assert L.n_host == 8 and torch.equal(L.hk[:, :, :8], k)
+    assert L.lens.tolist() == [2, 0, 2]
+    assert torch.equal(L.ck[0, 0, :2], k[0, 0, [2, 5]])
+    assert torch.equal(L.cv[0, 2, :2], v[0, 2, [0, 1]])
+    s._select(L, k, v, maw, None)  # a second block appends after the first
+    assert L.lens.tolist() == [4, 0, 4] and torch.equal(L.ck[0, 0, 2:4], k[0, 0, [2, 5]])
+
+
+def test_hgca_prefill_weights_and_beta() -> None:
+    """Prompt tokens evicted at prefill are selected from their prefill attention: a key
+    every query attends to is kept at beta 1, and larger beta never selects more."""
+    steps = inputs(40, 0, batch=1)
+    q, k, v = steps[0]
+    u = torch.randn(64)
+    q[:] = u
+    k[:, :, 3] = 8 * u / u.norm()  # token 3: the sink every query looks at
+    lens = []
+    for beta in (0.0, 0.5, 1.0, 4.0):
+        s = make("hgca", HgcaParams(gpu_tokens=16, block=8, beta=beta), layers=1, batch=1,
+                 max_len=41)
+        s.prefill(0, q, k, v)
+        s._join(s.layers[0])
+        L = s.layers[0]
+        assert L.n_host == 32 and L.n == 8
+        lens.append(L.lens.clone())
+        if beta == 1.0:
+            assert all(3 in _selected_positions(L, r, k) for r in range(3))
+    assert all(bool((a >= b).all()) for a, b in itertools.pairwise(lens))
+    assert lens[0].tolist() == [32, 32, 32] and int(lens[-1].max()) < 32
+    _, lse = dense_attention(q, k, v)
+    mean = column_scores(q, k, lse) / torch.arange(40, 0, -1)
+    assert torch.allclose(s.layers[0].maw[:, :, :8], mean[:, :, 32:])
+
+
+def _selected_positions(L, row: int, k: torch.Tensor) -> list[int]:
+    """Prompt positions of the entries in KV_ctx[row] (matched by key)."""
+    keys = L.ck.view(-1, L.ck.shape[2], 64)[row, :int(L.lens[row])]
+    allk = k.view(-1, k.shape[2], 64)[row]
+    return [int((allk == x).all(dim=-1).nonzero()[0]) for x in keys]
+
+
+def test_streaming_attends_sinks_and_recent_window() -> None:
+    """Each decode output equals dense attention over the first 4 and the last 20 tokens."""
+    steps = inputs(30, 12)
+    s = make("streaming", StreamingParams(budget=0.3, sinks=4), layers=1, max_len=80)
+    outs = drive(s, steps)
+    ks = torch.cat([st[1] for st in steps], dim=2)
+    vs = torch.cat([st[2] for st in steps], dim=2)
+    for i in range(1, 13):
+        t = 30 + i  # tokens seen
+        keep = list(range(4)) + list(range(t - 20, t))
+        ref, _ = dense_attention(steps[i][0], ks[:, :, keep], vs[:, :, keep], causal=False)
+        assert torch.allclose(outs[i][0], ref, atol=1e-5)
+
+
+def test_h2o_keeps_budget_recent_and_heavy_hitters() -> None:
+    """Each row holds budget tokens: the recent window plus the top accumulated scores;
+    outputs equal dense attention over exactly the kept tokens (per head)."""
+    steps = inputs(30, 10, batch=1)
+    e = torch.zeros(64)
+    e[0] = 1.0
+    for st in steps:
+        st[0][:] += 3 * e  # queries share a direction
+    steps[0][1][:, :, 5] = 20 * e  # token 5: a heavy hitter for every query
+    steps[0][1][:, :, 15] = -20 * e  # token 15: ignored by every query
+    s = make("h2o", H2OParams(budget=0.25, recent=0.5), layers=1, batch=1, max_len=80)
+    outs = drive(s, steps)
+    ks = torch.cat([st[1] for st in steps], dim=2)
+    vs = torch.cat([st[2] for st in steps], dim=2)
+    pos = s.pos[0][:, :, :s.budget + 1]
+    last = 40  # tokens seen
+    for h in range(3):
+        kept = set(pos[0, h].tolist()) - {int(pos[0, h, s.free[0][0, h]])}
+        assert len(kept) == 20 and set(range(last - 10, last)) <= kept
+        assert 5 in kept and 15 not in kept
+    q = steps[-1][0]
+    for h in range(3):  # the last step attended to all 21 slots
+        idx = pos[0, h].tolist()
+        g = slice(3 * h, 3 * h + 3)
+        ref, _ = dense_attention(q[:, g], ks[:, h:h + 1, idx], vs[:, h:h + 1, idx], causal=False)
+        assert torch.allclose(outs[-1][0][:, g], ref, atol=1e-5)
+
+
+def _records(path: Path) -> list[dict]:
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == "run"]
+
+
+def test_hgca_beta0_perplexity_equals_full_on_bundled_model(tmp_path: Path) -> None:
+    """Issue bar: the hybrid path is exact end to end (perplexity within 1e-4 relative),
+    and the shadow reports ~0 per-layer attention error."""
+    ppl, err = {}, {}
+    common = ["--mode", "eval", "--prompt-len", "48", "--gen-len", "40"]
+    for name, extra in (("full", []), ("hgca", ["--beta", "0", "--gpu-tokens", "32",
+                                                "--block", "16"])):
+        out = tmp_path / f"{name}.jsonl"
+        with pytest.raises(SystemExit) as e:
+            main(["run", name, *common, *extra, "--out", str(out)])
+        assert e.value.code == 0
+        recs = _records(out)
+        ppl[name] = next(r["value"] for r in recs if r["metric"] == "perplexity")
+        err[name] = [max(r["samples"]) for r in recs if r["metric"] == "trace.rel_error"
+                     and r["params"]["phase"] == "decode"]
+    assert 1.5 < ppl["full"] < 100
+    assert abs(ppl["hgca"] / ppl["full"] - 1) < 1e-4
+    assert len(err["hgca"]) == 30 and max(err["hgca"]) < 1e-5
+
+
+@pytest.mark.parametrize("args, message", [
+    (["hgca", "--beta", "-0.5"], "--beta -0.5: must be >= 0"),
+    (["hgca", "--gpu-share", "0"], "--gpu-share 0.0: must be in (0, 1]"),
+    (["hgca", "--gpu-share", "1.5"], "--gpu-share 1.5: must be in (0, 1]"),
+    (["hgca", "--cpu-threads", "0"], "--cpu-threads 0: must be at least 1"),
+    (["hgca", "--gpu-tokens", "100", "--block", "64"], "does not divide the GPU window"),
+    (["hgca", "--gpu-share", "0.01"], "leaves no room for the prompt"),
+    (["h2o", "--budget", "0"], "--budget 0.0: must be in (0, 1]"),
+    (["streaming", "--budget", "0.01"], "leaves no recent window"),
+    (["nosuch"], "nosuch"),
+])
+def test_bad_input_exits_2(args: list[str], message: str, capsys, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["run", *args, "--model", "opt-125m", "--weights", "random", "--layers", "1",
+              "--prompt-len", "200", "--gen-len", "8", "--out", str(tmp_path / "x.jsonl")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
