@@ -232,3 +232,18 @@ def test_bad_input_exits_2(args: list[str], message: str, capsys, tmp_path: Path
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_machine_defaults_without_gpu() -> None:
+    """`kvbench run hgca --model opt-6.7b` on a CPU machine: fewer layers, said so; an
+    explicit --layers and a GPU run are left alone."""
+    from kvbench.runtime.machine import CPU_WEIGHT_BUDGET, machine_defaults
+
+    spec = get_spec("opt-6.7b")
+    cpu = torch.device("cpu")
+    layers, notes = machine_defaults(spec, 0, 32, cpu, "random", 4, 256, 32)
+    assert 1 <= layers < 32 and spec.params(layers) * 4 <= CPU_WEIGHT_BUDGET
+    text = " ".join(notes)
+    assert "CPU timings" in text and "random weights" in text and f"{layers} of 32" in text
+    assert machine_defaults(spec, 32, 32, cpu, "random", 4, 256, 32)[0] == 32
+    assert machine_defaults(spec, 0, 32, torch.device("cuda"), "random", 4, 256, 32) == (32, [])

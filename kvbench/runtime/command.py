@@ -94,6 +94,12 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
     from kvbench.store import ResultWriter, default_out_path
 
     spec, layers, device, dtype, weights = resolve(cfg)
+    from kvbench.runtime.machine import machine_defaults
+
+    layers, notes = machine_defaults(spec, cfg.layers, layers, device, weights, dtype.itemsize,
+                                     cfg.prompt_len, cfg.gen_len)
+    for note in notes:
+        err_console.print(f"[cyan]note:[/] {note}")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     cuda = device.type == "cuda"
