@@ -4,12 +4,14 @@
     name = "smoke"                    # baselines: results/baselines/<machine-class>/<name>.jsonl
     output = "results/smoke.jsonl"    # relative to the current directory
     repetitions = 1                   # default for every case
-    guard = ["ratio.*"]               # metric globs that `kvbench suite check` compares
-    threshold = "10%"                 # smallest relative change of a guarded metric that counts
+    threshold = "10%"                 # default smallest relative change that counts
+
+    [suite.guard]                     # 'name.metric' globs `kvbench suite check` compares,
+    "attention.bar.*" = "45%"         # each with its threshold (or: guard = ["glob", ...])
 
     [[case]]
     probe = "timer"                   # or: strategy = "full"
-    params = { calls = 2000 }         # fields of the probe's `config` (strategy's `params`)
+    params = { calls = 2000 }         # probe: `config` fields; strategy: RunConfig + `params`
     sweep = { reps = [5, 9] }         # cartesian product over these fields
     repetitions = 3
     requires = "gpu"                  # recorded as waived where there is no CUDA GPU
@@ -19,6 +21,7 @@
     numerator = "timer.native_clock_overhead"
     denominator = "timer.perf_counter_ns_overhead"
     direction = "lower"
+    match = ["calls"]                 # parameters that must agree to pair records (default none)
 
 Each (case, sweep point, repetition) is one unit of work with a stable id (a hash of kind,
 name, explicit parameters and repetition) kept in every record's `method["suite_case"]`.
@@ -33,6 +36,7 @@ import fnmatch
 import hashlib
 import itertools
 import json
+import re
 import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -94,8 +98,6 @@ def machine_class(env: dict[str, Any]) -> str:
     """'gpu-h100' (first GPU's model, 'x2' etc. when several) or 'cpu-2c-x86_64'."""
     gpus = env.get("gpus") or []
     if gpus:
-        import re
-
         words = re.findall(r"[a-z]*\d+[a-z]*", gpus[0]["name"].lower().replace("nvidia", ""))
         model = words[0] if words else "unknown"
         return f"gpu-{model}" + (f"x{len(gpus)}" if len(gpus) > 1 else "")
