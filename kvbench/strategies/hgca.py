@@ -237,16 +237,16 @@ class Hgca(Strategy):
                                  causal=False)
         return merge(o1, l1, o2, l2)
 
-    def _host(self, L: _Layer, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Sparse attention of q over each row's KV_ctx on the host thread pool (line 12)."""
+    def _host(self, L: _Layer, q: torch.Tensor,
+              qh: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Sparse attention of qh (q copied to the host) over each row's KV_ctx on the host
+        thread pool (line 12); None when no host entry is selected."""
         from kvbench.kernels.sparse import Selection, sparse_attention
 
-        nmax = int(L.lens.max()) if L.n_host else 0
-        if nmax == 0:
+        if qh is None:
             return None
         c = self.ctx.counters
-        qh = q.to(device="cpu", dtype=L.ck.dtype)
-        c.moved("d2h", q.numel() * q.element_size())
+        nmax = int(L.lens.max())
         if L.out is None:
             from kvbench.kernels.cpu import output_buffers
 
@@ -306,12 +306,16 @@ class Hgca(Strategy):
         L.gv[:, :, slot] = v[:, :, 0]
         L.maw[:, :, slot] = 0
         L.n += 1
+        qh = None  # the query on the host, copied before the accelerator work is queued
+        if L.n_host and int(L.lens.max()):
+            qh = q.to(device="cpu", dtype=L.ck.dtype)
+            c.moved("d2h", q.numel() * q.element_size())
         out, lse = self._window(L, q)
         c.attended("accel", q, L.n)
         with c.timed("bookkeeping.maw"):
             self._update_maw(L, q, lse)
         with c.timed("accel_idle"):
-            host = self._host(L, q)
+            host = self._host(L, q, qh)
         if host is not None:
             with c.timed("bookkeeping.merge"):
                 out, lse = merge(out, lse, *host)
