@@ -247,3 +247,25 @@ def test_machine_defaults_without_gpu() -> None:
     assert "CPU timings" in text and "random weights" in text and f"{layers} of 32" in text
     assert machine_defaults(spec, 32, 32, cpu, "random", 4, 256, 32)[0] == 32
     assert machine_defaults(spec, 0, 32, torch.device("cuda"), "random", 4, 256, 32) == (32, [])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, params", [
+    ("hgca", HgcaParams(gpu_tokens=16, block=8, beta=0.0)),
+    ("offload", NoParams()),
+])
+def test_cuda_paths_equal_full(name, params) -> None:
+    """On a GPU: side-stream evictions/prefetches, pinned buffers and the host part merged
+    into the GPU output reproduce full attention (float32)."""
+    cuda = torch.device("cuda")
+    steps = [tuple(t.to(cuda) for t in st) for st in inputs(40, 39)]
+
+    def on_gpu(n: str, p):
+        ctx = RunContext(SPEC, 3, 2, 80, torch.float32, cuda, torch.device("cpu"),
+                         Counters(SPEC.n_kv_heads, 4, cuda=True))
+        return STRATEGIES.get(n)(p, ctx)
+
+    ref = drive(on_gpu("full", NoParams()), steps)
+    got = drive(on_gpu(name, params), steps)
+    torch.cuda.synchronize()
+    assert max_diff(got, ref) < 2e-5
