@@ -28,10 +28,16 @@ that saw it (`column_scores` / number of such queries). Tokens beyond the ring a
 in whole blocks at once (line 11). Multi-turn appends (re-evaluation, lines 19-21) do not
 occur in kvbench's runtime (one prefill, then single-token steps) and are not modelled.
 
+The MAW update and the eviction (lines 8-13) run off the critical path: on CUDA on the
+side stream, on a CPU-only machine on the worker thread (which then also copies the
+block); each layer joins its job at its next step.
+
 Counters: attended accel (window) and host (mean selected entries per row); moved d2h
-(evicted blocks, queries) and h2d (partial outputs); time phases "bookkeeping.maw",
-"bookkeeping.evict", "bookkeeping.select" (worker time, filed when joined),
-"bookkeeping.handoff" (waiting for the worker), "bookkeeping.merge", "accel_idle";
+(evicted blocks, queries) and h2d (partial outputs); time phases on the critical path
+"bookkeeping.issue" (queueing lines 8-13), "bookkeeping.handoff" (waiting for the
+worker), "bookkeeping.merge", "accel_idle"; off it, worker seconds filed when joined:
+"bookkeeping.maw", "bookkeeping.evict" (CPU-only), "bookkeeping.select"; prefill:
+"bookkeeping.scores" (initial weights) and "bookkeeping.evict" (the prompt's overflow);
 tokens "host_resident" and "host_selected.h{i}" (per KV head, summed over the batch) from
 which the selected fraction per head follows.
 """
@@ -154,42 +160,97 @@ class Hgca(Strategy):
     # -- Algorithm 1: KV manager -------------------------------------------------------------
 
     def _join(self, L: _Layer) -> None:
-        """Wait for the layer's host job (hand-off) and file the worker's selection time."""
+        """Wait for the layer's host job (hand-off) and file the worker's phase times."""
         if L.job is None:
             return
         c = self.ctx.counters
         with c.timed("bookkeeping.handoff"):
             took = L.job.result()
         L.job = None
-        c.add("time", "bookkeeping.select", took)
+        for phase, seconds in took.items():
+            c.add("time", f"bookkeeping.{phase}", seconds)
 
-    def _offload(self, L: _Layer, k: torch.Tensor, v: torch.Tensor, maw: torch.Tensor) -> None:
-        """Copy evicted k/v [B, Hkv, n, D] and MAW [B, Hq, n] to host, select on the worker."""
+    def _stage(self, L: _Layer, k: torch.Tensor, v: torch.Tensor,
+               maw: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Host staging for evicted k/v [B, Hkv, n, D] and MAW [B, Hq, n]; counts d2h bytes."""
         import torch
 
         n = k.shape[2]
-        c = self.ctx.counters
-        c.moved("d2h", (k.numel() + v.numel()) * k.element_size() + maw.numel() * 4)
+        self.ctx.counters.moved("d2h", (k.numel() + v.numel()) * k.element_size()
+                                + maw.numel() * 4)
         if n <= L.sk.shape[2]:
-            sk, sv, sm = L.sk[:, :, :n], L.sv[:, :, :n], L.smaw[:, :, :n]
-        else:  # the prompt's overflow: staged once, in fresh host buffers
-            sk, sv = torch.empty(k.shape, dtype=L.hk.dtype), torch.empty(v.shape, dtype=L.hk.dtype)
-            sm = torch.empty(maw.shape, dtype=torch.float32)
-        with c.timed("bookkeeping.evict"):
+            return L.sk[:, :, :n], L.sv[:, :, :n], L.smaw[:, :, :n]
+        # the prompt's overflow: staged once, in fresh host buffers
+        return (torch.empty(k.shape, dtype=L.hk.dtype), torch.empty(v.shape, dtype=L.hk.dtype),
+                torch.empty(maw.shape, dtype=torch.float32))
+
+    def _offload(self, L: _Layer, k: torch.Tensor, v: torch.Tensor, maw: torch.Tensor) -> None:
+        """Prefill: copy the prompt's evicted blocks to the host, select on the worker."""
+        import torch
+
+        staged = self._stage(L, k, v, maw)
+        with self.ctx.counters.timed("bookkeeping.evict"):
             if self.stream is not None:
                 self.stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(self.stream):
-                    for dst, src in ((sk, k), (sv, v), (sm, maw)):
+                    for dst, src in zip(staged, (k, v, maw), strict=True):
                         dst.copy_(src, non_blocking=True)
                     L.copied = torch.cuda.Event()
                     L.copied.record(self.stream)
             else:
-                for dst, src in ((sk, k), (sv, v), (sm, maw)):
+                for dst, src in zip(staged, (k, v, maw), strict=True):
                     dst.copy_(src)
-        L.job = self.worker.submit(self._select, L, sk, sv, sm, L.copied)
+        L.job = self.worker.submit(self._select, L, *staged, L.copied)
+
+    def _manage(self, L: _Layer, q: torch.Tensor, lse: torch.Tensor, a: int | None) -> None:
+        """Lines 8-13 off the critical path: MAW update, then (a: first slot of the oldest
+        block, when the ring is full) its eviction. On CUDA both go on the side stream
+        (the paper's per-buffer stream) and the worker selects once the copy lands; on a
+        CPU-only machine the worker does all of it. Joined at the layer's next step."""
+        import torch
+
+        src = staged = None
+        if a is not None:
+            e = a + self.p.block
+            src = (L.gk[:, :, a:e], L.gv[:, :, a:e], L.maw[:, :, a:e])
+            staged = self._stage(L, *src)
+        if self.stream is None:
+            L.job = self.worker.submit(self._track, L, q, lse, staged, src)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            self._update_maw(L, q, lse)
+            if staged is not None:
+                for dst, s in zip(staged, src, strict=True):
+                    dst.copy_(s, non_blocking=True)
+            L.copied = torch.cuda.Event()
+            L.copied.record(self.stream)
+        q.record_stream(self.stream)
+        lse.record_stream(self.stream)
+        if staged is not None:
+            L.job = self.worker.submit(self._select, L, *staged, L.copied)
+
+    def _track(self, L: _Layer, q: torch.Tensor, lse: torch.Tensor,
+               staged: tuple[torch.Tensor, ...] | None,
+               src: tuple[torch.Tensor, ...] | None) -> dict[str, float]:
+        """Worker (CPU-only machine): MAW update, eviction copy, selection; phase seconds."""
+        import time
+
+        import torch
+
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            self._update_maw(L, q, lse)
+            t1 = time.perf_counter()
+            if staged is None or src is None:
+                return {"maw": t1 - t0}
+            for dst, s in zip(staged, src, strict=True):
+                dst.copy_(s)
+        t2 = time.perf_counter()
+        return {"maw": t1 - t0, "evict": t2 - t1, **self._select(L, *staged, None)}
 
     def _select(self, L: _Layer, k: torch.Tensor, v: torch.Tensor, maw: torch.Tensor,
-                copied: Any) -> float:
+                copied: Any) -> dict[str, float]:
         """Worker: KV_cpu += block; KV_ctx[row] += entries with MAW > beta / W (lines 23-25)."""
         import time
 
@@ -216,7 +277,7 @@ class Hgca(Strategy):
             ck[rows, pos] = k.reshape(b * hkv, n, d)[rows, j]
             cv[rows, pos] = v.reshape(b * hkv, n, d)[rows, j]
             L.lens += keep.sum(dim=1, dtype=torch.int32)
-        return time.perf_counter() - t0
+        return {"select": time.perf_counter() - t0}
 
     def _update_maw(self, L: _Layer, q: torch.Tensor, lse: torch.Tensor) -> None:
         """Line 8: MAW <- (1 - alpha) MAW + alpha A_gpu, A_gpu the window softmax [B, Hq, W]."""
@@ -310,18 +371,17 @@ class Hgca(Strategy):
         if L.n_host and int(L.lens.max()):
             qh = q.to(device="cpu", dtype=L.ck.dtype)
             c.moved("d2h", q.numel() * q.element_size())
-        out, lse = self._window(L, q)
+        out, lse_w = self._window(L, q)  # lse_w: the window softmax's normaliser (A_gpu)
         c.attended("accel", q, L.n)
-        with c.timed("bookkeeping.maw"):
-            self._update_maw(L, q, lse)
         with c.timed("accel_idle"):
             host = self._host(L, q, qh)
         if host is not None:
             with c.timed("bookkeeping.merge"):
-                out, lse = merge(out, lse, *host)
-        if L.n == self.w:  # line 10: full after the append, evict the oldest block
-            a, e = L.tail, L.tail + self.p.block
-            self._offload(L, L.gk[:, :, a:e], L.gv[:, :, a:e], L.maw[:, :, a:e])
-            L.tail = e % self.w
+                out, _ = merge(out, lse_w, *host)
+        full = L.n == self.w  # line 10: full after the append, evict the oldest block
+        with c.timed("bookkeeping.issue"):
+            self._manage(L, q, lse_w, L.tail if full else None)
+        if full:
+            L.tail = (L.tail + self.p.block) % self.w
             L.n -= self.p.block
         return out
