@@ -14,7 +14,7 @@ from kvbench.cli import main
 from kvbench.kernels.attention import dense_attention
 from kvbench.models import get_spec
 from kvbench.runtime.context import Counters, RunContext
-from kvbench.strategies import STRATEGIES, NoParams, column_scores
+from kvbench.strategies import STRATEGIES, NoParams
 from kvbench.strategies.h2o import H2OParams
 from kvbench.strategies.hgca import HgcaParams
 from kvbench.strategies.streaming import StreamingParams
@@ -136,9 +136,15 @@ def test_hgca_prefill_weights_and_beta() -> None:
             assert all(3 in _selected_positions(L, r, k) for r in range(3))
     assert all(bool((a >= b).all()) for a, b in itertools.pairwise(lens))
     assert lens[0].tolist() == [32, 32, 32] and int(lens[-1].max()) < 32
-    _, lse = dense_attention(q, k, v)
-    mean = column_scores(q, k, lse) / torch.arange(40, 0, -1)
-    assert torch.allclose(s.layers[0].maw[:, :, :8], mean[:, :, 32:])
+    # initial MAW: line 8 once per prompt query (alpha 0.1) on p_ij (i + 1) / W
+    kk = k.repeat_interleave(3, dim=1)
+    logits = (q @ kk.transpose(-1, -2)) / 8
+    logits.masked_fill_(torch.ones(40, 40, dtype=torch.bool).triu(1), float("-inf"))
+    prob = logits.softmax(dim=-1)  # [1, 9, 40 queries, 40 keys]
+    maw = torch.zeros(1, 9, 40)
+    for i in range(40):
+        maw = 0.9 * maw + 0.1 * prob[:, :, i] * (i + 1) / 16
+    assert torch.allclose(s.layers[0].maw[:, :, :8], maw[:, :, 32:], rtol=1e-4, atol=1e-7)
 
 
 def _selected_positions(L, row: int, k: torch.Tensor) -> list[int]:

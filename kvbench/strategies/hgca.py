@@ -23,10 +23,11 @@ machine both parts run on the CPU one after the other, and the accelerator role'
 for the host part is what `accel_idle` records.
 
 The prefill is dense causal attention over the whole prompt; prompt tokens get their
-initial MAW from the prefill attention: the mean weight a key received from the queries
-that saw it (`column_scores` / number of such queries). Tokens beyond the ring are evicted
-in whole blocks at once (line 11). Multi-turn appends (re-evaluation, lines 19-21) do not
-occur in kvbench's runtime (one prefill, then single-token steps) and are not modelled.
+initial MAW from the prefill attention: line 8 applied once per prompt query, in order
+(`_prefill_maw`), as if the prompt had been decoded token by token. Tokens beyond the ring
+are evicted in whole blocks at once (line 11). Multi-turn appends (re-evaluation, lines
+19-21) do not occur in kvbench's runtime (one prefill, then single-token steps) and are
+not modelled.
 
 The MAW update and the eviction (lines 8-13) run off the critical path: on CUDA on the
 side stream, on a CPU-only machine on the worker thread (which then also copies the
@@ -51,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvbench.errors import require
 from kvbench.kernels.cpu import default_threads
-from kvbench.strategies import STRATEGIES, Strategy, column_scores, decode_weights
+from kvbench.strategies import STRATEGIES, Strategy, decode_weights
 
 if TYPE_CHECKING:
     import torch
@@ -284,6 +285,28 @@ class Hgca(Strategy):
         a = decode_weights(q, L.gk, lse, scale=self.scale)
         L.maw.mul_(1 - self.p.alpha).add_(a, alpha=self.p.alpha)
 
+    def _prefill_maw(self, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """Initial MAW of the prompt's keys [B, Hq, P]: line 8 applied once per prompt query
+        in order, from zero, to the prefill attention p_ij (q [B, Hq, P, D], lse [B, Hq, P]).
+
+        p_ij is a softmax over the i + 1 keys query i saw, a window weight one over W
+        entries; p_ij (i + 1) / W puts both on the scale where uniform attention is 1 / W,
+        the scale of the threshold beta / W. Queries older than (1 - alpha)^n < 1e-6 weigh
+        nothing and are skipped, so this costs about 130 query rows at alpha 0.1.
+        """
+        import torch
+
+        a, p = self.p.alpha, k.shape[2]
+        r = p if a >= 1 else min(p, int(math.log(1e-6) / math.log(1 - a)) + 1)
+        b, hq, _, d = q.shape
+        hkv = k.shape[1]
+        rows = torch.arange(p - r, p, device=q.device)
+        qg = q[:, :, p - r:].float().reshape(b, hkv, hq // hkv * r, d)
+        s = torch.matmul(qg, k.float().transpose(-1, -2)).view(b, hq, r, p) * self.scale
+        s.masked_fill_(torch.arange(p, device=q.device) > rows[:, None], float("-inf"))
+        coef = a * (1 - a) ** (p - 1 - rows).float() * (rows + 1).float() / self.w
+        return (torch.exp(s - lse[:, :, p - r:, None]) * coef[:, None]).sum(dim=2)
+
     # -- Algorithm 2: hybrid attention -------------------------------------------------------
 
     def _window(self, L: _Layer, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -325,8 +348,6 @@ class Hgca(Strategy):
 
     def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> torch.Tensor:
-        import torch
-
         from kvbench.kernels.attention import dense_attention
 
         L = self.layers[layer]
@@ -338,8 +359,7 @@ class Hgca(Strategy):
         evict = math.ceil((p - self.w + 1) / self.p.block) * self.p.block if p >= self.w else 0
         if self.ctx.max_len > self.w:  # some token will leave the window: it needs a MAW
             with c.timed("bookkeeping.scores"):
-                seen = torch.arange(p, 0, -1, dtype=torch.float32, device=q.device)
-                init = column_scores(q, k, lse) / seen  # mean weight from its p - j queries
+                init = self._prefill_maw(q, k, lse)
         else:
             init = L.maw.new_zeros(q.shape[0], q.shape[1], p)
         r = p - evict
