@@ -204,8 +204,10 @@ def records(name: str, params: dict[str, ParamValue], o: Outcome, batch: int,
             yield measured("run", name, "perplexity", "ppl", "lower",
                            [math.exp(sum(o.nll) / len(o.nll))], params,
                            {"statistic": "exp(mean NLL)", "tokens": len(o.nll)})
+    from kvbench.runtime.breakdown import derived
     from kvbench.runtime.context import UNITS
 
+    yield from derived(name, params, o.steps, counters)
     for quantity, where, layer, steps in counters.series():
         p = {**params, "layer": layer, "where": where}
         pre = [steps.get(0, 0.0)]

@@ -1,0 +1,77 @@
+"""Per-run figures derived from the work trace (issue 6: what a run reports).
+
+From the per-(step, layer) counters of the decode steps: bytes moved per link per step,
+tokens attended per device per step, the share of decode time the accelerator role waited
+for the host or a transfer (`accel_idle`), the share spent in the strategy's bookkeeping
+(every "bookkeeping.*" phase, including worker-thread time filed by the strategy), the
+selected fraction of host-resident entries per KV head (strategies that count
+"host_selected.h*" and "host_resident" tokens: hgca) and, in eval mode, the attention
+output's relative error against full attention (kvbench.runtime.shadow), mean over layers
+and worst layer. Shares are of the summed decode step time, so they are ratios within one
+run, robust to a noisy shared machine.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+from kvbench.schema import ParamValue, Record, measured
+
+
+def derived(name: str, params: dict[str, ParamValue], steps: list[float],
+            counters: Any) -> Iterator[Record]:
+    """Records of the decode-phase breakdown; `steps` are the decode step seconds."""
+    n = len(steps)
+    total = sum(steps)
+    per_step: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0] * n)
+    per_layer: dict[tuple[str, str, int], list[float]] = {}
+    for quantity, where, layer, series in counters.series():
+        values = [series.get(s, 0.0) for s in range(1, n + 1)]
+        per_layer[(quantity, where, layer)] = values
+        acc = per_step[(quantity, where)]
+        for i, v in enumerate(values):
+            acc[i] += v
+    method = {"per": "decode step, summed over layers", "statistic": "median"}
+    for (quantity, where), v in sorted(per_step.items()):
+        if quantity == "bytes_moved":
+            yield measured("run", name, "bytes_moved_per_step", "B", "none", v,
+                           {**params, "where": where}, method)
+        elif quantity == "tokens" and where in ("accel", "host"):
+            yield measured("run", name, "tokens_attended_per_step", "tokens", "none", v,
+                           {**params, "where": where}, method)
+    share = {"per": "sum over decode steps / sum of decode step times"}
+    times = {w: sum(v) for (q, w), v in per_step.items() if q == "time"}
+    if total > 0 and "accel_idle" in times:
+        yield measured("run", name, "accel_idle_share", "ratio", "lower",
+                       [times["accel_idle"] / total], params, share)
+    book = {w: t for w, t in times.items() if w.startswith("bookkeeping.")}
+    if total > 0 and book:
+        yield measured("run", name, "bookkeeping_share", "ratio", "lower",
+                       [sum(book.values()) / total], params,
+                       {**share, "phases": {w: t / total for w, t in sorted(book.items())}})
+    yield from _selected(name, params, per_layer)
+    errors = {layer: statistics.fmean(v) for (q, _, layer), v in per_layer.items()
+              if q == "rel_error" and v}
+    if errors:
+        worst = max(errors, key=errors.__getitem__)
+        yield measured("run", name, "attention_rel_error", "ratio", "lower",
+                       list(errors.values()), params,
+                       {"statistic": "median over layers of the mean over decode steps",
+                        "mean": statistics.fmean(errors.values()), "worst_layer": worst,
+                        "worst": errors[worst]})
+
+
+def _selected(name: str, params: dict[str, ParamValue],
+              per_layer: dict[tuple[str, str, int], list[float]]) -> Iterator[Record]:
+    """Selected share of host entries per (layer, KV head), summed over decode steps."""
+    resident = {layer: sum(v) for (q, w, layer), v in per_layer.items()
+                if q == "tokens" and w == "host_resident"}
+    fractions = [sum(v) / resident[layer] for (q, w, layer), v in sorted(per_layer.items())
+                 if q == "tokens" and w.startswith("host_selected.") and resident.get(layer)]
+    if fractions:
+        yield measured("run", name, "selected_fraction", "ratio", "none", fractions, params,
+                       {"per": "(layer, KV head): selected / host-resident entries",
+                        "statistic": "median", "min": min(fractions), "max": max(fractions)})
