@@ -143,8 +143,11 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
     recs = list(records(cls.name, params, outcome, cfg.batch, accuracy, model.counters,
                         peak_memory()))
     if cfg.compare_hf:
-        recs += compare_hf(cls.name, params, loaded.hf_model, rows[:, :p], outcome, device,
-                           sync)
+        def again() -> list[float]:  # one more greedy decode of ours, for interleaving
+            return decode_run(model, start(p + g + 1), rows[:, :p], g, "generate", sync).steps
+
+        recs += compare_hf(cls.name, params, loaded.hf_model, rows[:, :p], outcome, again,
+                           device, sync)
     path = out or default_out_path(f"run-{cls.name}")
     with ResultWriter(path, collect_env()) as w:
         for rec in recs:
@@ -154,13 +157,15 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
     return path
 
 
-def compare_hf(name: str, params: dict, hf: Any, prompt: Any, ours: Any, device: Any,
-               sync: Callable[[], None]) -> list[Record]:
+def compare_hf(name: str, params: dict, hf: Any, prompt: Any, ours: Any,
+               again: Callable[[], list[float]], device: Any, sync: Callable[[], None],
+               rounds: int = 3) -> list[Record]:
     """transformers' greedy `generate` on the same prompt [B, P], dtype and threads.
 
     A streamer stamps every token generate emits (it copies each to the host, which
-    synchronises a GPU), so HF's per-step decode times are taken exactly like ours; the
-    bar compares medians of per-step rates, robust to a shared machine's noise.
+    synchronises a GPU), so HF's per-step decode times are taken exactly like ours. Ours
+    and transformers' alternate for `rounds` rounds (ours' first round is the run itself)
+    and the bar compares the medians of all per-step rates: robust to a shared machine.
     """
     import statistics
 
@@ -188,18 +193,23 @@ def compare_hf(name: str, params: dict, hf: Any, prompt: Any, ours: Any, device:
                           max_new_tokens=n, min_new_tokens=n, pad_token_id=0,
                           streamer=stamps if b == 1 else None)
         sync()
-        return [(t1 - t0) * 1e-9 for t0, t1 in zip(stamps.ns[1:], stamps.ns[2:])], seq
+        return [(t1 - t0) * 1e-9 for t0, t1 in zip(stamps.ns[1:], stamps.ns[2:], strict=False)], seq
 
     gen(3)  # warm-up
-    steps, seq = gen(g + 1)  # put #0 is the prompt, #1 the prefill's token, then G steps
+    ours_steps, steps = list(ours.steps), []
+    for r in range(rounds):
+        if r:
+            ours_steps += again()
+        hf_steps, seq = gen(g + 1)  # put #0 is the prompt, #1 the prefill's token, then G
+        steps += hf_steps
     if not steps:
         return [not_measured("run", name, "hf_decode_tokens_per_s", "waived",
                              "transformers streams only batch 1", params)]
-    method = {"timer": "perf_counter_ns", "warmup": 1, "reps": len(steps),
+    method = {"timer": "perf_counter_ns", "warmup": 1, "reps": len(steps), "rounds": rounds,
               "statistic": "median", "per": "batch / decode step time (streamer stamps)"}
     hf_rec = measured("run", name, "hf_decode_tokens_per_s", "tokens/s", "higher",
                       [b / s for s in steps], params, method)
-    ours_rate = statistics.median(b / s for s in ours.steps)
+    ours_rate = statistics.median(b / s for s in ours_steps)
     p = prompt.shape[1]
     agree = float((seq[:, p:] == ours.tokens[:, p:p + g + 1]).float().mean())
     ratio = measured("run", name, "decode_speed_vs_hf", "x", "higher",
