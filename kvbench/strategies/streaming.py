@@ -13,6 +13,7 @@ where the token at position t lives in slot sinks + (t - sinks) mod (budget - si
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -55,7 +56,7 @@ class Streaming(Strategy):
 
         super().__init__(params, ctx)
         s = ctx.spec
-        self.budget = int(params.budget * ctx.max_len)
+        self.budget = math.ceil(params.budget * ctx.max_len)  # tokens, rounded up
         self.ring = self.budget - params.sinks
         require(self.ring >= 1, f"--budget {params.budget} of {ctx.max_len} tokens leaves no "
                 f"recent window after {params.sinks} sinks")
