@@ -140,3 +140,18 @@ def test_run_config_defaults_match_cli() -> None:
     names = {p.name: p.default for p in cmd.params}
     for f in fields(RunConfig):
         assert names[f.name] == f.default
+
+
+@pytest.mark.gpu
+def test_gpu_run_and_hf_comparison(tmp_path: Path) -> None:
+    """On a GPU: full attention at batch 8 on the bundled model next to transformers, and
+    the accelerator's allocator peak recorded (not run on the CPU-only development box)."""
+    out = tmp_path / "gpu.jsonl"
+    with pytest.raises(SystemExit) as e:
+        main(["run", "full", "--device", "cuda", "--batch", "8", "--prompt-len", "128",
+              "--gen-len", "16", "--compare-hf", "--out", str(out)])
+    assert e.value.code == 0
+    by = {(r["metric"], r["params"].get("where")): r for r in _records(out)}
+    assert by[("peak_memory", "accel")]["value"] > 0
+    assert by[("decode_speed_vs_hf", None)]["value"] > 0
+    assert all(r["params"]["accel"] == "cuda" for r in by.values())
