@@ -1,9 +1,11 @@
 """Render HGCA Table 1 (perplexity: GPU share x beta, h2o/streaming at the same budget) from
 the result files of run.sh, with hgca's selected fraction per head and per-layer attention
-error. Usage: .venv/bin/python results/hgca-table1/render.py  (writes table.md beside it)."""
+error. Usage: .venv/bin/python results/hgca-table1/render.py  (writes table.md and
+summary.json beside it; the full result files, ~2 MB each with their traces, stay local)."""
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 from collections import defaultdict
@@ -136,6 +138,11 @@ def main() -> None:
     if bd.is_file():
         lines += ["", *breakdown(bd)]
     (HERE / "table.md").write_text("\n".join(lines) + "\n")
+    slim = {k: {"perplexity": v["ppl"], "scored_tokens": v["n"],
+                "rel_error_per_layer": dict(v["err"]),
+                "selected_fraction": {f"layer{a}.{h}": f for (a, h), f in v["sel"].items()},
+                "params": v["params"]} for k, v in runs.items()}
+    (HERE / "summary.json").write_text(json.dumps(slim, indent=1, sort_keys=True) + "\n")
     print("\n".join(lines))
 
 
