@@ -147,6 +147,23 @@ def test_hgca_prefill_weights_and_beta() -> None:
     assert torch.allclose(s.layers[0].maw[:, :, :8], maw[:, :, 32:], rtol=1e-4, atol=1e-7)
 
 
+def test_hgca_decode_moving_average() -> None:
+    """Alg. 1 line 8 at a decode step: resident entries' MAW <- (1 - alpha) MAW + alpha x
+    the window softmax of the step's query (the new entry starting from 0)."""
+    s = make("hgca", HgcaParams(gpu_tokens=16, block=8, beta=1.0, alpha=0.3), layers=1,
+             batch=1, max_len=40)
+    (q0, k0, v0), (q, k, v) = inputs(8, 1, batch=1)
+    s.prefill(0, q0, k0, v0)
+    L = s.layers[0]
+    before = L.maw[:, :, :8].clone()
+    s.decode(0, q, k, v)
+    s._join(L)
+    keys = torch.cat([k0, k], dim=2).repeat_interleave(3, dim=1)  # [1, 9, 9, 64]
+    soft = ((q @ keys.transpose(-1, -2)) / 8).softmax(dim=-1)[:, :, 0]  # [1, 9, 9]
+    prev = torch.cat([before, torch.zeros(1, 9, 1)], dim=2)
+    assert torch.allclose(L.maw[:, :, :9], 0.7 * prev + 0.3 * soft, atol=1e-6)
+
+
 def _selected_positions(L, row: int, k: torch.Tensor) -> list[int]:
     """Prompt positions of the entries in KV_ctx[row] (matched by key)."""
     keys = L.ck.view(-1, L.ck.shape[2], 64)[row, :int(L.lens[row])]
