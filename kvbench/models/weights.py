@@ -104,6 +104,7 @@ def _random(spec: ModelSpec, n_layers: int, dtype: torch.dtype, device: torch.de
 
 
 def _from_pretrained(path: str, dtype: torch.dtype, **kw: str) -> tuple[Any, Any]:
+    import contextlib
     import logging
     import os
 
@@ -113,19 +114,13 @@ def _from_pretrained(path: str, dtype: torch.dtype, **kw: str) -> tuple[Any, Any
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    saved = os.environ.get("TQDM_DISABLE")
-    os.environ["TQDM_DISABLE"] = "1"  # the GGUF de-quantiser's own progress bar
-    try:
-        tok = AutoTokenizer.from_pretrained(path, **kw)
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
+    try:  # stderr muted: the GGUF de-quantiser draws its own tqdm bar
+        with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):
+            tok = AutoTokenizer.from_pretrained(path, **kw)
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
     except (OSError, ValueError) as e:
         raise KvbenchError(f"cannot load checkpoint '{path}': {str(e).splitlines()[0]}") \
             from None
-    finally:
-        if saved is None:
-            del os.environ["TQDM_DISABLE"]
-        else:
-            os.environ["TQDM_DISABLE"] = saved
     return hf.eval(), tok
 
 
