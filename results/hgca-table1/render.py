@@ -62,8 +62,9 @@ def breakdown(path: Path) -> list[str]:
         f"{p['gpu_share']}, beta {p['beta']}, block {p['block']}, {p['accel']} as the "
         f"accelerator role (CPU-only machine: timings of that role are CPU timings). Decode "
         f"step {total / n * 1e3:.1f} ms (mean of {n}). Shares are of the summed decode step "
-        "time; selection runs on the worker thread (off the critical path) and is counted "
-        "anyway.",
+        "time. maw, evict and select run on the worker thread, off the critical path, and "
+        "are counted anyway; issue, handoff and merge are on it. No block is evicted during "
+        "these 63 steps (the ring had room after the prompt's overflow left at prefill).",
         "",
         "| phase | per step | share of step |",
         "|---|---|---|",
@@ -134,6 +135,13 @@ def main() -> None:
         else:
             err = "- | -"
         lines.append(f"| {name} | {r['ppl']:.3f} | {sel} | {err} |")
+    exact = HERE / "breakdown" / "hgca-s0.75-b0-exactness.jsonl"
+    if exact.is_file():
+        e = summarize(exact)
+        lines += ["", f"Exactness at this scale: hgca, GPU share 0.75, beta 0 (every host entry "
+                  f"selected): perplexity {e['ppl']:.5f} vs full {ppl['full']:.5f} (relative "
+                  f"difference {abs(e['ppl'] / ppl['full'] - 1):.1e}); per-layer attention "
+                  f"error at most {max(x for _, x in e['err']):.1e}."]
     bd = HERE / "breakdown" / "hgca-generate-2048.jsonl"
     if bd.is_file():
         lines += ["", *breakdown(bd)]
