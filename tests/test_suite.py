@@ -95,7 +95,9 @@ def test_failing_case_is_recorded_and_suite_goes_on(tmp_path, monkeypatch, capsy
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
 def test_resume_after_kill_loses_and_repeats_nothing(tmp_path, sig):
-    path = write(tmp_path, '[[case]]\nprobe = "timer"\nparams = { calls = 20000, reps = 6 }\n'
+    # ~0.15 s a unit: the signal lands mid-suite even on an idle machine (at 20000 calls all
+    # 24 units could finish between the poll that saw 3 and the signal)
+    path = write(tmp_path, '[[case]]\nprobe = "timer"\nparams = { calls = 100000, reps = 6 }\n'
                            'repetitions = 24\n\n[[ratio]]\nname = "r"\n'
                            'numerator = "timer.native_clock_overhead"\n'
                            'denominator = "timer.perf_counter_ns_overhead"\n')
