@@ -102,8 +102,11 @@ def test_resume_after_kill_loses_and_repeats_nothing(tmp_path, sig):
                            'numerator = "timer.native_clock_overhead"\n'
                            'denominator = "timer.perf_counter_ns_overhead"\n')
     out = tmp_path / "out.jsonl"
+    # SIG_DFL in the child: a test run started in the background by a non-interactive shell
+    # inherits SIGINT ignored, and Python then never raises KeyboardInterrupt
     proc = subprocess.Popen([sys.executable, "-m", "kvbench.cli", "suite", "run", str(path)],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and len(recorded_units(out)) < 3:
         time.sleep(0.05)
