@@ -21,7 +21,7 @@ install: $(STAMP)
 demo: install
 	$(BIN)/kvbench env
 	$(BIN)/kvbench probe timer --out $(DEMO_OUT)
-	$(BIN)/kvbench probe bandwidth --sizes 1K..256M:x16 --quick --out $(DEMO_OUT)
+	$(BIN)/kvbench probe bandwidth --sizes 1K..256M --quick --out $(DEMO_OUT)
 	$(BIN)/kvbench probe latency --quick --out $(DEMO_OUT)
 	$(BIN)/kvbench probe attention --gpu-tokens 1K --host-tokens 4K --query 1,32 --out $(DEMO_OUT)
 	$(BIN)/kvbench probe roofline --model opt-6.7b --tokens 1024 --out $(DEMO_OUT)

@@ -127,8 +127,11 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
         model.setup(strategy, counters, max_len)
         return strategy
 
-    warm = min(p, 16)  # untimed warm-up: one-time allocations and kernel selection
-    decode_run(model, start(warm + 3), rows[:, :warm], 2, "generate", sync)
+    # untimed warm-up (one-time allocations, kernel selection) on a cache of the real run's
+    # size, since strategies check their geometry (windows, blocks) against it
+    warm = min(p, 16)
+    decode_run(model, start(p + g + 1), rows[:, :warm], 2, "generate", sync)
+    model.strategy = None  # release the warm-up cache before the timed run allocates its own
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     strategy = start(p + g + 1)
