@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
@@ -114,12 +115,6 @@ def _samples(recs: list[dict[str, Any]]) -> list[float]:
     return out
 
 
-def _median(v: list[float]) -> float:
-    s = sorted(v)
-    m = len(s) // 2
-    return s[m] if len(s) % 2 else (s[m - 1] + s[m]) / 2
-
-
 def compare_sets(base: ResultSet, new: ResultSet, threshold: float = 0.05, alpha: float = 0.05,
                  pattern: str | Sequence[str] | None = None) -> list[Row]:
     """One row per quantity present in either file, in base-file order then new-only ones.
@@ -162,7 +157,7 @@ def _judge(row: Row, rb: list[dict[str, Any]], rn: list[dict[str, Any]], thresho
     if not sb:
         row.verdict = "added"
         return
-    row.base, row.new = _median(sb), _median(sn)
+    row.base, row.new = statistics.median(sb), statistics.median(sn)
     if row.direction == "none":
         row.test, row.verdict = "informational", "same"
         return

@@ -18,7 +18,7 @@ from typing import Any
 
 from kvbench import __version__
 from kvbench.store import git_state
-from kvbench.topology import libnuma, meminfo_total, read_cxl_devices, read_nodes
+from kvbench.topology import libnuma, meminfo_total, read_cxl_devices, read_file, read_nodes
 
 # Per-lane usable GB/s after line coding (PCIe gen -> GB/s per lane, decimal).
 _PCIE_LANE_GBPS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
@@ -29,26 +29,19 @@ def pcie_link_gbps(gen: int, width: int) -> float:
     return _PCIE_LANE_GBPS.get(gen, 0.0) * width
 
 
-def _read(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError:
-        return ""
-
-
 def cpu_info(root: Path) -> dict[str, Any]:
-    cpuinfo = _read(root / "proc/cpuinfo")
+    cpuinfo = read_file(root / "proc/cpuinfo")
     model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
     logical = len(re.findall(r"^processor\s*:", cpuinfo, re.M)) or os.cpu_count() or 1
     cores = {(m.group(1), m.group(2)) for m in re.finditer(
         r"^physical id\s*:\s*(\d+).*?^core id\s*:\s*(\d+)", cpuinfo, re.M | re.S)}
     caches = []
     for idx in sorted((root / "sys/devices/system/cpu/cpu0/cache").glob("index*")):
-        caches.append({"level": int(_read(idx / "level").strip() or 0),
-                       "type": _read(idx / "type").strip(),
-                       "size": _read(idx / "size").strip(),
-                       "shared_cpus": _read(idx / "shared_cpu_list").strip()})
-    governor = _read(root / "sys/devices/system/cpu/cpu0/cpufreq/scaling_governor").strip()
+        caches.append({"level": int(read_file(idx / "level").strip() or 0),
+                       "type": read_file(idx / "type").strip(),
+                       "size": read_file(idx / "size").strip(),
+                       "shared_cpus": read_file(idx / "shared_cpu_list").strip()})
+    governor = read_file(root / "sys/devices/system/cpu/cpu0/cpufreq/scaling_governor").strip()
     return {"model": model.group(1).strip() if model else platform.processor() or "unknown",
             "arch": platform.machine(), "logical_cpus": logical,
             "physical_cores": len(cores) or None, "affinity_cpus": len(os.sched_getaffinity(0)),
@@ -94,7 +87,7 @@ def _nvml_gpus(nv: Any, root: Path) -> list[dict[str, Any]]:
         bus = nv.nvmlDeviceGetPciInfo(h).busId
         bus = bus.decode() if isinstance(bus, bytes) else bus
         sys_bus = bus.lower()[-12:]  # NVML uses an 8-digit domain, sysfs a 4-digit one
-        numa = _read(root / "sys/bus/pci/devices" / sys_bus / "numa_node").strip()
+        numa = read_file(root / "sys/bus/pci/devices" / sys_bus / "numa_node").strip()
         gen, width = nv.nvmlDeviceGetCurrPcieLinkGeneration(h), nv.nvmlDeviceGetCurrPcieLinkWidth(h)
         mgen, mwidth = nv.nvmlDeviceGetMaxPcieLinkGeneration(h), nv.nvmlDeviceGetMaxPcieLinkWidth(h)
         gpus.append({
@@ -140,7 +133,7 @@ def collect_env(root: Path | str = "/") -> dict[str, Any]:
         "hostname": socket.gethostname(),
         "cpu": cpu_info(root),
         "numa_nodes": [n.to_dict() for n in nodes],
-        "memory_bytes": meminfo_total(_read(root / "proc/meminfo")),
+        "memory_bytes": meminfo_total(read_file(root / "proc/meminfo")),
         "cxl_devices": read_cxl_devices(root),
         "gpus": gpus,
         "versions": versions(),

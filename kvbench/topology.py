@@ -49,7 +49,8 @@ def parse_cpulist(text: str) -> tuple[int, ...]:
     return tuple(cpus)
 
 
-def _read(path: Path, default: str = "") -> str:
+def read_file(path: Path, default: str = "") -> str:
+    """A sysfs/procfs file's text, or default when it cannot be read."""
     try:
         return path.read_text()
     except OSError:
@@ -68,14 +69,14 @@ def read_nodes(root: Path | str = "/") -> list[NumaNode]:
     dirs = sorted((p for p in base.glob("node[0-9]*") if p.is_dir()),
                   key=lambda p: int(p.name[4:])) if base.is_dir() else []
     if not dirs:
-        cpus = parse_cpulist(_read(root / "sys/devices/system/cpu/online")) or tuple(
+        cpus = parse_cpulist(read_file(root / "sys/devices/system/cpu/online")) or tuple(
             range(os.cpu_count() or 1))
-        return [NumaNode(0, cpus, meminfo_total(_read(root / "proc/meminfo")), (10,))]
+        return [NumaNode(0, cpus, meminfo_total(read_file(root / "proc/meminfo")), (10,))]
     nodes = []
     for d in dirs:
-        dist = tuple(int(x) for x in _read(d / "distance").split())
-        nodes.append(NumaNode(int(d.name[4:]), parse_cpulist(_read(d / "cpulist")),
-                              meminfo_total(_read(d / "meminfo")), dist))
+        dist = tuple(int(x) for x in read_file(d / "distance").split())
+        nodes.append(NumaNode(int(d.name[4:]), parse_cpulist(read_file(d / "cpulist")),
+                              meminfo_total(read_file(d / "meminfo")), dist))
     return nodes
 
 
@@ -97,11 +98,11 @@ def read_cxl_devices(root: Path | str = "/") -> list[dict[str, Any]]:
     out = []
     for d in sorted(base.iterdir()):
         dev: dict[str, Any] = {"name": d.name}
-        numa = _read(d / "numa_node").strip()
+        numa = read_file(d / "numa_node").strip()
         if numa:
             dev["numa_node"] = int(numa)
         for attr in ("ram/size", "pmem/size", "size"):
-            val = _read(d / attr).strip()
+            val = read_file(d / attr).strip()
             if val:
                 dev[attr.replace("/", "_")] = int(val, 0)
         out.append(dev)

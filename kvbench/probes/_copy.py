@@ -19,7 +19,7 @@ from typing import Any
 from kvbench.errors import KvbenchError
 from kvbench.memory import Endpoint, HostBuffer, endpoints, gpu_count, llc_bytes, runner_cpus
 from kvbench.timing import Policy, Timing, time_cuda, time_host, time_native
-from kvbench.units import parse_sizes
+from kvbench.units import gbps, parse_sizes
 
 MEMORY_KINDS = ("pageable", "pinned")
 SAMPLE_S = 2e-3  # native samples repeat a copy until they last about this long
@@ -274,7 +274,7 @@ class GpuCopier:
                     dst[:size].copy_(src[:size], non_blocking=True)
                 e1.record()
                 e1.synchronize()
-                out.append(size * reps / (e0.elapsed_time(e1) * 1e-3) / 1e9)
+                out.append(gbps(size * reps, e0.elapsed_time(e1) * 1e-3))
         return out[1:]  # the first round is the warm-up
 
     def close(self) -> None:
