@@ -95,6 +95,10 @@ def test_random_run_writes_labelled_records(tmp_path: Path) -> None:
     (["--model", "llama-3.1-405b", "--weights", "random", "--batch", "64",
       "--prompt-len", "100000"], "does not fit"),
     (["--mode", "train"], "--mode"),
+    (["--turns", "0"], "--turns must be at least 1"),
+    (["--model", "opt-125m", "--weights", "random", "--prompt-len", "200", "--turns", "10"],
+     "x 10 turns exceeds opt-125m's context"),
+    (["--turns", "2", "--compare-hf"], "--compare-hf times single-turn generation"),
 ])
 def test_bad_input_exits_2(args: list[str], message: str, capsys) -> None:
     with pytest.raises(SystemExit) as e:

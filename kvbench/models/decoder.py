@@ -4,7 +4,8 @@ Module names mirror the Hugging Face checkpoints of each family (after the "mode
 "model.decoder." or "gpt_neox." prefix), so a checkpoint loads with `load_state_dict`.
 Every attention call goes through the run's strategy (kvbench.strategies): the layer
 computes q [B, Hq, T, D] and k/v [B, Hkv, T, D] with positions applied and hands them to
-`Strategy.prefill` (first call, T = prompt length) or `Strategy.decode` (T = 1).
+`Strategy.prefill` (first call, start 0, T = prompt length), `Strategy.decode` (T = 1) or
+`Strategy.append` (a later turn's prompt after the cached tokens, T >= 2).
 
 Only the last position's logits are computed ([B, vocab]): the run needs no others.
 """
@@ -92,8 +93,10 @@ class Decoder(nn.Module):
         with self.counters.timed("attention"):
             if start == 0:
                 out = self.strategy.prefill(layer, q, k, v)
-            else:
+            elif q.shape[2] == 1:
                 out = self.strategy.decode(layer, q, k, v)
+            else:
+                out = self.strategy.append(layer, q, k, v)
         b, h, t, d = out.shape
         return out.transpose(1, 2).reshape(b, t, h * d)
 

@@ -19,9 +19,10 @@ from typing import Any
 
 import typer
 
+from kvbench.errors import require
 from kvbench.runtime.run import RunConfig
 from kvbench.schema import Record, measured, not_measured
-from kvbench.strategies import Strategy
+from kvbench.strategies import Strategy, supports_append
 
 _HELP = {
     "model": "Model spec name (see `kvbench list`).",
@@ -38,6 +39,8 @@ _HELP = {
     "threads": "Torch CPU threads (0: torch's default).",
     "seed": "Seed of random weights.",
     "compare_hf": "Also time transformers' generate on the same prompt, dtype and threads.",
+    "turns": "Conversation turns: each later turn appends --prompt-len new prompt tokens to "
+             "the cache, then decodes --gen-len more (strategies with append only).",
 }
 
 
@@ -93,6 +96,8 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
     )
     from kvbench.store import ResultWriter, default_out_path
 
+    require(cfg.turns <= 1 or supports_append(cls), f"--turns {cfg.turns}: strategy "
+            f"'{cls.name}' has no append (multi-turn); it runs single-turn only")
     spec, layers, device, dtype, weights = resolve(cfg)
     from kvbench.runtime.machine import machine_defaults
 
@@ -105,9 +110,9 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
     text = read_text(cfg.text)
     with err_console.status(f"loading {spec.name} ({weights} weights, {layers} layers)"):
         loaded = load(spec, weights, layers, dtype, device, cfg.seed)
-    p, g = cfg.prompt_len, cfg.gen_len
-    rows = token_rows(loaded.encode(text), cfg.batch, p + g + 1 if cfg.mode == "eval" else p,
-                      spec.vocab).to(device)
+    p, g, turns, length = cfg.prompt_len, cfg.gen_len, cfg.turns, cfg.seq_len
+    rows = token_rows(loaded.encode(text), cfg.batch, length if cfg.mode == "eval" else
+                      turns * p, spec.vocab).to(device)
     model = loaded.model
 
     def sync() -> None:
@@ -130,24 +135,25 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
     # untimed warm-up (one-time allocations, kernel selection) on a cache of the real run's
     # size, since strategies check their geometry (windows, blocks) against it
     warm = min(p, 16)
-    decode_run(model, start(p + g + 1), rows[:, :warm], 2, "generate", sync)
+    decode_run(model, start(length), rows[:, :turns * warm], min(g, 2), "generate", sync,
+               turns=turns)
     model.strategy = None  # release the warm-up cache before the timed run allocates its own
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    strategy = start(p + g + 1)
+    strategy = start(length)
     for note in notes:  # once every input is known to be valid (bad input: one line)
         err_console.print(f"[cyan]note:[/] {note}")
     with Progress(console=err_console, transient=True) as bar:
-        task = bar.add_task(f"{cls.name}: decode", total=g)
+        task = bar.add_task(f"{cls.name}: decode", total=turns * g)
         outcome = decode_run(model, strategy, rows, g, cfg.mode, sync,
-                             lambda: bar.advance(task))
+                             lambda: bar.advance(task), turns)
     params = run_params(cfg, spec, layers, device, dtype, weights, sparams)
     accuracy = "random weights: accuracy metrics are off" if weights == "random" else ""
     recs = list(records(cls.name, params, outcome, cfg.batch, accuracy, model.counters,
                         peak_memory()))
     if cfg.compare_hf:
         def again() -> list[float]:  # one more greedy decode of ours, for interleaving
-            return decode_run(model, start(p + g + 1), rows[:, :p], g, "generate", sync).steps
+            return decode_run(model, start(length), rows[:, :p], g, "generate", sync).steps
 
         recs += compare_hf(cls.name, params, loaded.hf_model, rows[:, :p], outcome, again,
                            device, sync)

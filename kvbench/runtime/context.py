@@ -2,7 +2,8 @@
 
 `Counters` is the per-step work trace (issue: model runtime): for every (step, layer) it
 accumulates tokens attended, FLOPs and bytes read per device, bytes moved per link and
-seconds per phase. Step 0 is the prefill, steps 1..G the decode steps. The trace is stored
+seconds per phase. Step 0 is the prefill (with every later turn's append in a multi-turn
+run), steps 1..G the decode steps (1..turns * G across turns). The trace is stored
 as one record per (quantity, where, layer, phase) whose samples are the per-step values,
 which is what later issues project onto other hardware.
 """

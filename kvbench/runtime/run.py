@@ -5,6 +5,15 @@ forced (HGCA Table 1 method): the prompt is the first P tokens of the text, each
 step feeds the true next token, and the log-likelihood of tokens P..P+G (G+1 predictions:
 the prefill's last logits, then one per decode step) gives the perplexity.
 Batch row b reads its own window of the text (windows overlap only when the text is short).
+
+Multi-turn (`turns` > 1, HGCA Alg. 1 lines 19-21): the sequence is `turns` blocks of
+P + G + 1 tokens, P prompt tokens then G + 1 generated (the last one scored, not fed).
+Turn 0 is the run above; turn k >= 1 appends the previous turn's last token and the next
+P prompt tokens (one `Strategy.append` of P + 1 tokens, timed as that turn's append TTFT,
+its last logits scored) and decodes G more. Eval mode reads the whole sequence from the
+text and scores 1 + G predictions per turn; generate mode takes turn k's prompt from the
+text's tokens kP..(k+1)P and generates the rest. Appends are step 0 of the trace (all
+prompt processing), decode steps are numbered 1..turns * G.
 """
 
 from __future__ import annotations
@@ -45,6 +54,12 @@ class RunConfig:
     threads: int = 0  # 0: torch's default
     seed: int = 0
     compare_hf: bool = False
+    turns: int = 1
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens of the whole sequence: turns * (P + G + 1) (the cache's max length)."""
+        return self.turns * (self.prompt_len + self.gen_len + 1)
 
 
 def read_text(path: str) -> str:
@@ -66,10 +81,13 @@ def resolve(cfg: RunConfig) -> tuple[ModelSpec, int, Any, Any, str]:
     layers = cfg.layers or spec.n_layers
     require(1 <= layers <= spec.n_layers, f"--layers {cfg.layers}: {spec.name} has "
             f"{spec.n_layers} layers")
-    require(cfg.batch >= 1 and cfg.prompt_len >= 1 and cfg.gen_len >= 1,
-            "--batch, --prompt-len and --gen-len must be at least 1")
-    require(cfg.prompt_len + cfg.gen_len + 1 <= spec.ctx, f"prompt {cfg.prompt_len} + "
-            f"{cfg.gen_len} generated tokens exceeds {spec.name}'s context of {spec.ctx}")
+    require(cfg.batch >= 1 and cfg.prompt_len >= 1 and cfg.gen_len >= 1 and cfg.turns >= 1,
+            "--batch, --prompt-len, --gen-len and --turns must be at least 1")
+    turns = f" x {cfg.turns} turns" if cfg.turns > 1 else ""
+    require(cfg.seq_len <= spec.ctx, f"(prompt {cfg.prompt_len} + {cfg.gen_len} generated "
+            f"tokens + 1){turns} exceeds {spec.name}'s context of {spec.ctx}")
+    require(cfg.turns == 1 or not cfg.compare_hf,
+            "--compare-hf times single-turn generation; pass --turns 1")
     require(cfg.mode in ("generate", "eval"), f"--mode '{cfg.mode}': generate or eval")
     require(cfg.dtype in DTYPES, f"--dtype '{cfg.dtype}': one of {', '.join(DTYPES)}")
     require(cfg.device in ("auto", "cpu", "cuda"), f"--device '{cfg.device}': auto, cpu, cuda")
@@ -90,7 +108,8 @@ def check_fit(spec: ModelSpec, layers: int, cfg: RunConfig, cls: type[Strategy],
     import torch
 
     weights = spec.params(layers) * elem
-    kv = cfg.batch * (cfg.prompt_len + cfg.gen_len) * spec.kv_bytes_per_token(elem, layers)
+    tokens = cfg.seq_len - 1  # the last token is scored, never cached
+    kv = cfg.batch * tokens * spec.kv_bytes_per_token(elem, layers)
     need = cls.kv_placement(sparams, kv)
     host_free = psutil.virtual_memory().available
     if device.type == "cuda":
@@ -102,7 +121,7 @@ def check_fit(spec: ModelSpec, layers: int, cfg: RunConfig, cls: type[Strategy],
     for where, n, free in checks:
         if n > free:
             raise KvbenchError(
-                f"batch {cfg.batch} x {cfg.prompt_len + cfg.gen_len} tokens does not fit: "
+                f"batch {cfg.batch} x {tokens} tokens does not fit: "
                 f"{format_bytes(n)} ({format_bytes(kv)} KV, {format_bytes(weights)} weights) "
                 f"on {where} ({device.type if where == 'accel' else 'cpu'}), "
                 f"{format_bytes(free)} available")
@@ -125,21 +144,32 @@ class Outcome:
     """What one run measured: per-step seconds, first-token seconds, NLL per scored token."""
 
     ttft: float
-    steps: list[float]
+    appends: list[float]  # append TTFT of turns 1.. (empty for a single turn)
+    steps: list[float]  # decode steps of every turn, in order
     nll: list[float]
-    tokens: Any  # [B, P + G + 1] generated or teacher-forced sequence
+    tokens: Any  # [B, turns * (P + G + 1)] generated or teacher-forced sequence
 
 
 def decode_run(model: Any, strategy: Strategy, rows: Any, gen_len: int, mode: str,
-               sync: Callable[[], None], on_step: Callable[[], None] = lambda: None) -> Outcome:
-    """Prefill rows[:, :P] then gen_len decode steps; rows [B, >= P + 1] (eval: P + G + 1)."""
+               sync: Callable[[], None], on_step: Callable[[], None] = lambda: None,
+               turns: int = 1) -> Outcome:
+    """`turns` turns of (prompt, gen_len decode steps) as the module describes.
+
+    rows [B, turns * P] (generate: each turn's prompt) or [B, turns * (P + G + 1)] (eval:
+    the whole sequence).
+    """
     import torch
     import torch.nn.functional as F
 
     counters = model.counters
-    p = rows.shape[1] - (gen_len + 1 if mode == "eval" else 0)
-    seq = rows.clone() if mode == "eval" else torch.cat(
-        [rows[:, :p], rows.new_zeros(rows.shape[0], gen_len + 1)], dim=1)
+    b, block = rows.shape[0], rows.shape[1] // turns
+    p = block - (gen_len + 1 if mode == "eval" else 0)
+    n = p + gen_len + 1  # tokens per turn
+    if mode == "eval":
+        seq = rows.clone()
+    else:
+        seq = rows.new_zeros(b, turns * n)
+        seq.view(b, turns, n)[:, :, :p] = rows.reshape(b, turns, p)
     nll: list[float] = []
 
     def score(logits: torch.Tensor, pos: int) -> None:
@@ -148,23 +178,27 @@ def decode_run(model: Any, strategy: Strategy, rows: Any, gen_len: int, mode: st
         else:
             seq[:, pos] = logits.argmax(-1)
 
-    counters.step = 0
-    strategy.begin_step(0)
-    sync()
-    t0 = time.perf_counter_ns()
-    score(model(seq[:, :p], 0), p)
-    sync()
-    ttft = (time.perf_counter_ns() - t0) * 1e-9
-    steps = []
-    for s in range(1, gen_len + 1):
-        counters.step = s
-        strategy.begin_step(s)
-        t0 = time.perf_counter_ns()
-        score(model(seq[:, p + s - 1:p + s], p + s - 1), p + s)
+    firsts, steps = [], []
+    for turn in range(turns):
+        base = turn * n
+        start = max(base - 1, 0)  # a later turn also feeds the last turn's unfed token
+        counters.step = 0
+        strategy.begin_step(0)
         sync()
-        steps.append((time.perf_counter_ns() - t0) * 1e-9)
-        on_step()
-    return Outcome(ttft, steps, nll, seq)
+        t0 = time.perf_counter_ns()
+        score(model(seq[:, start:base + p], start), base + p)
+        sync()
+        firsts.append((time.perf_counter_ns() - t0) * 1e-9)
+        for s in range(1, gen_len + 1):
+            counters.step = turn * gen_len + s
+            strategy.begin_step(counters.step)
+            pos = base + p + s - 1
+            t0 = time.perf_counter_ns()
+            score(model(seq[:, pos:pos + 1], pos), pos + 1)
+            sync()
+            steps.append((time.perf_counter_ns() - t0) * 1e-9)
+            on_step()
+    return Outcome(firsts[0], firsts[1:], steps, nll, seq)
 
 
 def peak_memory() -> dict[str, int]:
@@ -186,6 +220,10 @@ def records(name: str, params: dict[str, ParamValue], o: Outcome, batch: int,
                    "statistic": "median", "per": "decode step, device synchronised"}
     yield measured("run", name, "ttft", "s", "lower", [o.ttft], params,
                    {"timer": "perf_counter_ns", "per": "prefill + first token"})
+    if o.appends:
+        yield measured("run", name, "append_ttft", "s", "lower", o.appends, params,
+                       {"timer": "perf_counter_ns", "statistic": "median",
+                        "per": "turn >= 1: append of its prompt + first token"})
     yield measured("run", name, "tbt", "s", "lower", o.steps, params, step_method)
     for q in (90, 99):
         yield measured("run", name, f"tbt_p{q}", "s", "lower",
@@ -214,7 +252,8 @@ def records(name: str, params: dict[str, ParamValue], o: Outcome, batch: int,
         dec = [steps.get(s, 0.0) for s in range(1, len(o.steps) + 1)]
         for phase, samples in (("prefill", pre), ("decode", dec)):
             yield measured("run", name, f"trace.{quantity}", UNITS[quantity], "none", samples,
-                           {**p, "phase": phase}, {"per": "step (prefill: one sample)"})
+                           {**p, "phase": phase},
+                           {"per": "step (prefill: one sample, every turn's prompt)"})
 
 
 def run_params(cfg: RunConfig, spec: ModelSpec, layers: int, device: Any, dtype: Any,
@@ -225,7 +264,8 @@ def run_params(cfg: RunConfig, spec: ModelSpec, layers: int, device: Any, dtype:
     p: dict[str, ParamValue] = {
         "model": spec.name, "weights": weights if weights in ("bundled", "random") else "dir",
         "layers": layers, "layers_total": spec.n_layers, "batch": cfg.batch,
-        "prompt_len": cfg.prompt_len, "gen_len": cfg.gen_len, "mode": cfg.mode,
+        "prompt_len": cfg.prompt_len, "gen_len": cfg.gen_len, "turns": cfg.turns,
+        "mode": cfg.mode,
         "dtype": str(dtype).removeprefix("torch."), "accel": device.type,
         "threads": torch.get_num_threads(),
         "text": os.path.basename(cfg.text) if cfg.text else "common-licenses"}

@@ -1,11 +1,12 @@
 """Eval-mode accuracy probe: full attention computed next to the strategy on the same inputs.
 
-`Shadow` wraps the run's strategy: every prefill/decode call goes to the strategy, and the
-same q/k/v also go to a private `full` strategy (its own accelerator KV cache and counters,
-so the run's traffic and token counts stay the strategy's own). The relative error of the
-strategy's attention output against full attention, ||out - ref|| / ||ref|| (Frobenius,
-float32, over the whole [B, Hq, T, D] output), is counted per (step, layer) as quantity
-"rel_error" (where "attention"), so it is stored per layer like the rest of the trace.
+`Shadow` wraps the run's strategy: every prefill/decode/append call goes to the strategy,
+and the same q/k/v also go to a private `full` strategy (its own accelerator KV cache and
+counters, so the run's traffic and token counts stay the strategy's own). The relative
+error of the strategy's attention output against full attention, ||out - ref|| / ||ref||
+(Frobenius, float32, over the whole [B, Hq, T, D] output), is counted per (step, layer) as
+quantity "rel_error" (where "attention"), so it is stored per layer like the rest of the
+trace.
 Wrapping costs one dense attention per layer and step; eval-mode timings include it.
 """
 
@@ -56,3 +57,7 @@ class Shadow(Strategy):
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
         return self._error(self.inner.decode(layer, q, k, v), self.ref.decode(layer, q, k, v))
+
+    def append(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        return self._error(self.inner.append(layer, q, k, v), self.ref.append(layer, q, k, v))

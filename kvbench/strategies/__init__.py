@@ -5,21 +5,30 @@ A strategy decides, for every attention layer, where that layer's KV cache lives
 (kvbench.models) computes q/k/v (positions already applied) and hands them to the run's one
 strategy object; everything between "new k/v" and "attention output" is the strategy's.
 
-Shapes (B batch, Hq query heads, Hkv KV heads, D head dim, P prompt length; GQA: Hq % Hkv == 0):
+Shapes (B batch, Hq query heads, Hkv KV heads, D head dim, P prompt length, T >= 2 appended
+tokens; GQA: Hq % Hkv == 0):
 
     prefill(layer, q, k, v) -> out   q [B, Hq, P, D], k/v [B, Hkv, P, D], out [B, Hq, P, D]
     decode(layer, q, k, v)  -> out   q [B, Hq, 1, D], k/v [B, Hkv, 1, D], out [B, Hq, 1, D]
+    append(layer, q, k, v)  -> out   q [B, Hq, T, D], k/v [B, Hkv, T, D], out [B, Hq, T, D]
+
+`append` is a multi-turn run's next prompt (HGCA Alg. 1 lines 19-21): T new tokens after
+the cached ones, each attending causally to the cache and the new tokens up to itself.
+It is optional: `supports_append(cls)` says whether a strategy implements it, and the
+runtime refuses `--turns` > 1 for one that does not.
 
 q/k/v arrive on `ctx.accel` in the model dtype; `out` must be returned there. Layers are
-called in order 0..L-1 for the prefill, then once per layer for every decode step, with
-`begin_step(step)` before each step (step 0 is the prefill). Strategies that speculate on
-the next layer (InfiniGen, ScoutAttention) override `layer_input(layer, x)`, called with
-the normed hidden state x [B, T, hidden] before each layer's q/k/v projection, and may use
-`ctx.model` (the decoder) to reach the next layer's weights.
+called in order 0..L-1 for the prefill, then once per layer for every decode step or
+append, with `begin_step(step)` before each step (step 0 is the prefill, and every append
+of a multi-turn run; decode steps are numbered 1, 2, ... across turns). Strategies that
+speculate on the next layer (InfiniGen, ScoutAttention) override `layer_input(layer, x)`,
+called with the normed hidden state x [B, T, hidden] before each layer's q/k/v
+projection, and may use `ctx.model` (the decoder) to reach the next layer's weights.
 
 Prefill attention weights (H2O's and HGCA's initial scores) are never computed unless asked:
 `column_scores(q, k, lse)` turns the lse that `dense_attention` returns into per-key
-attention mass [B, Hq, P] for the strategy that calls it.
+attention mass [B, Hq, P] for the strategy that calls it (`q_start=N` for an append's T
+queries over N cached + T new keys: [B, Hq, N + T]).
 
 Work is reported into `ctx.counters` (kvbench.runtime.trace.Counters): `attended(where, q,
 n_kv)` for each attention computation (tokens, FLOPs, bytes read on device `where`:
@@ -74,7 +83,7 @@ class Strategy:
         return {"accel": kv_bytes, "host": 0}
 
     def begin_step(self, step: int) -> None:
-        """Called before each step's layer 0 (step 0: prefill, then 1, 2, ... decode)."""
+        """Called before each step's layer 0 (step 0: prefill or append, 1, 2, ... decode)."""
 
     def layer_input(self, layer: int, x: torch.Tensor) -> None:
         """The normed hidden state x [B, T, hidden] entering `layer` (for look-ahead)."""
@@ -89,26 +98,40 @@ class Strategy:
         """Append one token's k/v [B, Hkv, 1, D] and return its attention [B, Hq, 1, D]."""
         raise NotImplementedError
 
+    def append(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        """Store T >= 2 new tokens' k/v [B, Hkv, T, D] after the cached ones and return the
+        causal attention [B, Hq, T, D] of new query i over the cache and new tokens 0..i."""
+        raise NotImplementedError
+
+
+def supports_append(cls: type[Strategy]) -> bool:
+    """Whether strategy class `cls` implements `append` (multi-turn runs)."""
+    return cls.append is not Strategy.append
+
 
 def column_scores(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *,
-                  scale: float | None = None, chunk: int = 512) -> torch.Tensor:
-    """Causal prefill attention mass per key: sum over queries of softmax(q k^T) [B, Hq, P].
+                  scale: float | None = None, chunk: int = 512, q_start: int = 0
+                  ) -> torch.Tensor:
+    """Causal attention mass per key: sum over queries of softmax(q k^T) [B, Hq, N].
 
-    q [B, Hq, P, D], k [B, Hkv, P, D], lse [B, Hq, P] (fp32, from dense_attention on the
-    same q/k). Computed in query chunks, fp32, so memory stays O(chunk * P).
+    q [B, Hq, T, D] at key positions q_start..q_start+T-1, k [B, Hkv, N, D] with
+    N = q_start + T (prefill: q_start 0, N = T = P), lse [B, Hq, T] (fp32, from
+    dense_attention on the same q/k). Query chunks, fp32: memory stays O(chunk * N).
     """
     import torch
 
-    b, hq, p, d = q.shape
+    b, hq, t, d = q.shape
+    n = k.shape[2]
     g = hq // k.shape[1]
-    kk = k.float().repeat_interleave(g, dim=1)  # [B, Hq, P, D]
+    kk = k.float().repeat_interleave(g, dim=1)  # [B, Hq, N, D]
     s = scale if scale is not None else d ** -0.5
-    out = torch.zeros(b, hq, p, dtype=torch.float32, device=q.device)
-    cols = torch.arange(p, device=q.device)
-    for i in range(0, p, chunk):
+    out = torch.zeros(b, hq, n, dtype=torch.float32, device=q.device)
+    cols = torch.arange(n, device=q.device)
+    for i in range(0, t, chunk):
         qi = q[:, :, i:i + chunk].float()
-        logits = torch.matmul(qi, kk.transpose(-1, -2)) * s  # [B, Hq, c, P]
-        rows = torch.arange(i, i + qi.shape[2], device=q.device)
+        logits = torch.matmul(qi, kk.transpose(-1, -2)) * s  # [B, Hq, c, N]
+        rows = torch.arange(q_start + i, q_start + i + qi.shape[2], device=q.device)
         logits.masked_fill_(cols[None, :] > rows[:, None], float("-inf"))
         out += torch.exp(logits - lse[:, :, i:i + chunk, None]).sum(dim=2)
     return out

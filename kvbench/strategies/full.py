@@ -2,7 +2,8 @@
 
 Every other strategy is judged against this one: no KV leaves the accelerator, attention
 is dense over all cached tokens (HGCA Table 1 "full attention" reference; FlexGen's
-baseline when the cache fits).
+baseline when the cache fits). Prefill, decode and append are one path: write the new
+k/v after the cached ones, then causal attention of the new queries over the whole cache.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Full(Strategy):
 
     def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> torch.Tensor:
+        """Cache k/v [B, Hkv, T, D]; attention [B, Hq, T, D] of q at the last T positions."""
         import torch
 
         from kvbench.kernels.attention import dense_attention
@@ -58,5 +60,9 @@ class Full(Strategy):
         return self._attend(layer, q, k, v)
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        return self._attend(layer, q, k, v)
+
+    def append(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
         return self._attend(layer, q, k, v)

@@ -9,6 +9,11 @@ row's lowest-scoring token outside the recent window is evicted (per head, so ro
 different tokens); evicted tokens are gone for good. The default budget, 20% of the KV
 (prompt + generated), is the HGCA paper's H2O setting.
 
+A prompt is admitted the same way whether it is the first (prefill, empty cache) or a
+later turn's (append): causal attention over the kept tokens and the new ones, the new
+queries' column sums added to the kept tokens' scores, then each row is cut back to the
+budget: the latest `recent` share by position, the highest-scoring of the others.
+
 Layout per layer: k/v [B, Hkv, budget + 1, D] with scores [B, Hkv, budget + 1] and token
 positions, one free slot per row after each eviction. Positions are those the decoder
 applied (no re-indexing inside the cache).
@@ -80,30 +85,51 @@ class H2O(Strategy):
         self.seen = [0] * ctx.n_layers  # tokens seen (next position)
         self.free: list[torch.Tensor | None] = [None] * ctx.n_layers  # [B, Hkv] slot
 
+    def _compact(self, layer: int) -> int:
+        """Fill each row's free slot with its last slot: slots [0, n) are then all kept."""
+        n, free = self.n[layer], self.free[layer]
+        if free is not None:
+            n -= 1
+            slot = free[..., None]  # [B, Hkv, 1]
+            for t in (self.k[layer], self.v[layer], self.score[layer], self.pos[layer]):
+                idx = slot if t.dim() == 3 else slot[..., None].expand(-1, -1, 1, t.shape[3])
+                t.scatter_(2, idx, t[:, :, n:n + 1].clone())
+            self.n[layer], self.free[layer] = n, None
+        return n
+
     def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> torch.Tensor:
+        """Admit the prompt q [B, Hq, P, D], k/v [B, Hkv, P, D]; out [B, Hq, P, D]."""
+        return self.append(layer, q, k, v)
+
+    def append(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        """Admit T new tokens (k/v [B, Hkv, T, D]) after the kept ones; out [B, Hq, T, D]."""
         import torch
 
         from kvbench.kernels.attention import dense_attention
 
-        p, hkv = k.shape[2], k.shape[1]
-        out, lse = dense_attention(q, k, v)
-        self.ctx.counters.attended("accel", q, p)
+        n, t0, hkv = self._compact(layer), self.seen[layer], k.shape[1]
+        kc = torch.cat([self.k[layer][:, :, :n], k], dim=2)  # [B, Hkv, n + T, D]
+        vc = torch.cat([self.v[layer][:, :, :n], v], dim=2)
+        out, lse = dense_attention(q, kc, vc)  # kept tokens precede the new: q_start = n
+        self.ctx.counters.attended("accel", q, kc.shape[2])
+        t1 = t0 + k.shape[2]
+        new_pos = torch.arange(t0, t1, device=k.device).expand(*k.shape[:2], -1)
+        pos = torch.cat([self.pos[layer][:, :, :n], new_pos], dim=2)
         with self.ctx.counters.timed("bookkeeping.scores"):
-            score = group_sum(column_scores(q, k, lse), hkv)  # [B, Hkv, P]
-        pos = torch.arange(p, device=k.device).expand_as(score)
-        if p > self.budget:  # keep the recent tokens and the heaviest of the others
-            old = p - self.n_recent
-            heavy = score[:, :, :old].topk(self.budget - self.n_recent, dim=-1).indices
-            recent = torch.arange(old, p, device=k.device).expand(*score.shape[:2], -1)
-            pos = torch.cat([heavy.sort(dim=-1).values, recent], dim=-1)
-            score = score.gather(2, pos)
-            idx = pos[..., None].expand(-1, -1, -1, k.shape[3])
-            k, v = k.gather(2, idx), v.gather(2, idx)
-        n = k.shape[2]
-        self.k[layer][:, :, :n], self.v[layer][:, :, :n] = k, v
+            score = group_sum(column_scores(q, kc, lse, q_start=n), hkv)  # [B, Hkv, n + T]
+            score[:, :, :n] += self.score[layer][:, :, :n]
+        if kc.shape[2] > self.budget:  # keep the recent tokens and the heaviest of the others
+            rank = score.masked_fill(pos >= t1 - self.n_recent, float("inf"))
+            keep = rank.topk(self.budget, dim=-1).indices.sort(dim=-1).values
+            score, pos = score.gather(2, keep), pos.gather(2, keep)
+            idx = keep[..., None].expand(-1, -1, -1, k.shape[3])
+            kc, vc = kc.gather(2, idx), vc.gather(2, idx)
+        n = kc.shape[2]
+        self.k[layer][:, :, :n], self.v[layer][:, :, :n] = kc, vc
         self.score[layer][:, :, :n], self.pos[layer][:, :, :n] = score, pos
-        self.n[layer], self.seen[layer] = n, p
+        self.n[layer], self.seen[layer] = n, t1
         return out
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor,

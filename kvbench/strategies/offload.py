@@ -11,8 +11,11 @@ counted on the h2d link all the same (transfer time is then DRAM time, not PCIe 
 
 Two staging buffers [B, Hkv, max_len, D] (for k and v each) alternate between calls: one is
 read by the current layer's attention while the other is filled. The prefill attends over
-the prompt where it was computed (the accelerator) and writes it back to the host.
-`accel_idle` records how long the accelerator role waits for a copy to finish.
+the prompt where it was computed (the accelerator) and writes it back to the host. An
+append (a later turn's prompt, T tokens) runs the decode path with T new tokens: the
+layer's host KV is staged in, the new k/v join it there and on the host, and attention is
+causal over the new tokens. `accel_idle` records how long the accelerator role waits for
+a copy to finish.
 """
 
 from __future__ import annotations
@@ -113,14 +116,19 @@ class Offload(Strategy):
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
+        """New k/v [B, Hkv, T, D] (decode: T = 1) after the staged host KV; causal attention
+        [B, Hq, T, D] of q over the n cached + T new tokens."""
         from kvbench.kernels.attention import dense_attention
 
         buf, n = self.cur, self.length[layer]
+        n1 = n + k.shape[2]
         self._wait()
-        self.sk[buf][:, :, n], self.sv[buf][:, :, n] = k[:, :, 0], v[:, :, 0]
+        self.sk[buf][:, :, n:n1], self.sv[buf][:, :, n:n1] = k, v
         self._store(layer, k, v)
         self._prefetch((layer + 1) % self.ctx.n_layers, buf ^ 1)  # overlaps this attention
-        out, _ = dense_attention(q, self.sk[buf][:, :, :n + 1], self.sv[buf][:, :, :n + 1])
-        self.ctx.counters.attended("accel", q, n + 1)
+        out, _ = dense_attention(q, self.sk[buf][:, :, :n1], self.sv[buf][:, :, :n1])
+        self.ctx.counters.attended("accel", q, n1)
         self.cur = buf ^ 1
         return out
+
+    append = decode  # the same path with T >= 2 new tokens

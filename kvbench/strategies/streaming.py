@@ -7,6 +7,9 @@ the window is dropped. Positions are those the decoder applied (the cache is not
 re-indexed, unlike the paper's rolling positions), which matches how HGCA Table 1 style
 evaluations apply static patterns to a model's original positions.
 
+A prompt, the first (prefill) or a later turn's (append), attends densely and causally
+to the cache and to itself; then only the sinks and the latest window stay.
+
 Layout per layer: k/v [B, Hkv, budget, D]; slots [0, sinks) hold the sinks, the rest a ring
 where the token at position t lives in slot sinks + (t - sinks) mod (budget - sinks).
 """
@@ -73,19 +76,28 @@ class Streaming(Strategy):
 
     def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> torch.Tensor:
+        """Admit the prompt q [B, Hq, P, D], k/v [B, Hkv, P, D]; out [B, Hq, P, D]."""
+        return self.append(layer, q, k, v)
+
+    def append(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        """Admit T new tokens (k/v [B, Hkv, T, D]) after the cached ones; out [B, Hq, T, D]."""
         import torch
 
         from kvbench.kernels.attention import dense_attention
 
-        p = k.shape[2]
-        out, _ = dense_attention(q, k, v)
-        self.ctx.counters.attended("accel", q, p)
-        keep = list(range(min(p, self.p.sinks))) + list(range(max(self.p.sinks, p - self.ring), p))
+        t0 = self.seen[layer]
+        t1, n = t0 + k.shape[2], min(t0, self.budget)  # n cached tokens fill slots [0, n)
+        kc = torch.cat([self.k[layer][:, :, :n], k], dim=2)  # [B, Hkv, n + T, D]
+        vc = torch.cat([self.v[layer][:, :, :n], v], dim=2)
+        out, _ = dense_attention(q, kc, vc)  # the cache precedes the new tokens: q_start = n
+        self.ctx.counters.attended("accel", q, kc.shape[2])
+        keep = [t for t in range(t0, t1) if t < self.p.sinks or t >= t1 - self.ring]
         slots = torch.tensor([self._slot(t) for t in keep], device=k.device)
-        src = torch.tensor(keep, device=k.device)
+        src = torch.tensor(keep, device=k.device) - t0
         self.k[layer][:, :, slots] = k[:, :, src]
         self.v[layer][:, :, slots] = v[:, :, src]
-        self.seen[layer] = p
+        self.seen[layer] = t1
         return out
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor,
