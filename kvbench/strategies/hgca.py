@@ -22,37 +22,46 @@ kernels are queued first, so the host part runs while they execute; on a CPU-onl
 machine both parts run on the CPU one after the other, and the accelerator role's wait
 for the host part is what `accel_idle` records.
 
-The prefill is dense causal attention over the whole prompt; prompt tokens get their
-initial MAW from the prefill attention: line 8 applied once per prompt query, in order
-(`_prefill_maw`), as if the prompt had been decoded token by token. Tokens beyond the ring
-are evicted in whole blocks at once (line 11). Multi-turn appends (re-evaluation, lines
-19-21) do not occur in kvbench's runtime (one prefill, then single-token steps) and are
-not modelled.
+A prefill or a multi-turn append of T tokens (`_ingest`): dense causal attention of the
+new queries over the resident window and the new tokens on the accelerator; for an
+append, dense attention over all of KV_cpu on the host (exact), merged by lse. The window
+and the new tokens get their MAW from that attention: line 8 applied once per new query,
+in order (`_ingest_maw`), as if the tokens had been decoded one by one. What no longer
+fits the ring leaves in whole blocks at once (line 11). After an append the worker
+re-evaluates KV_ctx from the host attention weights A_cpu (lines 19-21: every KV_cpu
+entry whose mean weight over the appended queries exceeds beta / |KV_cpu|), before it
+selects from the blocks this append evicted.
 
-The MAW update and the eviction (lines 8-13) run off the critical path: on CUDA on the
-side stream, on a CPU-only machine on the worker thread (which then also copies the
-block); each layer joins its job at its next step.
+Lines 8-13 run off the critical path on CUDA: the MAW update and the eviction copy on the
+side stream, the selection on the worker. On a CPU-only machine the accelerator role is
+the calling thread, so it updates the MAW and copies the evicted block itself (cheap:
+one [Hq, W] softmax and a block memcpy) and only the selection goes to the worker; a
+second Python thread doing small tensor work beside the attention would only fight the
+caller for the interpreter lock and the two cores. Each layer joins its worker jobs at
+its next step.
 
 Counters: attended accel (window) and host (mean selected entries per row); moved d2h
 (evicted blocks, queries) and h2d (partial outputs); time phases on the critical path
-"bookkeeping.issue" (queueing lines 8-13), "bookkeeping.handoff" (waiting for the
-worker), "bookkeeping.merge", "accel_idle"; off it, worker seconds filed when joined:
-"bookkeeping.maw", "bookkeeping.evict" (CPU-only), "bookkeeping.select"; prefill:
-"bookkeeping.scores" (initial weights) and "bookkeeping.evict" (the prompt's overflow);
-tokens "host_resident" and "host_selected.h{i}" (per KV head, summed over the batch) from
-which the selected fraction per head follows.
+"bookkeeping.issue" (queueing side-stream work and worker jobs), "bookkeeping.maw" and
+"bookkeeping.evict" (CPU-only), "bookkeeping.handoff" (waiting for the worker),
+"bookkeeping.merge", "accel_idle"; off it, worker seconds filed when joined:
+"bookkeeping.select" and "bookkeeping.reselect"; prefill/append: "bookkeeping.scores"
+(initial weights) and "bookkeeping.evict" (the overflow); tokens "host_resident" and
+"host_selected.h{i}" (per KV head, summed over the batch) from which the selected
+fraction per head follows.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvbench.errors import require
 from kvbench.kernels.cpu import default_threads
-from kvbench.strategies import STRATEGIES, Strategy, decode_weights
+from kvbench.strategies import STRATEGIES, Strategy, column_scores, decode_weights
 
 if TYPE_CHECKING:
     import torch
@@ -103,7 +112,7 @@ class HgcaParams:
 
 
 class _Layer:
-    """One layer's state: accelerator ring + MAW, host cache, contextual cache, worker job."""
+    """One layer's state: accelerator ring + MAW, host cache, contextual cache, worker jobs."""
 
     def __init__(self, ctx: RunContext, w: int, block: int) -> None:
         import torch
@@ -129,7 +138,7 @@ class _Layer:
         self.smaw = torch.empty(b, hq, block, dtype=torch.float32, pin_memory=pin)
         self.out: torch.Tensor | None = None  # host part's output buffers [B, Hq, 1, D]
         self.lse: torch.Tensor | None = None
-        self.job: Future[float] | None = None
+        self.jobs: list[Future[dict[str, float]]] = []  # worker jobs, in submission order
         self.copied: Any = None  # CUDA event: the staging copy is complete
 
 
@@ -138,7 +147,7 @@ class Hgca(Strategy):
     """HGCA: dense attention on a GPU ring window + per-head sparse attention on the host."""
 
     name = "hgca"
-    version = "1"
+    version = "2"
     params = HgcaParams
 
     @classmethod
@@ -161,15 +170,20 @@ class Hgca(Strategy):
     # -- Algorithm 1: KV manager -------------------------------------------------------------
 
     def _join(self, L: _Layer) -> None:
-        """Wait for the layer's host job (hand-off) and file the worker's phase times."""
-        if L.job is None:
+        """Wait for the layer's worker jobs (hand-off) and file their phase times."""
+        if not L.jobs:
             return
         c = self.ctx.counters
         with c.timed("bookkeeping.handoff"):
-            took = L.job.result()
-        L.job = None
-        for phase, seconds in took.items():
-            c.add("time", f"bookkeeping.{phase}", seconds)
+            took = [job.result() for job in L.jobs]
+        L.jobs.clear()
+        for phases in took:
+            for phase, seconds in phases.items():
+                c.add("time", f"bookkeeping.{phase}", seconds)
+
+    def _submit(self, L: _Layer, fn: Any, *args: Any) -> None:
+        with self.ctx.counters.timed("bookkeeping.issue"):
+            L.jobs.append(self.worker.submit(fn, L, *args))
 
     def _stage(self, L: _Layer, k: torch.Tensor, v: torch.Tensor,
                maw: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -181,145 +195,158 @@ class Hgca(Strategy):
                                 + maw.numel() * 4)
         if n <= L.sk.shape[2]:
             return L.sk[:, :, :n], L.sv[:, :, :n], L.smaw[:, :, :n]
-        # the prompt's overflow: staged once, in fresh host buffers
+        # a prefill's or append's overflow: staged once, in fresh host buffers
         return (torch.empty(k.shape, dtype=L.hk.dtype), torch.empty(v.shape, dtype=L.hk.dtype),
                 torch.empty(maw.shape, dtype=torch.float32))
 
-    def _offload(self, L: _Layer, k: torch.Tensor, v: torch.Tensor, maw: torch.Tensor) -> None:
-        """Prefill: copy the prompt's evicted blocks to the host, select on the worker."""
+    def _evict(self, L: _Layer, k: torch.Tensor, v: torch.Tensor, maw: torch.Tensor) -> None:
+        """Lines 11-13 then 23-25: copy k/v [B, Hkv, n, D] and MAW [B, Hq, n] to the host
+        (side stream on CUDA) and hand the selection to the worker."""
         import torch
 
         staged = self._stage(L, k, v, maw)
-        with self.ctx.counters.timed("bookkeeping.evict"):
-            if self.stream is not None:
-                self.stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(self.stream):
-                    for dst, src in zip(staged, (k, v, maw), strict=True):
-                        dst.copy_(src, non_blocking=True)
-                    L.copied = torch.cuda.Event()
-                    L.copied.record(self.stream)
-            else:
+        if self.stream is None:
+            with self.ctx.counters.timed("bookkeeping.evict"):
                 for dst, src in zip(staged, (k, v, maw), strict=True):
                     dst.copy_(src)
-        L.job = self.worker.submit(self._select, L, *staged, L.copied)
+            self._submit(L, self._select, *staged, None)
+            return
+        with self.ctx.counters.timed("bookkeeping.issue"):
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                for dst, src in zip(staged, (k, v, maw), strict=True):
+                    dst.copy_(src, non_blocking=True)
+                    src.record_stream(self.stream)  # k/v may be a temporary (overflow)
+                L.copied = torch.cuda.Event()
+                L.copied.record(self.stream)
+        self._submit(L, self._select, *staged, L.copied)
 
     def _manage(self, L: _Layer, q: torch.Tensor, lse: torch.Tensor, a: int | None) -> None:
-        """Lines 8-13 off the critical path: MAW update, then (a: first slot of the oldest
-        block, when the ring is full) its eviction. On CUDA both go on the side stream
-        (the paper's per-buffer stream) and the worker selects once the copy lands; on a
-        CPU-only machine the worker does all of it. Joined at the layer's next step."""
+        """Lines 8-13 after a decode step: MAW update, then (a: first slot of the oldest
+        block, when the ring is full) its eviction. On CUDA the update goes on the side
+        stream (the paper's per-buffer stream); on a CPU-only machine this thread does it."""
         import torch
 
-        src = staged = None
+        c = self.ctx.counters
+        if self.stream is None:
+            with c.timed("bookkeeping.maw"):
+                self._update_maw(L, q, lse)
+        else:
+            with c.timed("bookkeeping.issue"):
+                self.stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self.stream):
+                    self._update_maw(L, q, lse)
+                q.record_stream(self.stream)
+                lse.record_stream(self.stream)
         if a is not None:
             e = a + self.p.block
-            src = (L.gk[:, :, a:e], L.gv[:, :, a:e], L.maw[:, :, a:e])
-            staged = self._stage(L, *src)
-        if self.stream is None:
-            L.job = self.worker.submit(self._track, L, q, lse, staged, src)
-            return
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            self._update_maw(L, q, lse)
-            if staged is not None:
-                for dst, s in zip(staged, src, strict=True):
-                    dst.copy_(s, non_blocking=True)
-            L.copied = torch.cuda.Event()
-            L.copied.record(self.stream)
-        q.record_stream(self.stream)
-        lse.record_stream(self.stream)
-        if staged is not None:
-            L.job = self.worker.submit(self._select, L, *staged, L.copied)
+            self._evict(L, L.gk[:, :, a:e], L.gv[:, :, a:e], L.maw[:, :, a:e])
 
-    def _track(self, L: _Layer, q: torch.Tensor, lse: torch.Tensor,
-               staged: tuple[torch.Tensor, ...] | None,
-               src: tuple[torch.Tensor, ...] | None) -> dict[str, float]:
-        """Worker (CPU-only machine): MAW update, eviction copy, selection; phase seconds."""
-        import time
-
+    def _keep(self, L: _Layer, k: torch.Tensor, v: torch.Tensor, maw: torch.Tensor,
+              size: int) -> None:
+        """KV_ctx[row] += the entries of k/v [B, Hkv, n, D] whose weight maw [B, Hq, n]
+        exceeds beta / size (max over each KV head's query heads); beta 0 keeps all."""
         import torch
 
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            self._update_maw(L, q, lse)
-            t1 = time.perf_counter()
-            if staged is None or src is None:
-                return {"maw": t1 - t0}
-            for dst, s in zip(staged, src, strict=True):
-                dst.copy_(s)
-        t2 = time.perf_counter()
-        return {"maw": t1 - t0, "evict": t2 - t1, **self._select(L, *staged, None)}
+        b, hkv, n, d = k.shape
+        g = maw.shape[1] // hkv
+        score = maw.view(b, hkv, g, n).amax(dim=2).reshape(b * hkv, n)
+        if self.p.beta > 0:
+            keep = score > self.p.beta / size
+        else:
+            keep = torch.ones_like(score, dtype=torch.bool)
+        rows, j = keep.nonzero(as_tuple=True)
+        pos = L.lens.long()[rows] + (keep.long().cumsum(dim=1) - 1)[rows, j]
+        ck, cv = L.ck.view(b * hkv, -1, d), L.cv.view(b * hkv, -1, d)
+        ck[rows, pos] = k.reshape(b * hkv, n, d)[rows, j]
+        cv[rows, pos] = v.reshape(b * hkv, n, d)[rows, j]
+        L.lens += keep.sum(dim=1, dtype=torch.int32)
 
     def _select(self, L: _Layer, k: torch.Tensor, v: torch.Tensor, maw: torch.Tensor,
                 copied: Any) -> dict[str, float]:
-        """Worker: KV_cpu += block; KV_ctx[row] += entries with MAW > beta / W (lines 23-25)."""
-        import time
-
+        """Worker: KV_cpu += evicted block; KV_ctx += its entries with MAW > beta / W."""
         import torch
 
         t0 = time.perf_counter()
         if copied is not None:
             copied.synchronize()
         with torch.inference_mode():
-            b, hkv, n, d = k.shape
-            h0 = L.n_host
+            h0, n = L.n_host, k.shape[2]
             L.hk[:, :, h0:h0 + n] = k
             L.hv[:, :, h0:h0 + n] = v
             L.n_host += n
-            g = maw.shape[1] // hkv
-            score = maw.view(b, hkv, g, n).amax(dim=2).reshape(b * hkv, n)
-            if self.p.beta > 0:
-                keep = score > self.p.beta / self.w
-            else:
-                keep = torch.ones_like(score, dtype=torch.bool)
-            rows, j = keep.nonzero(as_tuple=True)
-            pos = L.lens.long()[rows] + (keep.long().cumsum(dim=1) - 1)[rows, j]
-            ck, cv = L.ck.view(b * hkv, -1, d), L.cv.view(b * hkv, -1, d)
-            ck[rows, pos] = k.reshape(b * hkv, n, d)[rows, j]
-            cv[rows, pos] = v.reshape(b * hkv, n, d)[rows, j]
-            L.lens += keep.sum(dim=1, dtype=torch.int32)
+            self._keep(L, k, v, maw, self.w)
         return {"select": time.perf_counter() - t0}
+
+    def _reselect(self, L: _Layer, qh: torch.Tensor, lse: torch.Tensor,
+                  n: int) -> dict[str, float]:
+        """Worker, after an append (lines 19-21): KV_ctx <- the KV_cpu[:n] entries whose
+        weight A_cpu (host softmax of the T appended queries qh [B, Hq, T, D] with lse
+        [B, Hq, T], mean over the queries) exceeds beta / n."""
+        import torch
+
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            hk, hv = L.hk[:, :, :n], L.hv[:, :, :n]
+            a_cpu = column_scores(qh, hk, lse, scale=self.scale, q_start=n) / qh.shape[2]
+            L.lens.zero_()
+            self._keep(L, hk, hv, a_cpu, n)
+        return {"reselect": time.perf_counter() - t0}
 
     def _update_maw(self, L: _Layer, q: torch.Tensor, lse: torch.Tensor) -> None:
         """Line 8: MAW <- (1 - alpha) MAW + alpha A_gpu, A_gpu the window softmax [B, Hq, W]."""
         a = decode_weights(q, L.gk, lse, scale=self.scale)
         L.maw.mul_(1 - self.p.alpha).add_(a, alpha=self.p.alpha)
 
-    def _prefill_maw(self, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-        """Initial MAW of the prompt's keys [B, Hq, P]: line 8 applied once per prompt query
-        in order, from zero, to the prefill attention p_ij (q [B, Hq, P, D], lse [B, Hq, P]).
+    def _ingest_maw(self, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, n: int,
+                    old: torch.Tensor) -> torch.Tensor:
+        """MAW [B, Hq, n + T] of the n resident keys (MAW `old` [B, Hq, n]) and T new ones
+        after the T new queries (q [B, Hq, T, D] at positions n.., k [B, Hkv, n + T, D],
+        lse [B, Hq, T] of their causal attention p_ij): line 8 once per query, in order.
 
-        p_ij is a softmax over the i + 1 keys query i saw, a window weight one over W
-        entries; p_ij (i + 1) / W puts both on the scale where uniform attention is 1 / W,
-        the scale of the threshold beta / W. Queries older than (1 - alpha)^n < 1e-6 weigh
-        nothing and are skipped, so this costs about 130 query rows at alpha 0.1.
+        p_ij is a softmax over the n + i + 1 keys query i saw, a window weight one over W
+        entries; p_ij (n + i + 1) / W puts both on the scale where uniform attention is
+        1 / W, the scale of the threshold beta / W. Queries older than (1 - alpha)^m < 1e-6
+        weigh nothing and are skipped, so this costs about 130 query rows at alpha 0.1.
         """
         import torch
 
-        a, p = self.p.alpha, k.shape[2]
-        r = p if a >= 1 else min(p, int(math.log(1e-6) / math.log(1 - a)) + 1)
+        a, t, m = self.p.alpha, q.shape[2], k.shape[2]
+        r = t if a >= 1 else min(t, int(math.log(1e-6) / math.log(1 - a)) + 1)
         b, hq, _, d = q.shape
         hkv = k.shape[1]
-        rows = torch.arange(p - r, p, device=q.device)
-        qg = q[:, :, p - r:].float().reshape(b, hkv, hq // hkv * r, d)
-        s = torch.matmul(qg, k.float().transpose(-1, -2)).view(b, hq, r, p) * self.scale
-        s.masked_fill_(torch.arange(p, device=q.device) > rows[:, None], float("-inf"))
-        coef = a * (1 - a) ** (p - 1 - rows).float() * (rows + 1).float() / self.w
-        return (torch.exp(s - lse[:, :, p - r:, None]) * coef[:, None]).sum(dim=2)
+        pos = torch.arange(n + t - r, n + t, device=q.device)  # positions of the r queries
+        qg = q[:, :, t - r:].float().reshape(b, hkv, hq // hkv * r, d)
+        s = torch.matmul(qg, k.float().transpose(-1, -2)).view(b, hq, r, m) * self.scale
+        s.masked_fill_(torch.arange(m, device=q.device) > pos[:, None], float("-inf"))
+        coef = a * (1 - a) ** (n + t - 1 - pos).float() * (pos + 1).float() / self.w
+        new = (torch.exp(s - lse[:, :, t - r:, None]) * coef[:, None]).sum(dim=2)
+        if n:
+            new[:, :, :n] += old.float() * (1 - a) ** t
+        return new
 
     # -- Algorithm 2: hybrid attention -------------------------------------------------------
+
+    def _resident(self, L: _Layer) -> tuple[tuple[torch.Tensor, ...], ...]:
+        """The resident slots as one or two (k, v, maw) ranges, oldest first."""
+        a, e = L.tail, L.tail + L.n
+        if e <= self.w:
+            return ((L.gk[:, :, a:e], L.gv[:, :, a:e], L.maw[:, :, a:e]),)
+        e -= self.w
+        return ((L.gk[:, :, a:], L.gv[:, :, a:], L.maw[:, :, a:]),
+                (L.gk[:, :, :e], L.gv[:, :, :e], L.maw[:, :, :e]))
 
     def _window(self, L: _Layer, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense attention over the resident slots (one range, or two when the ring wraps)."""
         from kvbench.kernels.attention import dense_attention, merge
 
-        a, e = L.tail, L.tail + L.n
-        if e <= self.w:
-            return dense_attention(q, L.gk[:, :, a:e], L.gv[:, :, a:e], causal=False)
-        o1, l1 = dense_attention(q, L.gk[:, :, a:], L.gv[:, :, a:], causal=False)
-        o2, l2 = dense_attention(q, L.gk[:, :, :e - self.w], L.gv[:, :, :e - self.w],
-                                 causal=False)
-        return merge(o1, l1, o2, l2)
+        parts = [dense_attention(q, k, v, causal=False) for k, v, _ in self._resident(L)]
+        return parts[0] if len(parts) == 1 else merge(*parts[0], *parts[1])
+
+    def _to_host(self, L: _Layer, q: torch.Tensor) -> torch.Tensor:
+        """The queries on the host (copied before the accelerator work is queued)."""
+        self.ctx.counters.moved("d2h", q.numel() * q.element_size())
+        return q.to(device="cpu", dtype=L.ck.dtype)
 
     def _host(self, L: _Layer, q: torch.Tensor,
               qh: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -346,30 +373,59 @@ class Hgca(Strategy):
             c.add("tokens", f"host_selected.h{h}", n)
         return out, lse
 
-    def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+    def _ingest(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> torch.Tensor:
-        from kvbench.kernels.attention import dense_attention
+        """Prefill (empty layer) or append of T tokens: q [B, Hq, T, D], k/v [B, Hkv, T, D]
+        -> causal attention [B, Hq, T, D] over the window, the new tokens and (append)
+        all of KV_cpu; then new MAW, overflow eviction and (append) re-evaluation."""
+        import torch
+
+        from kvbench.kernels.attention import dense_attention, merge
 
         L = self.layers[layer]
-        require(L.n == 0 and L.n_host == 0, "hgca: a second prefill (append) is not supported")
         c = self.ctx.counters
-        p = k.shape[2]
-        out, lse = dense_attention(q, k, v)
-        c.attended("accel", q, p)
-        evict = math.ceil((p - self.w + 1) / self.p.block) * self.p.block if p >= self.w else 0
+        self._join(L)
+        n, t = L.n, k.shape[2]
+        parts = self._resident(L)
+        keys = torch.cat([p[0] for p in parts] + [k], dim=2)  # [B, Hkv, n + T, D], oldest first
+        vals = torch.cat([p[1] for p in parts] + [v], dim=2)
+        old = torch.cat([p[2] for p in parts], dim=2)
+        nh = L.n_host
+        qh = self._to_host(L, q) if nh else None
+        out, lse = dense_attention(q, keys, vals, q_start=n)
+        c.attended("accel", q, n + t)
+        if qh is not None:  # the host part is exact: every KV_cpu entry
+            with c.timed("accel_idle"):
+                host = dense_attention(qh, L.hk[:, :, :nh], L.hv[:, :, :nh], causal=False,
+                                       scale=self.scale, threads=self.p.cpu_threads)
+            c.attended("host", q, nh)
+            c.moved("h2d", host[0].numel() * q.element_size() + host[1].numel() * 4)
+            with c.timed("bookkeeping.merge"):
+                out, _ = merge(out, lse, *host)
+            self._submit(L, self._reselect, qh, host[1], nh)
         if self.ctx.max_len > self.w:  # some token will leave the window: it needs a MAW
             with c.timed("bookkeeping.scores"):
-                init = self._prefill_maw(q, k, lse)
+                maw = self._ingest_maw(q, keys, lse, n, old)
         else:
-            init = L.maw.new_zeros(q.shape[0], q.shape[1], p)
-        r = p - evict
-        L.gk[:, :, :r] = k[:, :, evict:]
-        L.gv[:, :, :r] = v[:, :, evict:]
-        L.maw[:, :, :r] = init[:, :, evict:]
+            maw = L.maw.new_zeros(q.shape[0], q.shape[1], n + t)
+        m = n + t
+        evict = math.ceil((m - self.w + 1) / self.p.block) * self.p.block if m >= self.w else 0
+        r = m - evict
+        L.gk[:, :, :r] = keys[:, :, evict:]
+        L.gv[:, :, :r] = vals[:, :, evict:]
+        L.maw[:, :, :r] = maw[:, :, evict:]
         L.n, L.tail = r, 0
         if evict:
-            self._offload(L, k[:, :, :evict], v[:, :, :evict], init[:, :, :evict])
+            self._evict(L, keys[:, :, :evict], vals[:, :, :evict], maw[:, :, :evict])
         return out
+
+    def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> torch.Tensor:
+        return self._ingest(layer, q, k, v)
+
+    def append(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        return self._ingest(layer, q, k, v)
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
@@ -387,10 +443,7 @@ class Hgca(Strategy):
         L.gv[:, :, slot] = v[:, :, 0]
         L.maw[:, :, slot] = 0
         L.n += 1
-        qh = None  # the query on the host, copied before the accelerator work is queued
-        if L.n_host and int(L.lens.max()):
-            qh = q.to(device="cpu", dtype=L.ck.dtype)
-            c.moved("d2h", q.numel() * q.element_size())
+        qh = self._to_host(L, q) if L.n_host and int(L.lens.max()) else None
         out, lse_w = self._window(L, q)  # lse_w: the window softmax's normaliser (A_gpu)
         c.attended("accel", q, L.n)
         with c.timed("accel_idle"):
@@ -399,8 +452,7 @@ class Hgca(Strategy):
             with c.timed("bookkeeping.merge"):
                 out, _ = merge(out, lse_w, *host)
         full = L.n == self.w  # line 10: full after the append, evict the oldest block
-        with c.timed("bookkeeping.issue"):
-            self._manage(L, q, lse_w, L.tail if full else None)
+        self._manage(L, q, lse_w, L.tail if full else None)
         if full:
             L.tail = (L.tail + self.p.block) % self.w
             L.n -= self.p.block

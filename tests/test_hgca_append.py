@@ -1,0 +1,89 @@
+"""hgca multi-turn appends (HGCA Algorithm 1 lines 19-21): exact at beta 0, the ring and the
+host cache stay consistent, and KV_cpu is re-evaluated from the host attention weights."""
+
+from __future__ import annotations
+
+import torch
+
+from kvbench.kernels.attention import dense_attention
+from kvbench.models import get_spec
+from kvbench.runtime.context import Counters, RunContext
+from kvbench.strategies import STRATEGIES, supports_append
+from kvbench.strategies.hgca import Hgca, HgcaParams
+
+SPEC = get_spec("smollm2-135m")  # GQA: 9 query heads, 3 KV heads, head dim 64
+D = SPEC.head_dim
+
+
+def make(params: HgcaParams, batch: int = 2, max_len: int = 96) -> Hgca:
+    cpu = torch.device("cpu")
+    ctx = RunContext(SPEC, 1, batch, max_len, torch.float32, cpu, cpu,
+                     Counters(SPEC.n_kv_heads, 4))
+    return STRATEGIES.get("hgca")(params, ctx)
+
+
+def chunk(gen: torch.Generator, t: int, batch: int = 2) -> tuple[torch.Tensor, ...]:
+    """Random q [B, Hq, t, D], k/v [B, Hkv, t, D]."""
+    return (torch.randn(batch, SPEC.n_heads, t, D, generator=gen),
+            torch.randn(batch, SPEC.n_kv_heads, t, D, generator=gen),
+            torch.randn(batch, SPEC.n_kv_heads, t, D, generator=gen))
+
+
+def turns(s: Hgca, gen: torch.Generator, plan: list[tuple[int, int]]) -> float:
+    """Feed (prompt, decode steps) turns to layer 0; max |out - full attention|."""
+    ks: list[torch.Tensor] = []
+    vs: list[torch.Tensor] = []
+    worst = 0.0
+    for t, g in plan:
+        for size in [t] + [1] * g:
+            q, k, v = chunk(gen, size, s.ctx.batch)
+            n = sum(x.shape[2] for x in ks)
+            call = s.prefill if not ks else (s.decode if size == 1 else s.append)
+            out = call(0, q, k, v)
+            ks.append(k)
+            vs.append(v)
+            ref, _ = dense_attention(q, torch.cat(ks, dim=2), torch.cat(vs, dim=2), q_start=n)
+            worst = max(worst, float((out - ref).abs().max()))
+    return worst
+
+
+def test_hgca_supports_append() -> None:
+    assert supports_append(Hgca)
+
+
+def test_beta0_multi_turn_equals_full_attention() -> None:
+    """Appends before and after the ring wraps, with a host part on every append."""
+    s = make(HgcaParams(gpu_tokens=16, block=8, beta=0.0))
+    plan = [(20, 10), (12, 9), (5, 7), (30, 2)]
+    assert turns(s, torch.Generator().manual_seed(0), plan) < 2e-5
+    s._join(s.layers[0])
+    L = s.layers[0]
+    assert L.n < 16 and L.n + L.n_host == 95 and L.n_host % 8 == 0
+    assert L.lens.tolist() == [L.n_host] * 6  # beta 0: every host entry selected
+
+
+def test_append_reselects_from_host_weights() -> None:
+    """Lines 19-21: after an append KV_ctx[row] holds exactly the KV_cpu entries whose
+    mean host softmax weight over the appended queries exceeds beta / |KV_cpu| for some
+    query head of the row's KV head, in KV_cpu order; selections made at eviction time
+    that the appended queries do not confirm are dropped."""
+    gen = torch.Generator().manual_seed(1)
+    s = make(HgcaParams(gpu_tokens=32, block=8, beta=1.0), batch=1)
+    turns(s, gen, [(24, 20)])  # ring: 24 + 8 -> evict 8, + 8 -> evict 8, + 4: 28 resident
+    L = s.layers[0]
+    s._join(L)
+    assert (L.n, L.n_host) == (28, 16)
+    hk = L.hk[:, :, :16].clone()
+    q, k, v = chunk(gen, 3, batch=1)  # 28 + 3 < 32: nothing leaves the ring
+    u = hk[0, 1, 5] / hk[0, 1, 5].norm()
+    q[0, 3:6] = 10 * u  # KV head 1's query heads all look at host entry 5
+    s.append(0, q, k, v)
+    s._join(L)
+    assert (L.n, L.n_host) == (31, 16)
+    logits = q @ hk.repeat_interleave(3, dim=1).transpose(-1, -2) / 8  # [1, 9, 3, 16]
+    a_cpu = logits.softmax(dim=-1).mean(dim=2).view(3, 3, 16).amax(dim=1)  # [3, 16]
+    keep = a_cpu > 1.0 / 16
+    assert bool(keep[1, 5]) and L.lens.tolist() == keep.sum(dim=1).tolist()
+    for r in range(3):
+        assert torch.equal(L.ck[0, r, :int(L.lens[r])], hk[0, r, keep[r]])
+        assert torch.equal(L.cv[0, r, :int(L.lens[r])], L.hv[0, r, :16][keep[r]])
