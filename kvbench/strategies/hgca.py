@@ -1,18 +1,16 @@
 """HGCA: hybrid GPU-CPU attention (HGCA paper sections 3.2-3.3, Algorithms 1 and 2).
 
-Per layer (Algorithm 1, section 3.2.1) the accelerator holds a ring of `window / block`
-fixed-size KV blocks (k/v [B, Hkv, W, D]) and a moving average of attention weights (MAW)
-per resident entry and query head ([B, Hq, W], factor alpha, line 8). When the ring is
-full after a step (line 10) its oldest block is evicted: copied with its MAW to host
-memory (line 13) on a side CUDA stream (on a CPU-only machine the copy is a memcpy,
-counted on the d2h link all the same). A single host worker thread, off the critical
-path (section 3.2.2), appends the block to the layer's host cache KV_cpu and selects per
-KV head the entries whose MAW exceeds beta / W (lines 23-25; W = GPU-side entries, the
-paper's A_gpu.size), appending them to the contextual cache KV_ctx, stored contiguously
-per (batch, KV head) row ([B, Hkv, N, D] with per-row lengths). With grouped-query
-attention an entry is kept for a KV head when any of its query heads selects it (max of
-the group's MAW); for multi-head models (the paper's OPT) that is exactly per head.
-beta = 0 selects every host entry (no sparsification): the hybrid result is then exact.
+Per layer (Algorithm 1, section 3.2.1; state in strategies._hgca_kv) the accelerator holds
+a ring of `window / block` KV blocks and a moving average of attention weights (MAW) per
+resident entry and query head (factor alpha, line 8). When the ring is full after a step
+(line 10) its oldest block is evicted: copied with its MAW to host memory (line 13) on a
+side CUDA stream (a memcpy on a CPU-only machine, counted on the d2h link all the same).
+A single host worker thread, off the critical path (section 3.2.2), appends the block to
+KV_cpu and selects per KV head the entries whose MAW exceeds beta / W (lines 23-25; W =
+GPU-side entries, the paper's A_gpu.size) into the contextual cache KV_ctx. With
+grouped-query attention an entry is kept for a KV head when any of its query heads
+selects it; for multi-head models (the paper's OPT) that is exactly per head. beta = 0
+selects every host entry (no sparsification): the hybrid result is then exact.
 
 A decode step (Algorithm 2, section 3.3): dense attention over the resident window on
 the accelerator, sparse attention of the query over each row's KV_ctx entries on the
@@ -26,7 +24,7 @@ A prefill or a multi-turn append of T tokens (`_ingest`): dense causal attention
 new queries over the resident window and the new tokens on the accelerator; for an
 append, dense attention over all of KV_cpu on the host (exact), merged by lse. The window
 and the new tokens get their MAW from that attention: line 8 applied once per new query,
-in order (`_ingest_maw`), as if the tokens had been decoded one by one. What no longer
+in order (`_hgca_kv.ingest_maw`), as if the tokens had been decoded one by one. What no longer
 fits the ring leaves in whole blocks at once (line 11). After an append the worker
 re-evaluates KV_ctx from the host attention weights A_cpu (lines 19-21: every KV_cpu
 entry whose mean weight over the appended queries exceeds beta / |KV_cpu|), before it
@@ -55,13 +53,14 @@ from __future__ import annotations
 
 import math
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvbench.errors import require
 from kvbench.kernels.cpu import default_threads
 from kvbench.strategies import STRATEGIES, Strategy, column_scores, decode_weights
+from kvbench.strategies._hgca_kv import LayerKV, ingest_maw
 
 if TYPE_CHECKING:
     import torch
@@ -111,37 +110,6 @@ class HgcaParams:
         return w
 
 
-class _Layer:
-    """One layer's state: accelerator ring + MAW, host cache, contextual cache, worker jobs."""
-
-    def __init__(self, ctx: RunContext, w: int, block: int) -> None:
-        import torch
-
-        s, b, n = ctx.spec, ctx.batch, ctx.max_len
-        hkv, hq, d = s.n_kv_heads, s.n_heads, s.head_dim
-        pin = ctx.accel.type == "cuda"
-        # host dtype: what the native kernel reads (float16 models keep float32 on the host)
-        hd = ctx.dtype if ctx.dtype in (torch.float32, torch.bfloat16) else torch.float32
-        self.gk = torch.empty(b, hkv, w, d, dtype=ctx.dtype, device=ctx.accel)
-        self.gv = torch.empty_like(self.gk)
-        self.maw = torch.zeros(b, hq, w, dtype=torch.float32, device=ctx.accel)
-        self.n = 0  # resident entries
-        self.tail = 0  # slot of the oldest resident entry (block aligned)
-        self.hk = torch.empty(b, hkv, n, d, dtype=hd, pin_memory=pin)  # KV_cpu
-        self.hv = torch.empty_like(self.hk, pin_memory=pin)
-        self.n_host = 0
-        self.ck = torch.empty(b, hkv, n, d, dtype=hd)  # KV_ctx, contiguous per row
-        self.cv = torch.empty_like(self.ck)
-        self.lens = torch.zeros(b * hkv, dtype=torch.int32)
-        self.sk = torch.empty(b, hkv, block, d, dtype=hd, pin_memory=pin)  # eviction staging
-        self.sv = torch.empty_like(self.sk, pin_memory=pin)
-        self.smaw = torch.empty(b, hq, block, dtype=torch.float32, pin_memory=pin)
-        self.out: torch.Tensor | None = None  # host part's output buffers [B, Hq, 1, D]
-        self.lse: torch.Tensor | None = None
-        self.jobs: list[Future[dict[str, float]]] = []  # worker jobs, in submission order
-        self.copied: Any = None  # CUDA event: the staging copy is complete
-
-
 @STRATEGIES.register
 class Hgca(Strategy):
     """HGCA: dense attention on a GPU ring window + per-head sparse attention on the host."""
@@ -160,7 +128,7 @@ class Hgca(Strategy):
 
         super().__init__(params, ctx)
         self.w = params.window(ctx.max_len)
-        self.layers = [_Layer(ctx, self.w, params.block) for _ in range(ctx.n_layers)]
+        self.layers = [LayerKV(ctx, self.w, params.block) for _ in range(ctx.n_layers)]
         rows = ctx.batch * ctx.spec.n_kv_heads
         self.idx = torch.arange(ctx.max_len, dtype=torch.int32).repeat(rows, 1)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hgca-select")
@@ -169,7 +137,7 @@ class Hgca(Strategy):
 
     # -- Algorithm 1: KV manager -------------------------------------------------------------
 
-    def _join(self, L: _Layer) -> None:
+    def _join(self, L: LayerKV) -> None:
         """Wait for the layer's worker jobs (hand-off) and file their phase times."""
         if not L.jobs:
             return
@@ -181,11 +149,11 @@ class Hgca(Strategy):
             for phase, seconds in phases.items():
                 c.add("time", f"bookkeeping.{phase}", seconds)
 
-    def _submit(self, L: _Layer, fn: Any, *args: Any) -> None:
+    def _submit(self, L: LayerKV, fn: Any, *args: Any) -> None:
         with self.ctx.counters.timed("bookkeeping.issue"):
             L.jobs.append(self.worker.submit(fn, L, *args))
 
-    def _stage(self, L: _Layer, k: torch.Tensor, v: torch.Tensor,
+    def _stage(self, L: LayerKV, k: torch.Tensor, v: torch.Tensor,
                maw: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Host staging for evicted k/v [B, Hkv, n, D] and MAW [B, Hq, n]; counts d2h bytes."""
         import torch
@@ -199,7 +167,7 @@ class Hgca(Strategy):
         return (torch.empty(k.shape, dtype=L.hk.dtype), torch.empty(v.shape, dtype=L.hk.dtype),
                 torch.empty(maw.shape, dtype=torch.float32))
 
-    def _evict(self, L: _Layer, k: torch.Tensor, v: torch.Tensor, maw: torch.Tensor) -> None:
+    def _evict(self, L: LayerKV, k: torch.Tensor, v: torch.Tensor, maw: torch.Tensor) -> None:
         """Lines 11-13 then 23-25: copy k/v [B, Hkv, n, D] and MAW [B, Hq, n] to the host
         (side stream on CUDA) and hand the selection to the worker."""
         import torch
@@ -221,7 +189,7 @@ class Hgca(Strategy):
                 L.copied.record(self.stream)
         self._submit(L, self._select, *staged, L.copied)
 
-    def _manage(self, L: _Layer, q: torch.Tensor, lse: torch.Tensor, a: int | None) -> None:
+    def _manage(self, L: LayerKV, q: torch.Tensor, lse: torch.Tensor, a: int | None) -> None:
         """Lines 8-13 after a decode step: MAW update, then (a: first slot of the oldest
         block, when the ring is full) its eviction. On CUDA the update goes on the side
         stream (the paper's per-buffer stream); on a CPU-only machine this thread does it."""
@@ -242,27 +210,11 @@ class Hgca(Strategy):
             e = a + self.p.block
             self._evict(L, L.gk[:, :, a:e], L.gv[:, :, a:e], L.maw[:, :, a:e])
 
-    def _keep(self, L: _Layer, k: torch.Tensor, v: torch.Tensor, maw: torch.Tensor,
-              size: int) -> None:
-        """KV_ctx[row] += the entries of k/v [B, Hkv, n, D] whose weight maw [B, Hq, n]
-        exceeds beta / size (max over each KV head's query heads); beta 0 keeps all."""
-        import torch
+    def _threshold(self, size: int) -> float | None:
+        """beta / size, the selection threshold over `size` entries (None at beta 0: all)."""
+        return self.p.beta / size if self.p.beta > 0 else None
 
-        b, hkv, n, d = k.shape
-        g = maw.shape[1] // hkv
-        score = maw.view(b, hkv, g, n).amax(dim=2).reshape(b * hkv, n)
-        if self.p.beta > 0:
-            keep = score > self.p.beta / size
-        else:
-            keep = torch.ones_like(score, dtype=torch.bool)
-        rows, j = keep.nonzero(as_tuple=True)
-        pos = L.lens.long()[rows] + (keep.long().cumsum(dim=1) - 1)[rows, j]
-        ck, cv = L.ck.view(b * hkv, -1, d), L.cv.view(b * hkv, -1, d)
-        ck[rows, pos] = k.reshape(b * hkv, n, d)[rows, j]
-        cv[rows, pos] = v.reshape(b * hkv, n, d)[rows, j]
-        L.lens += keep.sum(dim=1, dtype=torch.int32)
-
-    def _select(self, L: _Layer, k: torch.Tensor, v: torch.Tensor, maw: torch.Tensor,
+    def _select(self, L: LayerKV, k: torch.Tensor, v: torch.Tensor, maw: torch.Tensor,
                 copied: Any) -> dict[str, float]:
         """Worker: KV_cpu += evicted block; KV_ctx += its entries with MAW > beta / W."""
         import torch
@@ -271,14 +223,11 @@ class Hgca(Strategy):
         if copied is not None:
             copied.synchronize()
         with torch.inference_mode():
-            h0, n = L.n_host, k.shape[2]
-            L.hk[:, :, h0:h0 + n] = k
-            L.hv[:, :, h0:h0 + n] = v
-            L.n_host += n
-            self._keep(L, k, v, maw, self.w)
+            L.add_host(k, v)
+            L.keep(k, v, maw, self._threshold(self.w))
         return {"select": time.perf_counter() - t0}
 
-    def _reselect(self, L: _Layer, qh: torch.Tensor, lse: torch.Tensor,
+    def _reselect(self, L: LayerKV, qh: torch.Tensor, lse: torch.Tensor,
                   n: int) -> dict[str, float]:
         """Worker, after an append (lines 19-21): KV_ctx <- the KV_cpu[:n] entries whose
         weight A_cpu (host softmax of the T appended queries qh [B, Hq, T, D] with lse
@@ -290,65 +239,29 @@ class Hgca(Strategy):
             hk, hv = L.hk[:, :, :n], L.hv[:, :, :n]
             a_cpu = column_scores(qh, hk, lse, scale=self.scale, q_start=n) / qh.shape[2]
             L.lens.zero_()
-            self._keep(L, hk, hv, a_cpu, n)
+            L.keep(hk, hv, a_cpu, self._threshold(n))
         return {"reselect": time.perf_counter() - t0}
 
-    def _update_maw(self, L: _Layer, q: torch.Tensor, lse: torch.Tensor) -> None:
+    def _update_maw(self, L: LayerKV, q: torch.Tensor, lse: torch.Tensor) -> None:
         """Line 8: MAW <- (1 - alpha) MAW + alpha A_gpu, A_gpu the window softmax [B, Hq, W]."""
         a = decode_weights(q, L.gk, lse, scale=self.scale)
         L.maw.mul_(1 - self.p.alpha).add_(a, alpha=self.p.alpha)
 
-    def _ingest_maw(self, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, n: int,
-                    old: torch.Tensor) -> torch.Tensor:
-        """MAW [B, Hq, n + T] of the n resident keys (MAW `old` [B, Hq, n]) and T new ones
-        after the T new queries (q [B, Hq, T, D] at positions n.., k [B, Hkv, n + T, D],
-        lse [B, Hq, T] of their causal attention p_ij): line 8 once per query, in order.
-
-        p_ij is a softmax over the n + i + 1 keys query i saw, a window weight one over W
-        entries; p_ij (n + i + 1) / W puts both on the scale where uniform attention is
-        1 / W, the scale of the threshold beta / W. Queries older than (1 - alpha)^m < 1e-6
-        weigh nothing and are skipped, so this costs about 130 query rows at alpha 0.1.
-        """
-        import torch
-
-        a, t, m = self.p.alpha, q.shape[2], k.shape[2]
-        r = t if a >= 1 else min(t, int(math.log(1e-6) / math.log(1 - a)) + 1)
-        b, hq, _, d = q.shape
-        hkv = k.shape[1]
-        pos = torch.arange(n + t - r, n + t, device=q.device)  # positions of the r queries
-        qg = q[:, :, t - r:].float().reshape(b, hkv, hq // hkv * r, d)
-        s = torch.matmul(qg, k.float().transpose(-1, -2)).view(b, hq, r, m) * self.scale
-        s.masked_fill_(torch.arange(m, device=q.device) > pos[:, None], float("-inf"))
-        coef = a * (1 - a) ** (n + t - 1 - pos).float() * (pos + 1).float() / self.w
-        new = (torch.exp(s - lse[:, :, t - r:, None]) * coef[:, None]).sum(dim=2)
-        if n:
-            new[:, :, :n] += old.float() * (1 - a) ** t
-        return new
-
     # -- Algorithm 2: hybrid attention -------------------------------------------------------
 
-    def _resident(self, L: _Layer) -> tuple[tuple[torch.Tensor, ...], ...]:
-        """The resident slots as one or two (k, v, maw) ranges, oldest first."""
-        a, e = L.tail, L.tail + L.n
-        if e <= self.w:
-            return ((L.gk[:, :, a:e], L.gv[:, :, a:e], L.maw[:, :, a:e]),)
-        e -= self.w
-        return ((L.gk[:, :, a:], L.gv[:, :, a:], L.maw[:, :, a:]),
-                (L.gk[:, :, :e], L.gv[:, :, :e], L.maw[:, :, :e]))
-
-    def _window(self, L: _Layer, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _window(self, L: LayerKV, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense attention over the resident slots (one range, or two when the ring wraps)."""
         from kvbench.kernels.attention import dense_attention, merge
 
-        parts = [dense_attention(q, k, v, causal=False) for k, v, _ in self._resident(L)]
+        parts = [dense_attention(q, k, v, causal=False) for k, v, _ in L.resident()]
         return parts[0] if len(parts) == 1 else merge(*parts[0], *parts[1])
 
-    def _to_host(self, L: _Layer, q: torch.Tensor) -> torch.Tensor:
+    def _to_host(self, L: LayerKV, q: torch.Tensor) -> torch.Tensor:
         """The queries on the host (copied before the accelerator work is queued)."""
         self.ctx.counters.moved("d2h", q.numel() * q.element_size())
         return q.to(device="cpu", dtype=L.ck.dtype)
 
-    def _host(self, L: _Layer, q: torch.Tensor,
+    def _host(self, L: LayerKV, q: torch.Tensor,
               qh: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Sparse attention of qh (q copied to the host) over each row's KV_ctx on the host
         thread pool (line 12); None when no host entry is selected."""
@@ -386,7 +299,7 @@ class Hgca(Strategy):
         c = self.ctx.counters
         self._join(L)
         n, t = L.n, k.shape[2]
-        parts = self._resident(L)
+        parts = L.resident()
         keys = torch.cat([p[0] for p in parts] + [k], dim=2)  # [B, Hkv, n + T, D], oldest first
         vals = torch.cat([p[1] for p in parts] + [v], dim=2)
         old = torch.cat([p[2] for p in parts], dim=2)
@@ -405,7 +318,8 @@ class Hgca(Strategy):
             self._submit(L, self._reselect, qh, host[1], nh)
         if self.ctx.max_len > self.w:  # some token will leave the window: it needs a MAW
             with c.timed("bookkeeping.scores"):
-                maw = self._ingest_maw(q, keys, lse, n, old)
+                maw = ingest_maw(q, keys, lse, n, old, alpha=self.p.alpha, w=self.w,
+                                 scale=self.scale)
         else:
             maw = L.maw.new_zeros(q.shape[0], q.shape[1], n + t)
         m = n + t

@@ -1,0 +1,113 @@
+"""HGCA's per-layer KV state (HGCA paper section 3.2, Algorithm 1), used by strategies.hgca.
+
+The accelerator holds a ring of fixed-size blocks, k/v [B, Hkv, W, D], with a moving
+average of attention weights (MAW) per resident entry and query head, [B, Hq, W]. The
+host holds KV_cpu (every evicted entry, k/v [B, Hkv, N, D]) and the contextual cache
+KV_ctx: per (batch, KV head) row the selected entries, stored contiguously ([B, Hkv, N, D]
+with per-row lengths), which is what the host's sparse attention reads.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvbench.runtime.context import RunContext
+
+
+class LayerKV:
+    """One layer: ring + MAW on the accelerator, KV_cpu and KV_ctx on the host, worker jobs."""
+
+    def __init__(self, ctx: RunContext, w: int, block: int) -> None:
+        import torch
+
+        s, b, n = ctx.spec, ctx.batch, ctx.max_len
+        hkv, hq, d = s.n_kv_heads, s.n_heads, s.head_dim
+        pin = ctx.accel.type == "cuda"
+        # host dtype: what the native kernel reads (float16 models keep float32 on the host)
+        hd = ctx.dtype if ctx.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        self.w = w
+        self.gk = torch.empty(b, hkv, w, d, dtype=ctx.dtype, device=ctx.accel)
+        self.gv = torch.empty_like(self.gk)
+        self.maw = torch.zeros(b, hq, w, dtype=torch.float32, device=ctx.accel)
+        self.n = 0  # resident entries
+        self.tail = 0  # slot of the oldest resident entry (block aligned)
+        self.hk = torch.empty(b, hkv, n, d, dtype=hd, pin_memory=pin)  # KV_cpu
+        self.hv = torch.empty_like(self.hk, pin_memory=pin)
+        self.n_host = 0
+        self.ck = torch.empty(b, hkv, n, d, dtype=hd)  # KV_ctx, contiguous per row
+        self.cv = torch.empty_like(self.ck)
+        self.lens = torch.zeros(b * hkv, dtype=torch.int32)
+        self.sk = torch.empty(b, hkv, block, d, dtype=hd, pin_memory=pin)  # eviction staging
+        self.sv = torch.empty_like(self.sk, pin_memory=pin)
+        self.smaw = torch.empty(b, hq, block, dtype=torch.float32, pin_memory=pin)
+        self.out: torch.Tensor | None = None  # host part's output buffers [B, Hq, 1, D]
+        self.lse: torch.Tensor | None = None
+        self.jobs: list[Future[dict[str, float]]] = []  # worker jobs, in submission order
+        self.copied: Any = None  # CUDA event: the staging copy is complete
+
+    def resident(self) -> tuple[tuple[torch.Tensor, ...], ...]:
+        """The resident slots as one or two (k, v, maw) ranges, oldest first."""
+        a, e = self.tail, self.tail + self.n
+        if e <= self.w:
+            return ((self.gk[:, :, a:e], self.gv[:, :, a:e], self.maw[:, :, a:e]),)
+        e -= self.w
+        return ((self.gk[:, :, a:], self.gv[:, :, a:], self.maw[:, :, a:]),
+                (self.gk[:, :, :e], self.gv[:, :, :e], self.maw[:, :, :e]))
+
+    def add_host(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """KV_cpu += k/v [B, Hkv, n, D] (Alg. 1 line 25)."""
+        h0, n = self.n_host, k.shape[2]
+        self.hk[:, :, h0:h0 + n] = k
+        self.hv[:, :, h0:h0 + n] = v
+        self.n_host += n
+
+    def keep(self, k: torch.Tensor, v: torch.Tensor, weight: torch.Tensor,
+             threshold: float | None) -> None:
+        """KV_ctx[row] += the entries of k/v [B, Hkv, n, D] whose weight [B, Hq, n] exceeds
+        threshold for some query head of the row's KV head (None: every entry), in order."""
+        import torch
+
+        b, hkv, n, d = k.shape
+        g = weight.shape[1] // hkv
+        score = weight.view(b, hkv, g, n).amax(dim=2).reshape(b * hkv, n)
+        keep = torch.ones_like(score, dtype=torch.bool) if threshold is None else score > threshold
+        rows, j = keep.nonzero(as_tuple=True)
+        pos = self.lens.long()[rows] + (keep.long().cumsum(dim=1) - 1)[rows, j]
+        ck, cv = self.ck.view(b * hkv, -1, d), self.cv.view(b * hkv, -1, d)
+        ck[rows, pos] = k.reshape(b * hkv, n, d)[rows, j]
+        cv[rows, pos] = v.reshape(b * hkv, n, d)[rows, j]
+        self.lens += keep.sum(dim=1, dtype=torch.int32)
+
+
+def ingest_maw(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, n: int,
+               old: torch.Tensor, *, alpha: float, w: int, scale: float) -> torch.Tensor:
+    """MAW [B, Hq, n + T] of n resident keys (MAW `old` [B, Hq, n]) and T new ones after
+    the T new queries (q [B, Hq, T, D] at positions n.., k [B, Hkv, n + T, D], lse
+    [B, Hq, T] of their causal attention p_ij): Alg. 1 line 8 once per query, in order, as
+    if the new tokens had been decoded one by one.
+
+    p_ij is a softmax over the n + i + 1 keys query i saw, a window weight one over W
+    entries; p_ij (n + i + 1) / W puts both on the scale where uniform attention is 1 / W,
+    the scale of the threshold beta / W. Queries older than (1 - alpha)^m < 1e-6 weigh
+    nothing and are skipped, so this costs about 130 query rows at alpha 0.1.
+    """
+    import torch
+
+    a, t, m = alpha, q.shape[2], k.shape[2]
+    r = t if a >= 1 else min(t, int(math.log(1e-6) / math.log(1 - a)) + 1)
+    b, hq, _, d = q.shape
+    hkv = k.shape[1]
+    pos = torch.arange(n + t - r, n + t, device=q.device)  # positions of the r queries
+    qg = q[:, :, t - r:].float().reshape(b, hkv, hq // hkv * r, d)
+    s = torch.matmul(qg, k.float().transpose(-1, -2)).view(b, hq, r, m) * scale
+    s.masked_fill_(torch.arange(m, device=q.device) > pos[:, None], float("-inf"))
+    coef = a * (1 - a) ** (n + t - 1 - pos).float() * (pos + 1).float() / w
+    new = (torch.exp(s - lse[:, :, t - r:, None]) * coef[:, None]).sum(dim=2)
+    if n:
+        new[:, :, :n] += old.float() * (1 - a) ** t
+    return new
