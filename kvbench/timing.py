@@ -121,6 +121,29 @@ def time_native(fn: Callable[[], float], policy: Policy = DEFAULT,
     return Timing(tuple(samples), timer, policy.warmup)
 
 
+def time_rounds(fns: Sequence[Callable[[], float]], policy: Policy = DEFAULT,
+                timer: str = "CLOCK_MONOTONIC (native)") -> list[Timing]:
+    """Time several self-timed quantities (each fn as in time_native) in interleaved rounds:
+    a round takes one sample of every fn, in list order on even rounds and reversed on odd
+    ones, so slow drift of the machine reaches every quantity alike and no quantity always
+    follows the same neighbour. `policy.warmup` untimed rounds first; rounds go on until
+    policy.done(rounds, elapsed / len(fns)), so the policy's times are per quantity."""
+    if not fns:
+        return []
+    order = list(range(len(fns)))
+    for _ in range(policy.warmup):
+        for i in order:
+            fns[i]()
+    samples: list[list[float]] = [[] for _ in fns]
+    rounds = 0
+    start = time.perf_counter_ns()
+    while not policy.done(rounds, (time.perf_counter_ns() - start) * 1e-9 / len(fns)):
+        for i in order if rounds % 2 == 0 else order[::-1]:
+            samples[i].append(fns[i]())
+        rounds += 1
+    return [Timing(tuple(s), timer, policy.warmup) for s in samples]
+
+
 def time_cuda(
     fn: Callable[[], object],
     policy: Policy = DEFAULT,

@@ -4,21 +4,27 @@ A `Pair` is a source and destination endpoint; `open_copier` gives the object th
 between them with NUMA-placed host buffers (`kvbench.memory.HostBuffer`): host-to-host in
 native pinned threads (probes/copy.c), anything touching a GPU through torch CUDA. Every
 copy advances through a span of at least twice the LLC, so small copies read memory rather
-than a cache line the previous copy left behind.
+than a cache line the previous copy left behind. A host memcpy call (one per thread and copy)
+of at least glibc's x86_non_temporal_threshold (`nt_threshold`, 192M on the 2-core CI VM)
+writes with non-temporal stores, which skip the destination's read-for-ownership: up to 3/2
+the DRAM rate of regular stores, the step from 64M to 256M there (`HostCopier.stores`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
-from collections.abc import Callable
+import re
+import subprocess
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvbench.errors import KvbenchError
 from kvbench.memory import Endpoint, HostBuffer, endpoints, gpu_count, llc_bytes, runner_cpus
-from kvbench.timing import Policy, Timing, time_cuda, time_host, time_native
+from kvbench.timing import Policy, Timing, time_cuda, time_host, time_native, time_rounds
 from kvbench.units import gbps, parse_sizes
 
 MEMORY_KINDS = ("pageable", "pinned")
@@ -96,12 +102,35 @@ def make_plan(src: str | None, dst: str | None, sizes: str, memory: str,
     return Plan(pairs, waived, kinds, waived_kinds, sorted(set(parse_sizes(sizes))))
 
 
+def copies_per_sample(sample: Callable[[int], float]) -> int:
+    """Copies per sample so that one sample(iters) lasts about SAMPLE_S, from the fastest of
+    three calibration samples (one that lost the CPU or met cold caches only runs slower)."""
+    iters, per = 1, math.inf
+    for _ in range(3):
+        per = min(per, sample(iters))
+        iters = max(1, min(1 << 22, math.ceil(SAMPLE_S / max(per, 1e-10))))
+    return iters
+
+
 def calibrated(sample: Callable[[int], float], policy: Policy) -> Timing:
     """Time sample(iters) -> seconds per copy with iters chosen so one sample lasts SAMPLE_S."""
-    iters = 1
-    for _ in range(2):  # one copy can hit warm caches: refine once from a full-length sample
-        iters = max(1, min(1 << 22, math.ceil(SAMPLE_S / max(sample(iters), 1e-10))))
+    iters = copies_per_sample(sample)
     return time_native(lambda: sample(iters), policy)
+
+
+@functools.lru_cache(maxsize=1)
+def nt_threshold() -> int | None:
+    """Bytes from which this process's glibc memcpy uses non-temporal stores, as its dynamic
+    loader reports (same glibc, CPU and GLIBC_TUNABLES); None where unknown."""
+    try:
+        with open("/proc/self/maps") as maps:
+            loader = next((ln.split()[-1] for ln in maps if "/ld-linux" in ln), None)
+        out = subprocess.run([loader, "--list-tunables"], capture_output=True, text=True,
+                             timeout=10, check=False).stdout if loader else ""
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"x86_non_temporal_threshold:\s*(0x[0-9a-fA-F]+|\d+)", out)
+    return int(m.group(1), 0) if m else None
 
 
 def coprime_hop(windows: int) -> int:
@@ -168,6 +197,25 @@ class HostCopier:
 
     def bytes_per_copy(self, size: int) -> int:
         return size * len(self.routes)
+
+    def stores(self, size: int) -> str:
+        """'regular' or 'non-temporal' (or both, '/'-joined): how glibc's memcpy writes each
+        thread's chunk of a size-byte copy; 'unknown' where nt_threshold() is."""
+        limit = nt_threshold()
+        if limit is None:
+            return "unknown"
+        jobs, njobs = self._jobs(size, False)
+        return "/".join(sorted({"non-temporal" if jobs[k].chunk >= limit else "regular"
+                                for k in range(njobs)}))
+
+    def sweep(self, sizes: Sequence[int], policy: Policy) -> dict[int, tuple[Timing, int]]:
+        """size -> (seconds per copy, copies per sample), every size sampled in interleaved
+        rounds (time_rounds), each sample aggregating copies to last about SAMPLE_S."""
+        samplers = [self.sampler(s) for s in sizes]
+        iters = [copies_per_sample(f) for f in samplers]
+        timings = time_rounds([functools.partial(f, n) for f, n in zip(samplers, iters,
+                                                                         strict=True)], policy)
+        return {s: (t, n) for s, t, n in zip(sizes, timings, iters, strict=True)}
 
     def timing(self, size: int, policy: Policy, latency: bool = False) -> Timing:
         """Seconds per copy of `size` bytes (per route, all routes at once). latency=True
@@ -259,6 +307,10 @@ class GpuCopier:
                 return time_host(once, policy)
             return time_cuda(lambda: self._copy(size), policy,
                              before=lambda: torch.cuda._sleep(_SLEEP_CYCLES))
+
+    def sweep(self, sizes: Sequence[int], policy: Policy) -> dict[int, tuple[Timing, int]]:
+        """size -> (seconds per copy, 1 copy per sample), one size after another."""
+        return {s: (self.timing(s, policy), 1) for s in sizes}
 
     def torch_loop_gbps(self, size: int, reps: int = 10, rounds: int = 5) -> list[float]:
         """GB/s of a bare back-to-back torch copy loop on the same buffers (the reference

@@ -1,0 +1,109 @@
+"""Bandwidth probe method (issue 3): interleaved rounds, the stability statistics, --repeat,
+and which memcpy store path a copy takes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvbench.cli import main
+from kvbench.memory import Endpoint
+from kvbench.probes import _copy
+from kvbench.probes._copy import HostCopier, Pair
+from kvbench.probes.bandwidth import CV_BAR, cv_by_size, stability
+from kvbench.store import load
+from kvbench.timing import Policy, time_rounds
+
+H0 = Endpoint("host", 0)
+M = 1 << 20
+
+
+def test_time_rounds_interleaves_and_alternates() -> None:
+    calls: list[str] = []
+
+    def fn(name: str, value: float) -> Callable[[], float]:
+        def f() -> float:
+            calls.append(name)
+            return value
+        return f
+
+    ts = time_rounds([fn("a", 1.0), fn("b", 2.0), fn("c", 3.0)],
+                     Policy(warmup=1, min_reps=3, min_time_s=0.0, max_reps=3))
+    assert calls == list("abc" "abc" "cba" "abc")  # warm-up round, then alternating rounds
+    assert [t.seconds for t in ts] == [(1.0,) * 3, (2.0,) * 3, (3.0,) * 3]
+    assert all(t.warmup == 1 and t.timer.startswith("CLOCK_MONOTONIC") for t in ts)
+    assert time_rounds([], Policy()) == []
+
+
+def test_cv_by_size_is_the_cv_of_each_size_across_sweeps() -> None:
+    sweeps = [{4096: 1.0, M: 8.0, 4 * M: 10.0}, {4096: 9.0, M: 10.0, 4 * M: 10.0},
+              {M: 12.0, 4 * M: 10.0}]
+    cvs = cv_by_size(sweeps)
+    assert list(cvs) == [M, 4 * M]  # below 1M and sizes missing from a sweep are left out
+    assert cvs[M] == pytest.approx(2.0 / 10.0)  # std (ddof 1) of 8, 10, 12 over their mean
+    assert cvs[4 * M] == 0.0
+    assert cv_by_size([]) == {}
+
+
+def test_stability_record_is_the_median_of_the_per_size_cvs() -> None:
+    cvs = {M: 0.01, 4 * M: 0.09, 16 * M: 0.03, 64 * M: 0.02}
+    rec = next(stability("bandwidth", "repeat_cv_median_ge_1m", cvs, {"src": "host:0"}, 0.5,
+                         "how", True))
+    assert rec.samples == [0.01, 0.09, 0.03, 0.02] and rec.value == pytest.approx(0.025)
+    assert rec.method["sizes"] == "1M,4M,16M,64M" and rec.method["loadavg_1m_start"] == 0.5
+    assert rec.method["pass"] is True and str(CV_BAR) in rec.method["bar"]
+    within = next(stability("bandwidth", "cv_median_ge_1m", {M: 0.2}, {}, 0.0, "how", False))
+    assert within.value == 0.2 and "pass" not in within.method
+    assert list(stability("bandwidth", "cv_median_ge_1m", {}, {}, 0.0, "how", False)) == []
+
+
+def test_repeat_validates_with_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["probe", "bandwidth", "--src", "host:0", "--dst", "host:0", "--repeat", "0"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kvbench: error:") and "--repeat" in err and "\n" not in err
+
+
+def test_repeat_writes_every_sweep_and_the_stability_bar(tmp_path: Path) -> None:
+    out = tmp_path / "bw.jsonl"
+    with pytest.raises(SystemExit) as e:
+        main(["probe", "bandwidth", "--src", "host:0", "--dst", "host:0", "--sizes", "64K,1M,4M",
+              "--pageable", "--quick", "--no-bars", "--repeat", "2", "--out", str(out)])
+    assert e.value.code == 0
+    recs = load(out).records
+    bw = [r for r in recs if r["metric"] == "bandwidth" and r["status"] == "ok"]
+    assert [(r["params"]["size"], r["method"]["repeat"]) for r in bw] == [
+        (65536, "1/2"), (M, "1/2"), (4 * M, "1/2"), (65536, "2/2"), (M, "2/2"), (4 * M, "2/2")]
+    assert all(r["method"]["order"].startswith("interleaved") for r in bw)
+    assert len({r["stats"]["n"] for r in bw[:3]}) == 1  # one sample per size per round
+    bar = next(r for r in recs if r["metric"] == "repeat_cv_median_ge_1m")
+    by_size = {(r["params"]["size"], r["method"]["repeat"]): r["value"] for r in bw}
+    expected = cv_by_size([{s: by_size[s, f"{i}/2"] for s in (65536, M, 4 * M)} for i in (1, 2)])
+    assert bar["samples"] == pytest.approx(list(expected.values()))
+    assert bar["method"]["sizes"] == "1M,4M" and bar["method"]["pass"] == (bar["value"] < CV_BAR)
+    assert sum(r["metric"] == "cv_median_ge_1m" for r in recs) == 2
+
+
+def test_stores_follow_glibc_non_temporal_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
+    copier = HostCopier(Pair(H0, H0), "pageable", 4 * M, 2, False)
+    try:
+        monkeypatch.setattr(_copy, "nt_threshold", lambda: 2 * M)
+        assert copier.stores(M) == "regular"
+        assert copier.stores(4 * M) == "non-temporal"  # two threads, 2M each
+        monkeypatch.setattr(_copy, "nt_threshold", lambda: 2 * M + 1)
+        assert copier.stores(4 * M + 64) == "non-temporal/regular"  # chunks 2M and 2M + 64
+        monkeypatch.setattr(_copy, "nt_threshold", lambda: None)
+        assert copier.stores(4 * M) == "unknown"
+    finally:
+        copier.close()
+
+
+def test_nt_threshold_reads_what_glibc_applies(monkeypatch: pytest.MonkeyPatch) -> None:
+    found = _copy.nt_threshold.__wrapped__()
+    if found is None:
+        pytest.skip("not glibc on x86 (no x86_non_temporal_threshold tunable)")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.cpu.x86_non_temporal_threshold=0x100000")
+    assert _copy.nt_threshold.__wrapped__() == 0x100000
