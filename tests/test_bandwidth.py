@@ -12,7 +12,7 @@ from kvbench.cli import main
 from kvbench.memory import Endpoint
 from kvbench.probes import _copy
 from kvbench.probes._copy import HostCopier, Pair
-from kvbench.probes.bandwidth import CV_BAR, cv_by_size, stability
+from kvbench.probes.bandwidth import CV_BAR, cv_by_size, series, stability
 from kvbench.store import load
 from kvbench.timing import Policy, time_rounds
 
@@ -85,6 +85,7 @@ def test_repeat_writes_every_sweep_and_the_stability_bar(tmp_path: Path) -> None
     assert bar["samples"] == pytest.approx(list(expected.values()))
     assert bar["method"]["sizes"] == "1M,4M" and bar["method"]["pass"] == (bar["value"] < CV_BAR)
     assert sum(r["metric"] == "cv_median_ge_1m" for r in recs) == 2
+    assert [k.split()[-1] for k in series(recs, "bandwidth", "bandwidth")] == ["1/2", "2/2"]
 
 
 def test_stores_follow_glibc_non_temporal_threshold(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -308,7 +308,8 @@ class BandwidthProbe(Probe):
 
 def series(records: list[dict[str, Any]], name: str, metric: str
            ) -> dict[str, list[tuple[int, float]]]:
-    """'src->dst memory' -> [(size, value)] sorted by size, for ok records of name/metric."""
+    """'src->dst memory' -> [(size, value)] sorted by size, for ok records of name/metric
+    (one series per sweep of a --repeat run: 'sweep i/N' appended)."""
     out: dict[str, list[tuple[int, float]]] = {}
     for r in records:
         p = r.get("params") or {}
@@ -317,6 +318,8 @@ def series(records: list[dict[str, Any]], name: str, metric: str
         label = f"{p['src']}->{p['dst']} {p.get('memory', '')}".strip()
         if p.get("bidirectional"):
             label += " bidir"
+        if not str((r.get("method") or {}).get("repeat", "1/1")).endswith("/1"):
+            label += f" sweep {r['method']['repeat']}"
         out.setdefault(label, []).append((int(p["size"]), float(r["value"])))
     return {k: sorted(v) for k, v in out.items()}
 
