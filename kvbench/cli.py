@@ -103,8 +103,10 @@ def suite_check_cmd(
     fmt: str = typer.Option("table", "--format", help="table, markdown or json."),
 ) -> None:
     """Compare a suite's guarded metrics (each glob with its threshold) against the baseline;
-    exit 1 when one regressed or none was found."""
+    exit 1 when one regressed, when a guarded baseline quantity has no match in the results
+    (its parameters changed: record a new baseline) or when none was found."""
     from kvbench.compare import compare_sets, regressed
+    from kvbench.console import err_console
     from kvbench.render import compare_output
     from kvbench.store import load
     from kvbench.suite import baseline_path, load_suite
@@ -118,7 +120,11 @@ def suite_check_cmd(
             row.marks.append(f"threshold {threshold:.0%}")
             rows.append(row)
     compare_output(rows, fmt, suite.threshold, 0.05)
-    if regressed(rows) or not rows:
+    missing = [r for r in rows if r.verdict == "missing"]
+    for r in missing:
+        err_console.print(f"[red]error:[/] guarded {r.name}.{r.metric} of the baseline has no "
+                          "match in the results (parameters changed? record a new baseline)")
+    if regressed(rows) or missing or not rows:
         raise typer.Exit(1)
 
 

@@ -158,6 +158,20 @@ def test_check_guards_only_listed_metrics(tmp_path, capsys):
     assert [r.verdict for r in rows] == ["regressed", "regressed"]
 
 
+def test_check_fails_when_a_guarded_baseline_quantity_is_missing(tmp_path, capsys):
+    """A guarded metric whose parameters changed (e.g. a new run option) matches nothing:
+    the guard would silently stop guarding, so the check fails and says why."""
+    from kvbench.envinfo import collect_env
+
+    suite = write(tmp_path, '[suite.guard]\n"ratio.*" = "25%"\n\n' + TIMER)
+    base = _ratio_file(tmp_path / "base.jsonl", [2.0 + 0.01 * i for i in range(20)])
+    moved = tmp_path / "moved.jsonl"
+    with ResultWriter(moved, collect_env()) as w:
+        w.write(measured("probe", "ratio", "r", "x", "lower", [2.0] * 20, {"turns": 1}))
+    assert run_cli(["suite", "check", str(suite), str(moved), "--baseline", str(base)]) == 1
+    assert "guarded ratio.r of the baseline has no match" in capsys.readouterr().err
+
+
 def test_shipped_suites_validate():
     for path in sorted((REPO / "suites").glob("*.toml")):
         suite = load_suite(path)
