@@ -11,8 +11,9 @@ import pytest
 from kvbench.cli import main
 from kvbench.memory import Endpoint
 from kvbench.probes import _copy
+from kvbench.probes._bandwidth_stats import CV_BAR, cv_by_size, stability
 from kvbench.probes._copy import HostCopier, Pair
-from kvbench.probes.bandwidth import CV_BAR, cv_by_size, series, stability
+from kvbench.probes.bandwidth import series
 from kvbench.store import load
 from kvbench.timing import Policy, time_rounds
 

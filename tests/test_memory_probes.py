@@ -20,8 +20,8 @@ from kvbench.memory import (
     runner_node,
 )
 from kvbench.probes import _copy
+from kvbench.probes._bandwidth_stats import at_fraction, derived
 from kvbench.probes._copy import HostCopier, Pair, coprime_hop, plan_pairs
-from kvbench.probes.bandwidth import at_fraction, derived
 from kvbench.probes.latency import LatencyProbe
 from kvbench.store import load
 from kvbench.timing import QUICK, Policy, time_native
@@ -204,7 +204,7 @@ def test_latency_cli_small(tmp_path: Path) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["pageable", "pinned"])
 def test_gpu_copies(kind: str) -> None:
-    from kvbench.probes._copy import GpuCopier
+    from kvbench.probes._gpu_copy import GpuCopier
 
     g0 = Endpoint("gpu", 0)
     for pair in (Pair(H0, g0), Pair(g0, H0), Pair(g0, g0)):

@@ -6,8 +6,9 @@ between host buffers placed on a NUMA node, CXL memory-only nodes included, and 
 host-to-device, device-to-host and device-to-device through torch CUDA timed with CUDA
 events behind a device-side wait. Pinned host memory is the node's buffer registered with
 cudaHostRegister; pageable is the same buffer unregistered. Per pair it derives the peak,
-the size reaching 90% of it, the half-bandwidth size and the small-copy latency floor, and
-measures its bars against plain memcpy loops, the PCIe link and a bare torch copy loop.
+the size reaching 90% of it, the half-bandwidth size and the small-copy latency floor
+(kvbench.probes._bandwidth_stats), and measures its bars against plain memcpy loops, the
+PCIe link and a bare torch copy loop.
 
 Host-to-host sizes are sampled in interleaved rounds, so each size's median spans the whole
 sweep and drift of the machine's memory bandwidth moves every size alike; `repeat` sweeps N
@@ -18,9 +19,8 @@ switching to non-temporal stores (see kvbench.probes._copy); records say which s
 
 from __future__ import annotations
 
-import math
 import os
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,8 +29,8 @@ import typer
 
 from kvbench.errors import KvbenchError
 from kvbench.probes import PROBES, Probe
+from kvbench.probes._bandwidth_stats import STABLE_SIZE, cv_by_size, derived, stability
 from kvbench.probes._copy import (
-    GpuCopier,
     HostCopier,
     Pair,
     Plan,
@@ -39,14 +39,13 @@ from kvbench.probes._copy import (
     nt_threshold,
     open_copier,
 )
+from kvbench.probes._gpu_copy import GpuCopier
 from kvbench.schema import Record, measured, not_measured
-from kvbench.timing import DEFAULT, QUICK, Policy, Stats
+from kvbench.timing import DEFAULT, QUICK, Policy
 from kvbench.units import format_size, gbps
 
 BAR_SIZE = 256 << 20
 DEFAULT_SIZES = "1K..256M"
-STABLE_SIZE = 1 << 20  # the stability bar covers sizes from 1M
-CV_BAR = 0.05  # issue 3: median CV under 5% across repeated sweeps on an idle machine
 # Host sweeps: one sample per size per round until each size has had 1 s, so a size's median
 # spans the whole sweep (~10 s for 10 sizes) rather than a 0.2 s window of its own: on the
 # 2-core VM (load 4) the median of 2 ms samples moved 7% between 0.2 s windows, 2.5-3%
@@ -67,60 +66,6 @@ class BandwidthConfig:
     quick: bool = False
     repeat: int = 1  # sweeps per pair and memory kind (>= 2 adds repeat_cv_median_ge_1m)
     root: str = "/"
-
-
-def at_fraction(sizes: Sequence[int], values: Sequence[float], frac: float) -> float:
-    """Smallest size whose bandwidth reaches frac x peak, interpolated in log2(size) between
-    the swept sizes around the crossing (the first swept size if it already reaches it)."""
-    target = frac * max(values)
-    for i, v in enumerate(values):
-        if v >= target:
-            if i == 0:
-                return float(sizes[0])
-            lo, hi = math.log2(sizes[i - 1]), math.log2(sizes[i])
-            t = (target - values[i - 1]) / (v - values[i - 1])
-            return 2 ** (lo + t * (hi - lo))
-    raise ValueError("no value reaches the peak")  # unreachable: max(values) reaches it
-
-
-def derived(name: str, sizes: list[int], gbs: list[float], params: dict[str, Any]
-            ) -> list[Record]:
-    """Peak, 90%-of-peak size, half-bandwidth size and latency floor of one pair's sweep
-    (medians per size, GB/s); measured-derived, so provenance stays 'measured'."""
-    how = "derived from this run's median bandwidth per size"
-    floor_us = min(s / (g * 1e9) for s, g in zip(sizes, gbs, strict=True)) * 1e6
-    rows = [("peak_bandwidth", "GB/s", "higher", max(gbs), "max over sizes"),
-            ("size_90pct_peak", "B", "lower", at_fraction(sizes, gbs, 0.9),
-             "smallest size reaching 90% of peak, log2-interpolated"),
-            ("half_bandwidth_size", "B", "lower", at_fraction(sizes, gbs, 0.5),
-             "smallest size reaching 50% of peak (n1/2), log2-interpolated"),
-            ("latency_floor", "us", "lower", floor_us, "min over sizes of size / bandwidth")]
-    return [measured("probe", name, metric, unit, direction,  # type: ignore[arg-type]
-                     [value], params, {"derived": f"{rule}; {how}"})
-            for metric, unit, direction, value, rule in rows]
-
-
-def cv_by_size(sweeps: Sequence[dict[int, float]]) -> dict[int, float]:
-    """size -> coefficient of variation (Stats.cv: std with ddof 1 over mean) of that size's
-    value across sweeps, for the sizes >= STABLE_SIZE present in every sweep."""
-    common = set.intersection(*(set(sw) for sw in sweeps)) if sweeps else set()
-    return {s: Stats.of([sw[s] for sw in sweeps]).cv for s in sorted(common) if s >= STABLE_SIZE}
-
-
-def stability(name: str, metric: str, cvs: dict[int, float], params: dict[str, Any],
-              load: float, how: str, bar: bool) -> Iterator[Record]:
-    """One record whose samples are the per-size CVs (sizes >= 1M) and whose value is their
-    median, with the 1-minute load average at the run's start and now; none without sizes."""
-    if not cvs:
-        return
-    rec = measured("probe", name, metric, "ratio", "lower", list(cvs.values()), params,
-                   {"derived": f"median over sizes >= 1M of the {how}",
-                    "sizes": ",".join(format_size(s) for s in cvs),
-                    "loadavg_1m_start": load, "loadavg_1m_end": os.getloadavg()[0]})
-    if bar:
-        rec.method.update({"bar": f"< {CV_BAR} on an idle machine",
-                           "pass": rec.value is not None and rec.value < CV_BAR})
-    yield rec
 
 
 @PROBES.register
