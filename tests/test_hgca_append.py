@@ -87,3 +87,26 @@ def test_append_reselects_from_host_weights() -> None:
     for r in range(3):
         assert torch.equal(L.ck[0, r, :int(L.lens[r])], hk[0, r, keep[r]])
         assert torch.equal(L.cv[0, r, :int(L.lens[r])], L.hv[0, r, :16][keep[r]])
+
+
+def test_ingest_maw_chunks_agree(monkeypatch) -> None:
+    """The initial MAW computed in chunks of queries equals the one-chunk result, with
+    resident entries (n > 0) decayed by (1 - alpha)^T."""
+    from kvbench.strategies import _hgca_kv
+
+    gen = torch.Generator().manual_seed(2)
+    q, k, _ = chunk(gen, 12, batch=1)
+    keys = torch.cat([torch.randn(1, 3, 5, D, generator=gen), k], dim=2)
+    _, lse = dense_attention(q, keys, keys, q_start=5)
+    old = torch.rand(1, 9, 5, generator=gen)
+    kw = {"alpha": 0.05, "w": 16, "scale": D ** -0.5}
+    whole = _hgca_kv.ingest_maw(q, keys, lse, 5, old, **kw)
+    monkeypatch.setattr(_hgca_kv, "_SCORES", 9 * 17 * 2)  # two queries per chunk
+    assert torch.allclose(_hgca_kv.ingest_maw(q, keys, lse, 5, old, **kw), whole, atol=1e-7)
+    soft = (q @ keys.repeat_interleave(3, dim=1).transpose(-1, -2) * D ** -0.5)
+    soft = soft.masked_fill(torch.arange(17) > 5 + torch.arange(12)[:, None], float("-inf"))
+    p = soft.softmax(dim=-1)  # [1, 9, 12, 17]
+    maw = torch.cat([old, torch.zeros(1, 9, 12)], dim=2)
+    for i in range(12):
+        maw = 0.95 * maw + 0.05 * p[:, :, i] * (5 + i + 1) / 16
+    assert torch.allclose(whole, maw, atol=1e-6)

@@ -79,7 +79,7 @@ def test_exact_configurations_equal_full(name, params, layers) -> None:
 def test_hgca_ring_and_host_accounting() -> None:
     """GPU window never full between steps, every token on exactly one side, selection
     per row within the host cache, and the counters agree with the state."""
-    s = make("hgca", HgcaParams(gpu_tokens=16, block=8, beta=1.0), layers=1)
+    s = make("hgca", HgcaParams(gpu_tokens=16, block=8, beta=1.0, alpha=0.1), layers=1)
     steps = inputs(40, 39)
     drive(s, steps)
     s._join(s.layers[0])
@@ -125,8 +125,8 @@ def test_hgca_prefill_weights_and_beta() -> None:
     k[:, :, 3] = 8 * u / u.norm()  # token 3: the sink every query looks at
     lens = []
     for beta in (0.0, 0.5, 1.0, 4.0):
-        s = make("hgca", HgcaParams(gpu_tokens=16, block=8, beta=beta), layers=1, batch=1,
-                 max_len=41)
+        s = make("hgca", HgcaParams(gpu_tokens=16, block=8, beta=beta, alpha=0.1), layers=1,
+                 batch=1, max_len=41)
         s.prefill(0, q, k, v)
         s._join(s.layers[0])
         L = s.layers[0]
