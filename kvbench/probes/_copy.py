@@ -18,7 +18,7 @@ import functools
 import math
 import re
 import subprocess
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from typing import Any
 from kvbench.errors import KvbenchError
 from kvbench.memory import Endpoint, HostBuffer, endpoints, gpu_count, llc_bytes, runner_cpus
 from kvbench.probes._gpu_copy import GpuCopier
+from kvbench.schema import ParamValue, Record, not_measured
 from kvbench.timing import Policy, Timing, time_native, time_rounds
 from kvbench.units import parse_sizes
 
@@ -92,6 +93,18 @@ class Plan:
     @property
     def steps(self) -> int:
         return sum(len(self.kinds_of(p)) for p in self.pairs) * len(self.sizes)
+
+    def waived(self, probe: str, metric: str, extra: dict[str, ParamValue]) -> Iterator[Record]:
+        """`metric` records waived for the pairs and memory kinds this machine cannot run."""
+        for s, d in self.waived_pairs:
+            yield not_measured("probe", probe, metric, "waived", NO_GPU,
+                               {"src": s, "dst": d, **extra})
+        for pair in self.pairs:
+            for kind in self.waived_kinds if pair.direction != "d2d" else []:
+                yield not_measured("probe", probe, metric, "waived", "pinned memory needs CUDA "
+                                   "(cudaHostRegister)", {"src": str(pair.src),
+                                                          "dst": str(pair.dst), "memory": kind,
+                                                          **extra})
 
 
 def make_plan(src: str | None, dst: str | None, sizes: str, memory: str,

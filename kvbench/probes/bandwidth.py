@@ -85,16 +85,9 @@ class BandwidthProbe(Probe):
         policy = QUICK if config.quick else DEFAULT
         load = os.getloadavg()[0]
         common = {"threads": config.threads, "bidirectional": config.bidirectional}
-        for s, d in plan.waived_pairs:
-            yield not_measured("probe", self.name, "bandwidth", "waived", "no CUDA GPU on this "
-                               "machine", {"src": s, "dst": d, **common})
+        yield from plan.waived(self.name, "bandwidth", common)
         for pair in plan.pairs:
             top: dict[str, float] = {}
-            for kind in plan.waived_kinds if pair.direction != "d2d" else []:
-                yield not_measured("probe", self.name, "bandwidth", "waived", "pinned memory "
-                                   "needs CUDA (cudaHostRegister)",
-                                   {"src": str(pair.src), "dst": str(pair.dst), "memory": kind,
-                                    **common})
             for kind in plan.kinds_of(pair):
                 top[kind] = yield from self._pair_kind(pair, kind, plan, config, load)
             if {"pageable", "pinned"} <= top.keys():

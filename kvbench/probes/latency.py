@@ -63,14 +63,8 @@ class LatencyProbe(Probe):
         nodes = sorted({e.index for p in plan.pairs for e in (p.src, p.dst) if e.kind == "host"})
         for node in nodes:
             yield self._chase(node, chase_bytes(config), policy, config.root)
-        for s, d in plan.waived_pairs:
-            yield not_measured("probe", self.name, "copy_latency", "waived",
-                               "no CUDA GPU on this machine", {"src": s, "dst": d})
+        yield from plan.waived(self.name, "copy_latency", {})
         for pair in plan.pairs:
-            for kind in plan.waived_kinds if pair.direction != "d2d" else []:
-                yield not_measured("probe", self.name, "copy_latency", "waived", "pinned memory "
-                                   "needs CUDA (cudaHostRegister)",
-                                   {"src": str(pair.src), "dst": str(pair.dst), "memory": kind})
             for kind in plan.kinds_of(pair):
                 params = {"src": str(pair.src), "dst": str(pair.dst),
                           "direction": pair.direction, "memory": kind}
