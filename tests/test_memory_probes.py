@@ -98,6 +98,13 @@ def test_default_matrix_waives_device_pairs_without_gpu(fake_sysfs: Path,
     assert [str(p.dst) for p in pairs] == ["host:0", "host:1", "host:2"]
     assert waived == [("host:2", "gpu:*")]
     assert plan_pairs("host:0", "host:1", fake_sysfs)[1] == []
+    plan = _copy.make_plan("host:2", None, "1K", "both", fake_sysfs)
+    recs = list(plan.waived("bandwidth", "bandwidth", {"threads": 1}))
+    assert [(r.params["src"], r.params["dst"], r.params.get("memory"), r.status, r.reason)
+            for r in recs] == [("host:2", "gpu:*", None, "waived", _copy.NO_GPU)] + [
+        ("host:2", f"host:{n}", "pinned", "waived", "pinned memory needs CUDA "
+         "(cudaHostRegister)") for n in range(3)]
+    assert all(r.params["threads"] == 1 for r in recs)
 
 
 def test_placement_verified_on_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
