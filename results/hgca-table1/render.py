@@ -6,6 +6,7 @@ summary.json beside it; the full result files, ~2 MB each with their traces, sta
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import sys
 from collections import defaultdict
@@ -16,6 +17,11 @@ from kvbench.store import load
 HERE = Path(__file__).parent
 SHARES = (0.25, 0.5, 0.75)
 BETAS = (0.25, 0.5, 0.75, 1.0)
+
+
+def natural(path: Path) -> list:
+    """Sort key: 'hgca-s0.25-b0' < 'hgca-s0.25-b0.25' < 'hgca-s0.25-b1.0' (numbers as numbers)."""
+    return [float(x) if x[:1].isdigit() else x for x in re.split(r"(\d+(?:\.\d+)?)", path.stem)]
 
 
 def summarize(path: Path) -> dict:
@@ -80,7 +86,7 @@ def breakdown(path: Path) -> list[str]:
 
 
 def main() -> None:
-    runs = {f.stem: summarize(f) for f in sorted(HERE.glob("*.jsonl"))}
+    runs = {f.stem: summarize(f) for f in sorted(HERE.glob("*.jsonl"), key=natural)}
     full = runs.get("full")
     if full is None:
         sys.exit("no full.jsonl yet")
@@ -140,7 +146,7 @@ def main() -> None:
         else:
             err = "- | -"
         lines.append(f"| {name} | {r['ppl']:.3f} | {sel} | {err} |")
-    alpha = {f.stem: summarize(f) for f in sorted((HERE / "alpha").glob("*.jsonl"))}
+    alpha = {f.stem: summarize(f) for f in sorted((HERE / "alpha").glob("*.jsonl"), key=natural)}
     if alpha:
         lines += ["", "## Choice of alpha (held-out text)", "",
                   "The paper does not give its moving-average factor. It was chosen on "

@@ -37,6 +37,14 @@ one() {  # one NAME STRATEGY ARGS...: run unless its result file exists
 export -f one
 configs | awk '!seen[$1]++' | grep -E "^(${ONLY:-.*}) " | xargs -P "${JOBS:-2}" -L 1 bash -c 'one "$@"' _
 [ -z "${ONLY:-}" ] || exit 0
+# alpha (not given in the paper) was chosen before the grid ran, on held-out text: the default
+# text from character 150000 on, GPU share 0.25, beta 1, same protocol (alpha/):
+#   .venv/bin/python -c "from kvbench.runtime.run import read_text as r
+#   open('/tmp/heldout.txt', 'w').write(r('')[150000:])"
+#   for a in 0.001 0.003 0.01 0.03 0.1; do .venv/bin/kvbench run hgca --gpu-share 0.25 \
+#     --beta 1.0 --alpha $a --text /tmp/heldout.txt --mode eval --prompt-len 1 \
+#     --gen-len 2046 --threads 1 --out $OUT/alpha/hgca-a$a-s0.25-b1.0.jsonl; done
+#   (and h2o --budget 0.25 the same way into alpha/h2o-s0.25.jsonl)
 # hgca's decode-step breakdown at batch 1, 2048 context (a timing: run it alone on an
 # otherwise idle machine, default threads): prompt 1536 then 511 generated tokens, so the
 # ring evicts a block every 64 steps per layer
