@@ -160,16 +160,13 @@ def merge(
             f"merge needs matching parts, got {tuple(o1.shape)}/{tuple(lse1.shape)} and "
             f"{tuple(o2.shape)}/{tuple(lse2.shape)}")
     dev = o1.device
-    o2 = o2.to(dev, non_blocking=True)
     lse1 = lse1.float()
     lse2 = lse2.to(dev, non_blocking=True).float()
-    m = torch.maximum(lse1, lse2)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    w1 = torch.exp(lse1 - m)
-    w2 = torch.exp(lse2 - m)
-    z = w1 + w2
-    safe = z.clamp_min(1e-38)
-    a1 = torch.where(z > 0, w1 / safe, 0.0)[..., None]
-    a2 = torch.where(z > 0, w2 / safe, 0.0)[..., None]
-    out = (o1.float() * a1 + o2.float() * a2).to(o1.dtype)
-    return out, m + torch.log(z)
+    # part 1's weight e^lse1 / (e^lse1 + e^lse2) = sigmoid(lse1 - lse2), in few small ops
+    # (this runs once per layer and step); NaN only when both parts are empty, where the
+    # output is 0
+    a1 = torch.sigmoid(lse1 - lse2).unsqueeze(-1)
+    out = torch.lerp(o2.to(dev, non_blocking=True).float(), o1.float(), a1)
+    lse = torch.logaddexp(lse1, lse2)
+    out.masked_fill_(torch.isneginf(lse).unsqueeze(-1), 0.0)
+    return out.to(o1.dtype), lse

@@ -143,14 +143,16 @@ def decode_weights(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *,
 
     q [B, Hq, 1, D], k [B, Hkv, N, D], lse [B, Hq, 1] (from dense_attention over the same
     keys, causal=False); fp32. What H2O accumulates and HGCA averages (A_gpu, Alg. 1 line 8).
+    One batched matmul and two in-place ops: this runs once per layer and decode step.
     """
     import torch
 
     b, hq, _, d = q.shape
-    hkv = k.shape[1]
+    hkv, n = k.shape[1], k.shape[2]
     s = scale if scale is not None else d ** -0.5
-    logits = torch.matmul(q.float().view(b, hkv, hq // hkv, d), k.float().transpose(-1, -2))
-    return torch.exp(logits.view(b, hq, -1) * s - lse.view(b, hq, 1))
+    qs = (q.float() * s).view(b * hkv, hq // hkv, d)
+    w = torch.bmm(qs, k.float().reshape(b * hkv, n, d).transpose(1, 2))  # [B*Hkv, G, N]
+    return w.sub_(lse.float().view(b * hkv, hq // hkv, 1)).exp_().view(b, hq, n)
 
 
 STRATEGIES: Registry[type[Strategy]] = Registry("strategy", __name__)
