@@ -156,6 +156,19 @@ def main() -> None:
         for name, r in alpha.items():
             err = statistics.fmean(e for _, e in r["err"]) if r["err"] else float("nan")
             lines.append(f"| {name} | {r['ppl']:.4f} | {err:.4f} |")
+    turns = {f.stem: summarize(f) for f in sorted((HERE / "multiturn").glob("*.jsonl"))}
+    if turns.get("full"):
+        q = turns["full"]["params"]
+        lines += ["", "## Multi-turn (hgca re-evaluates KV_ctx at each append, Alg. 1 lines 19-21)",
+                  "", f"{q['turns']} turns of a {q['prompt_len']}-token prompt and "
+                  f"{q['gen_len']} decoded tokens, teacher-forced over the same text (eval "
+                  "mode; scored: the token after each prompt and every decoded one, "
+                  f"{turns['full']['n']} predictions); GPU share / budget 0.25 of the whole "
+                  "sequence, hgca at its defaults.", "",
+                  "| strategy | ppl | attention error mean |", "|---|---|---|"]
+        for name, r in turns.items():
+            err = f"{statistics.fmean(e for _, e in r['err']):.4f}" if r["err"] else "-"
+            lines.append(f"| {name} | {r['ppl']:.3f} | {err} |")
     e = runs.get("hgca-s0.25-b0")
     if e and e["ppl"] is not None:
         lines += ["", f"Exactness at this scale: hgca, GPU share 0.25, beta 0 (every host entry "

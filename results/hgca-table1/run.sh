@@ -45,6 +45,8 @@ configs | awk '!seen[$1]++' | grep -E "^(${ONLY:-.*}) " | xargs -P "${JOBS:-2}" 
 #     --beta 1.0 --alpha $a --text /tmp/heldout.txt --mode eval --prompt-len 1 \
 #     --gen-len 2046 --threads 1 --out $OUT/alpha/hgca-a$a-s0.25-b1.0.jsonl; done
 #   (and h2o --budget 0.25 the same way into alpha/h2o-s0.25.jsonl)
+# multi-turn (multiturn/): each of full, hgca, h2o and streaming (the last three at share or
+# budget 0.25) with --mode eval --prompt-len 192 --gen-len 128 --turns 4 --threads 1
 # hgca's decode-step breakdown at batch 1, 2048 context (a timing: run it alone on an
 # otherwise idle machine, default threads): prompt 1536 then 511 generated tokens, so the
 # ring evicts a block every 64 steps per layer
