@@ -115,9 +115,10 @@ def column_scores(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *,
                   ) -> torch.Tensor:
     """Causal attention mass per key: sum over queries of softmax(q k^T) [B, Hq, N].
 
-    q [B, Hq, T, D] at key positions q_start..q_start+T-1, k [B, Hkv, N, D] with
-    N = q_start + T (prefill: q_start 0, N = T = P), lse [B, Hq, T] (fp32, from
-    dense_attention on the same q/k). Query chunks, fp32: memory stays O(chunk * N).
+    q [B, Hq, T, D] at key positions q_start..q_start+T-1 (query i sees keys 0..q_start+i),
+    k [B, Hkv, N, D], lse [B, Hq, T] (fp32, from dense_attention on the same q/k). Prefill:
+    q_start 0, N = T = P; append: N = q_start + T; q_start = N: keys that all precede the
+    queries (hgca's host cache). Query chunks, fp32: memory stays O(chunk * N).
     """
     import torch
 

@@ -38,7 +38,7 @@ class Full(Strategy):
                   for _ in range(ctx.n_layers)]
         self.length = [0] * ctx.n_layers
 
-    def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+    def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> torch.Tensor:
         """Cache k/v [B, Hkv, T, D]; attention [B, Hq, T, D] of q at the last T positions."""
         import torch
@@ -55,14 +55,4 @@ class Full(Strategy):
         self.ctx.counters.attended("accel", q, n1)
         return out
 
-    def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor) -> torch.Tensor:
-        return self._attend(layer, q, k, v)
-
-    def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> torch.Tensor:
-        return self._attend(layer, q, k, v)
-
-    def append(self, layer: int, q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> torch.Tensor:
-        return self._attend(layer, q, k, v)
+    decode = append = prefill  # one path for any number of new tokens

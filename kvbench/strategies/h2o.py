@@ -97,11 +97,6 @@ class H2O(Strategy):
             self.n[layer], self.free[layer] = n, None
         return n
 
-    def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor) -> torch.Tensor:
-        """Admit the prompt q [B, Hq, P, D], k/v [B, Hkv, P, D]; out [B, Hq, P, D]."""
-        return self.append(layer, q, k, v)
-
     def append(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
         """Admit T new tokens (k/v [B, Hkv, T, D]) after the kept ones; out [B, Hq, T, D]."""
@@ -131,6 +126,8 @@ class H2O(Strategy):
         self.score[layer][:, :, :n], self.pos[layer][:, :, :n] = score, pos
         self.n[layer], self.seen[layer] = n, t1
         return out
+
+    prefill = append  # the first prompt: an append onto the empty cache
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ kernels are queued first, so the host part runs while they execute; on a CPU-onl
 machine both parts run on the CPU one after the other, and the accelerator role's wait
 for the host part is what `accel_idle` records.
 
-A prefill or a multi-turn append of T tokens (`_ingest`): dense causal attention of the
+A prefill or a multi-turn append of T tokens (one method): dense causal attention of the
 new queries over the resident window and the new tokens on the accelerator; for an
 append, dense attention over all of KV_cpu on the host (exact), merged by lse. The window
 and the new tokens get their MAW from that attention: line 8 applied once per new query,
@@ -262,16 +262,15 @@ class Hgca(Strategy):
         self.ctx.counters.moved("d2h", q.numel() * q.element_size())
         return q.to(device="cpu", dtype=L.ck.dtype)
 
-    def _host(self, L: LayerKV, q: torch.Tensor,
-              qh: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Sparse attention of qh (q copied to the host) over each row's KV_ctx on the host
-        thread pool (line 12); None when no host entry is selected."""
+    def _host(self, L: LayerKV, q: torch.Tensor, qh: torch.Tensor | None,
+              nmax: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Sparse attention of qh (q copied to the host) over each row's KV_ctx (the longest
+        nmax entries) on the host thread pool (line 12); None when no entry is selected."""
         from kvbench.kernels.sparse import Selection, sparse_attention
 
         if qh is None:
             return None
         c = self.ctx.counters
-        nmax = int(L.lens.max())
         if L.out is None:
             from kvbench.kernels.cpu import output_buffers
 
@@ -287,7 +286,7 @@ class Hgca(Strategy):
             c.add("tokens", f"host_selected.h{h}", n)
         return out, lse
 
-    def _ingest(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+    def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> torch.Tensor:
         """Prefill (empty layer) or append of T tokens: q [B, Hq, T, D], k/v [B, Hkv, T, D]
         -> causal attention [B, Hq, T, D] over the window, the new tokens and (append)
@@ -334,13 +333,7 @@ class Hgca(Strategy):
             self._evict(L, keys[:, :, :evict], vals[:, :, :evict], maw[:, :, :evict])
         return out
 
-    def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor) -> torch.Tensor:
-        return self._ingest(layer, q, k, v)
-
-    def append(self, layer: int, q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> torch.Tensor:
-        return self._ingest(layer, q, k, v)
+    append = prefill  # a later turn's prompt: the same path onto a non-empty layer
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
@@ -358,11 +351,12 @@ class Hgca(Strategy):
         L.gv[:, :, slot] = v[:, :, 0]
         L.maw[:, :, slot] = 0
         L.n += 1
-        qh = self._to_host(L, q) if L.n_host and int(L.lens.max()) else None
+        nmax = int(L.lens.max()) if L.n_host else 0  # longest KV_ctx row
+        qh = self._to_host(L, q) if nmax else None
         out, lse_w = self._window(L, q)  # lse_w: the window softmax's normaliser (A_gpu)
         c.attended("accel", q, L.n)
         with c.timed("accel_idle"):
-            host = self._host(L, q, qh)
+            host = self._host(L, q, qh, nmax)
         if host is not None:
             with c.timed("bookkeeping.merge"):
                 out, _ = merge(out, lse_w, *host)

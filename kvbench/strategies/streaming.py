@@ -74,11 +74,6 @@ class Streaming(Strategy):
         s = self.p.sinks
         return t if t < s else s + (t - s) % self.ring
 
-    def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor) -> torch.Tensor:
-        """Admit the prompt q [B, Hq, P, D], k/v [B, Hkv, P, D]; out [B, Hq, P, D]."""
-        return self.append(layer, q, k, v)
-
     def append(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
         """Admit T new tokens (k/v [B, Hkv, T, D]) after the cached ones; out [B, Hq, T, D]."""
@@ -99,6 +94,8 @@ class Streaming(Strategy):
         self.v[layer][:, :, slots] = v[:, :, src]
         self.seen[layer] = t1
         return out
+
+    prefill = append  # the first prompt: an append onto the empty cache
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
