@@ -100,6 +100,19 @@ class Decoder(nn.Module):
         b, h, t, d = out.shape
         return out.transpose(1, 2).reshape(b, t, h * d)
 
+    def query(self, layer: int, x: torch.Tensor, start: int) -> torch.Tensor:
+        """Layer `layer`'s query [B, Hq, T, D] from a normed hidden state x [B, T, hidden]
+        at positions start..start+T-1, positions applied as `attend` applies them.
+
+        What look-ahead strategies (InfiniGen, ScoutAttention) use to predict layer i+1's
+        query from layer i's input (spec section 0: the predicted query needs RoPE).
+        """
+        q = self.layers[layer].q_heads(x)
+        if self._rope is not None:
+            cos, sin = (t[start:start + q.shape[2]] for t in self._rope)
+            q = apply_rope(q, cos, sin)
+        return q
+
     def embed(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
         raise NotImplementedError
 
@@ -136,12 +149,17 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(d, s.norm_eps) if s.qk_norm else None
         self.s = s
 
-    def forward(self, x: torch.Tensor, i: int, m: Decoder, start: int) -> torch.Tensor:
+    def q_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """Query heads [B, Hq, T, D] of x [B, T, hidden], q-norm applied, no positions."""
         q = _heads(self.q_proj(x), self.s.n_heads)
+        return q if self.q_norm is None else self.q_norm(q)
+
+    def forward(self, x: torch.Tensor, i: int, m: Decoder, start: int) -> torch.Tensor:
+        q = self.q_heads(x)
         k = _heads(self.k_proj(x), self.s.n_kv_heads)
         v = _heads(self.v_proj(x), self.s.n_kv_heads)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
         return self.o_proj(m.attend(i, q, k, v, start))
 
 
@@ -163,6 +181,9 @@ class LlamaLayer(nn.Module):
         self.mlp = LlamaMLP(s)
         self.input_layernorm = RMSNorm(s.hidden, s.norm_eps)
         self.post_attention_layernorm = RMSNorm(s.hidden, s.norm_eps)
+
+    def q_heads(self, x: torch.Tensor) -> torch.Tensor:
+        return self.self_attn.q_heads(x)
 
     def forward(self, x: torch.Tensor, i: int, m: Decoder, start: int) -> torch.Tensor:
         h = self.input_layernorm(x)
@@ -196,6 +217,9 @@ class OPTAttention(nn.Module):
             nn.Linear(s.hidden, s.hidden) for _ in range(4))
         self.n = s.n_heads
 
+    def q_heads(self, x: torch.Tensor) -> torch.Tensor:
+        return _heads(self.q_proj(x), self.n)
+
     def forward(self, x: torch.Tensor, i: int, m: Decoder, start: int) -> torch.Tensor:
         q, k, v = (_heads(p(x), self.n) for p in (self.q_proj, self.k_proj, self.v_proj))
         return self.out_proj(m.attend(i, q, k, v, start))
@@ -209,6 +233,9 @@ class OPTLayer(nn.Module):
         self.fc1 = nn.Linear(s.hidden, s.ffn)
         self.fc2 = nn.Linear(s.ffn, s.hidden)
         self.final_layer_norm = nn.LayerNorm(s.hidden)
+
+    def q_heads(self, x: torch.Tensor) -> torch.Tensor:
+        return self.self_attn.q_heads(x)
 
     def forward(self, x: torch.Tensor, i: int, m: Decoder, start: int) -> torch.Tensor:
         h = self.self_attn_layer_norm(x)
@@ -242,6 +269,12 @@ class NeoXAttention(nn.Module):
         self.dense = nn.Linear(s.hidden, s.hidden)
         self.n = s.n_heads
 
+    def q_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """The query third of each head's fused [q | k | v] rows: [B, H, T, D]."""
+        w = self.query_key_value.weight.view(self.n, 3, -1, x.shape[-1])[:, 0]
+        bias = self.query_key_value.bias.view(self.n, 3, -1)[:, 0]
+        return _heads(F.linear(x, w.reshape(-1, x.shape[-1]), bias.reshape(-1)), self.n)
+
     def forward(self, x: torch.Tensor, i: int, m: Decoder, start: int) -> torch.Tensor:
         b, t, _ = x.shape
         qkv = self.query_key_value(x).view(b, t, self.n, -1).transpose(1, 2)
@@ -258,6 +291,9 @@ class NeoXLayer(nn.Module):
         self.mlp = nn.Module()
         self.mlp.dense_h_to_4h = nn.Linear(s.hidden, s.ffn)
         self.mlp.dense_4h_to_h = nn.Linear(s.ffn, s.hidden)
+
+    def q_heads(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attention.q_heads(x)
 
     def forward(self, x: torch.Tensor, i: int, m: Decoder, start: int) -> torch.Tensor:
         h = self.input_layernorm(x)
