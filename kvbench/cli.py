@@ -6,7 +6,9 @@ Every failure the user can cause ends as one line on stderr and exit code 2.
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import typer
@@ -155,12 +157,22 @@ def _is_abort(e: BaseException) -> bool:
     return type(e).__name__ == "Abort"
 
 
+class Terminated(Exception):
+    """SIGTERM (what schedulers send) outside a run's decode loop, which handles its own."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated(signum)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: runs the app and turns every user error into one line and exit 2.
 
     Click's exceptions are recognised by shape, not class, because typer >= 0.26 vendors its
     own copy of click while older typers use the click package.
     """
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
     try:
         _add_registered_commands()
         code = app(args=argv, prog_name="kvbench", standalone_mode=False)
@@ -170,6 +182,9 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("kvbench: interrupted (finished records are saved)", file=sys.stderr)
         sys.exit(130)
+    except Terminated:
+        print("kvbench: terminated (finished records are saved)", file=sys.stderr)
+        sys.exit(128 + signal.SIGTERM)
     except Exception as e:
         if _is_abort(e):
             print("kvbench: interrupted (finished records are saved)", file=sys.stderr)

@@ -51,26 +51,34 @@ def default_out_path(name: str) -> Path:
 
 
 class ResultWriter:
-    """Appends records to one JSONL file, writing the environment line first if new to it."""
+    """Appends records to one JSONL file, writing the environment line first if new to it.
+
+    Nothing touches the file until the first record: a command rejected for bad input
+    (its probe raises before measuring anything) leaves no file behind.
+    """
 
     def __init__(self, path: Path, env: dict[str, Any], command: str | None = None) -> None:
         self.path = Path(path)
+        self.env = env
         self.env_id: str = env["env_id"]
         self.command = command if command is not None else shlex.join(["kvbench", *sys.argv[1:]])
         self.commit, self.dirty = git_state()
         self.count = 0
-        if self.path.parent and not self.path.parent.exists():
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        known = load(self.path).envs if self.path.exists() and self.path.stat().st_size else {}
-        self._fh = self.path.open("a", encoding="utf-8")
-        if self.env_id not in known:
-            self._line({"schema_version": SCHEMA_VERSION, "kind": "env", "env_id": self.env_id,
-                        "time": now_iso(), "env": env})
+        self._fh: Any = None
 
-    def _line(self, obj: dict[str, Any]) -> None:
-        self._fh.write(json.dumps(obj, separators=(",", ":"), allow_nan=True) + "\n")
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
+    def _open(self) -> Any:
+        """Open the file for appending on first use, writing the env line if it is new."""
+        if self._fh is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            known = load(self.path).envs if self.path.exists() and self.path.stat().st_size \
+                else {}
+            self._fh = self.path.open("a", encoding="utf-8")
+            if self.env_id not in known:
+                self._fh.write(json.dumps({"schema_version": SCHEMA_VERSION, "kind": "env",
+                                           "env_id": self.env_id, "time": now_iso(),
+                                           "env": self.env}, separators=(",", ":"),
+                                          allow_nan=True) + "\n")
+        return self._fh
 
     def _stamp(self, record: Record) -> str:
         record.env_id = self.env_id
@@ -88,16 +96,20 @@ class ResultWriter:
 
     def write_batch(self, records: list[Record]) -> None:
         """Write records with one write and one fsync: an interrupt keeps all or none."""
-        self._fh.write("".join(self._stamp(r) for r in records))
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
+        if not records:
+            return
+        fh = self._open()
+        fh.write("".join(self._stamp(r) for r in records))
+        fh.flush()
+        os.fsync(fh.fileno())
 
     def write_all(self, records: Iterable[Record]) -> None:
         for r in records:
             self.write(r)
 
     def close(self) -> None:
-        self._fh.close()
+        if self._fh is not None:
+            self._fh.close()
 
     def __enter__(self) -> ResultWriter:
         return self

@@ -1,4 +1,5 @@
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -7,7 +8,7 @@ import pytest
 
 from kvbench.cli import main
 from kvbench.schema import measured
-from kvbench.store import ResultWriter
+from kvbench.store import ResultWriter, load
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -92,3 +93,49 @@ def test_timer_probe_writes_default_file(tmp_path: Path, monkeypatch: pytest.Mon
     assert recs["perf_counter_ns_overhead"]["value"] > 0
     assert recs["perf_counter_ns_overhead"]["method"]["reps"] == 3
     assert recs["cuda_event_floor"]["status"] in ("waived", "ok")
+
+
+def kvbench(*argv: str) -> subprocess.CompletedProcess[str]:
+    exe = Path(sys.executable).with_name("kvbench")
+    return subprocess.run([str(exe), *argv], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["probe", "bandwidth", "--src", "host:0", "--dst", "host:0", "--sizes", "banana"],
+     "cannot parse size 'banana'"),
+    (["probe", "bandwidth", "--src", "host:0", "--dst", "host:0", "--sizes", "1M",
+      "--threads", "0"], "--threads must be at least 1"),
+    (["run", "full", "--threads", "-1"], "--threads -1"),
+])
+def test_rejected_command_draws_and_writes_nothing(tmp_path: Path, argv: list[str],
+                                                   message: str) -> None:
+    """Bad input: one line, exit 2, no live table on stdout and no result file (issue 11.9)."""
+    out = tmp_path / "r.jsonl"
+    proc = kvbench(*argv, "--out", str(out))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+    assert proc.stdout == "" and not out.exists()
+
+
+def test_sigterm_keeps_partial_run(tmp_path: Path) -> None:
+    """A scheduler's SIGTERM during decode: the records so far, marked partial, exit 143."""
+    out = tmp_path / "r.jsonl"
+    exe = Path(sys.executable).with_name("kvbench")
+    proc = subprocess.Popen([str(exe), "run", "full", "--weights", "random", "--layers", "1",
+                             "--prompt-len", "8", "--gen-len", "4000", "--threads", "1",
+                             "--out", str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    for line in proc.stderr:  # the line printed as the timed decode starts
+        if line.startswith("decoding 4000 steps"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "interrupted by SIGTERM" in err and "Traceback" not in err
+    recs = {r["metric"]: r for r in load(out).records}
+    tbt = recs["tbt"]
+    done = tbt["params"]["steps_completed"]
+    assert 1 <= done < 4000 and len(tbt["samples"]) == done
+    assert tbt["method"]["partial"] == f"interrupted by SIGTERM after {done} of 4000 decode steps"
+    assert all(r["params"]["steps_completed"] == done for r in recs.values())

@@ -18,7 +18,8 @@ from kvbench.units import format_size
 
 class SweepView:
     """Rows are (pair, memory kind), columns sizes; `metric` records fill the cells and
-    advance the bar, every other record is printed above the live area as a line."""
+    advance the bar, every other record is printed above the live area as a line.
+    The live area starts with the first record: a probe rejecting its input draws nothing."""
 
     def __init__(self, title: str, metric: str, total: int) -> None:
         self.title, self.metric = title, metric
@@ -40,6 +41,8 @@ class SweepView:
         return Group(t, self.progress)
 
     def show(self, rec: Record) -> None:
+        if not self.live.is_started:
+            self.live.start()
         if rec.metric != self.metric or "size" not in rec.params:
             show_record(rec)  # the live console prints it above the live area
             return
@@ -54,10 +57,11 @@ class SweepView:
         self.live.update(self._render())
 
     def __enter__(self) -> SweepView:
-        self.live.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if not self.live.is_started:
+            return
         self.live.update(self._render())
         self.live.__exit__(*exc)
         if not console.is_terminal:  # rich leaves the last frame unterminated in logs

@@ -9,11 +9,10 @@ same prompt side by side (`--compare-hf`), and print a summary table.
 
 from __future__ import annotations
 
-import inspect
+import signal
+import threading
 import time
-import typing
 from collections.abc import Callable
-from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
 
@@ -44,35 +43,16 @@ _HELP = {
 }
 
 
-def _option(f: Any, hint: Any, help_text: str) -> inspect.Parameter:
-    default = f.default if f.default is not MISSING else f.default_factory()
-    return inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=hint,
-                             default=typer.Option(default, help=help_text))
-
-
 def make_command(cls: type[Strategy]) -> Callable[..., None]:
     """A typer command for `cls`: shared run options, the strategy's parameters, --out."""
-    run_fields = fields(RunConfig)
-    own_fields = fields(cls.params)
-    run_hints = typing.get_type_hints(RunConfig)
-    own_hints = typing.get_type_hints(cls.params)
+    from kvbench.options import config_command
 
-    def command(**kw: Any) -> None:
+    def run(cfg: RunConfig, sparams: Any, out: Path | None) -> None:
         from kvbench.console import wrote
 
-        out = kw.pop("out")
-        cfg = RunConfig(**{f.name: kw.pop(f.name) for f in run_fields})
-        wrote(execute(cls, cls.params(**kw), cfg, out))
+        wrote(execute(cls, sparams, cfg, out))
 
-    params = [_option(f, run_hints[f.name], _HELP[f.name]) for f in run_fields]
-    params += [_option(f, own_hints[f.name], f.metadata.get("help", f.name)) for f in own_fields]
-    params.append(inspect.Parameter("out", inspect.Parameter.KEYWORD_ONLY,
-                                    annotation=typing.Optional[Path],  # noqa: UP045
-                                    default=typer.Option(None, help="Result file (default: "
-                                                         "new file in results/).")))
-    command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
-    command.__doc__ = cls.summary()
-    return command
+    return config_command([(RunConfig, _HELP), (cls.params, None)], run, cls.summary())
 
 
 def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None) -> Path:
@@ -98,6 +78,7 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
 
     require(cfg.turns <= 1 or supports_append(cls), f"--turns {cfg.turns}: strategy "
             f"'{cls.name}' has no append (multi-turn); it runs single-turn only")
+    require(cfg.threads >= 0, f"--threads {cfg.threads}: 0 (torch's default) or more")
     spec, layers, device, dtype, weights = resolve(cfg)
     from kvbench.runtime.machine import machine_defaults
 
@@ -106,7 +87,8 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     cuda = device.type == "cuda"
-    fit = check_fit(spec, layers, cfg, cls, sparams, device, dtype.itemsize)
+    sparams, warnings = cls.for_run(sparams, cfg.seq_len)
+    fit = check_fit(spec, layers, cfg, cls, sparams, device, dtype)
     text = read_text(cfg.text)
     with err_console.status(f"loading {spec.name} ({weights} weights, {layers} layers)"):
         loaded = load(spec, weights, layers, dtype, device, cfg.seed)
@@ -143,27 +125,66 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
     strategy = start(length)
     for note in notes:  # once every input is known to be valid (bad input: one line)
         err_console.print(f"[cyan]note:[/] {note}")
-    with Progress(console=err_console, transient=True) as bar:
+    for warning in warnings:
+        err_console.print(f"[yellow]warning:[/] {warning}")
+    with Interrupts() as stop, Progress(console=err_console, transient=True) as bar:
+        err_console.print(f"decoding {turns * g} steps (SIGTERM or Ctrl-C: stop after the "
+                          "current step and store the records so far, marked partial)")
         task = bar.add_task(f"{cls.name}: decode", total=turns * g)
         outcome = decode_run(model, strategy, rows, g, cfg.mode, sync,
-                             lambda: bar.advance(task), turns)
+                             lambda: bar.advance(task) or stop.signum is not None, turns)
     params = run_params(cfg, spec, layers, device, dtype, weights, sparams)
+    if stop.signum is not None:  # partial: label every record with the steps completed
+        params["steps_completed"] = len(outcome.steps)
     accuracy = "random weights: accuracy metrics are off" if weights == "random" else ""
     recs = list(records(cls.name, params, outcome, cfg.batch, accuracy, model.counters,
                         peak_memory()))
-    if cfg.compare_hf:
+    if cfg.compare_hf and stop.signum is None:
         def again() -> list[float]:  # one more greedy decode of ours, for interleaving
             return decode_run(model, start(length), rows[:, :p], g, "generate", sync).steps
 
         recs += compare_hf(cls.name, params, loaded.hf_model, rows[:, :p], outcome, again,
                            device, sync)
+    if stop.signum is not None:
+        why = (f"interrupted by {signal.Signals(stop.signum).name} after "
+               f"{len(outcome.steps)} of {turns * g} decode steps")
+        for rec in recs:
+            rec.method["partial"] = why
     path = out or default_out_path(f"run-{cls.name}")
     with ResultWriter(path, collect_env()) as w:
         for rec in recs:
             rec.version = cls.version
             w.write(rec)
     summary(recs, params, fit, accuracy)
+    if stop.signum is not None:
+        err_console.print(f"kvbench: {why}; partial records in {path}")
+        raise typer.Exit(128 + stop.signum)
     return path
+
+
+class Interrupts:
+    """While entered, SIGTERM and SIGINT only note their number (`signum`): the decode loop
+    stops after the step in progress and the run stores what it measured, marked partial."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def _note(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:  # asked twice: stop now
+            signal.signal(signum, self._old[signum])
+            signal.raise_signal(signum)
+        self.signum = signum
+
+    def __enter__(self) -> Interrupts:
+        if threading.current_thread() is threading.main_thread():  # where handlers may go
+            self._old = {s: signal.signal(s, self._note) for s in (signal.SIGTERM,
+                                                                    signal.SIGINT)}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self._old.items():
+            signal.signal(s, handler)
 
 
 def compare_hf(name: str, params: dict, hf: Any, prompt: Any, ours: Any,

@@ -102,15 +102,21 @@ def resolve(cfg: RunConfig) -> tuple[ModelSpec, int, Any, Any, str]:
 
 
 def check_fit(spec: ModelSpec, layers: int, cfg: RunConfig, cls: type[Strategy],
-              sparams: Any, device: Any, elem: int) -> dict[str, int]:
-    """Estimate weight and KV bytes per device and refuse a run that cannot fit."""
+              sparams: Any, device: Any, dtype: Any) -> dict[str, int]:
+    """Estimate weight bytes and what the strategy allocates per device (its
+    `placement`: KV and the state beside it) and refuse a run that cannot fit."""
     import psutil
     import torch
 
+    from kvbench.runtime.context import Counters, RunContext
+
+    elem = dtype.itemsize
     weights = spec.params(layers) * elem
     tokens = cfg.seq_len - 1  # the last token is scored, never cached
     kv = cfg.batch * tokens * spec.kv_bytes_per_token(elem, layers)
-    need = cls.kv_placement(sparams, kv)
+    ctx = RunContext(spec, layers, cfg.batch, cfg.seq_len, dtype, device, torch.device("cpu"),
+                     Counters(spec.n_kv_heads, elem))
+    need = cls.placement(sparams, ctx)
     host_free = psutil.virtual_memory().available
     if device.type == "cuda":
         accel_free = torch.cuda.mem_get_info(device)[0]
@@ -125,7 +131,8 @@ def check_fit(spec: ModelSpec, layers: int, cfg: RunConfig, cls: type[Strategy],
                 f"{format_bytes(n)} ({format_bytes(kv)} KV, {format_bytes(weights)} weights) "
                 f"on {where} ({device.type if where == 'accel' else 'cpu'}), "
                 f"{format_bytes(free)} available")
-    return {"weight_bytes": weights, "kv_bytes": kv}
+    return {"weight_bytes": weights, "kv_bytes": kv, "accel_bytes": need["accel"],
+            "host_bytes": need["host"]}
 
 
 def token_rows(ids: list[int], batch: int, need: int, vocab: int) -> Any:
@@ -151,9 +158,12 @@ class Outcome:
 
 
 def decode_run(model: Any, strategy: Strategy, rows: Any, gen_len: int, mode: str,
-               sync: Callable[[], None], on_step: Callable[[], None] = lambda: None,
+               sync: Callable[[], None], on_step: Callable[[], bool | None] = lambda: None,
                turns: int = 1) -> Outcome:
     """`turns` turns of (prompt, gen_len decode steps) as the module describes.
+
+    `on_step` runs after every decode step; when it returns True the run stops there (an
+    interrupt) and the outcome holds the steps completed so far.
 
     rows [B, turns * P] (generate: each turn's prompt) or [B, turns * (P + G + 1)] (eval:
     the whole sequence).
@@ -197,7 +207,8 @@ def decode_run(model: Any, strategy: Strategy, rows: Any, gen_len: int, mode: st
             score(model(seq[:, pos:pos + 1], pos), pos + 1)
             sync()
             steps.append((time.perf_counter_ns() - t0) * 1e-9)
-            on_step()
+            if on_step():
+                return Outcome(firsts[0], firsts[1:], steps, nll, seq)
     return Outcome(firsts[0], firsts[1:], steps, nll, seq)
 
 
