@@ -87,3 +87,11 @@ def test_dataframe(tmp_path: Path) -> None:
     assert list(df["param.size"]) == [4096, 1]
     assert list(df["n_samples"]) == [3, 0]
     assert df.loc[0, "stats.median"] == 2.0
+
+
+def test_writer_without_records_leaves_no_file(tmp_path: Path) -> None:
+    """A command that fails before its first record (bad input) leaves nothing behind."""
+    path = tmp_path / "sub" / "r.jsonl"
+    with ResultWriter(path, ENV) as w:
+        w.write_batch([])
+    assert not path.exists() and not path.parent.exists()
