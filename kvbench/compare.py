@@ -6,7 +6,8 @@ counts (regressed or improved) only when it is beyond the threshold AND the two 
 are distinguishable by a two-sided Mann-Whitney U test at level alpha. When the samples are
 too few for the test to ever reach alpha (for example one sample each, as for a
 deterministic perplexity), the threshold alone decides and the row says "threshold-only".
-Records whose environment or probe version differ are compared and visibly marked.
+Records whose environment, probe version or attention backend (method.backend: the native
+kernel or the torch fallback) differ are compared and visibly marked.
 """
 
 from __future__ import annotations
@@ -115,6 +116,12 @@ def _samples(recs: list[dict[str, Any]]) -> list[float]:
     return out
 
 
+def _backends(recs: list[dict[str, Any]]) -> set[str]:
+    """The attention backends (method.backend, per phase) that the records ran."""
+    return {f"{phase}={b}" for r in recs
+            for phase, b in ((r.get("method") or {}).get("backend") or {}).items()}
+
+
 def compare_sets(base: ResultSet, new: ResultSet, threshold: float = 0.05, alpha: float = 0.05,
                  pattern: str | Sequence[str] | None = None) -> list[Row]:
     """One row per quantity present in either file, in base-file order then new-only ones.
@@ -135,6 +142,8 @@ def compare_sets(base: ResultSet, new: ResultSet, threshold: float = 0.05, alpha
                 row.marks.append("env differs")
             if {r.get("version") for r in rb} != {r.get("version") for r in rn}:
                 row.marks.append("version differs")
+            if _backends(rb) != _backends(rn):
+                row.marks.append("attention backend differs")
         _judge(row, rb, rn, threshold, alpha)
     return rows
 

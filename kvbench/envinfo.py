@@ -128,6 +128,8 @@ def collect_env(root: Path | str = "/") -> dict[str, Any]:
     gpus, notes = gpu_info(root)
     if libnuma() is None:
         notes.append("libnuma unavailable: topology read from sysfs, placement unverified")
+    from kvbench.kernels.attention import native_status
+
     commit, dirty = git_state()
     env: dict[str, Any] = {
         "hostname": socket.gethostname(),
@@ -138,6 +140,7 @@ def collect_env(root: Path | str = "/") -> dict[str, Any]:
         "gpus": gpus,
         "versions": versions(),
         "libnuma": libnuma() is not None,
+        "native_kernel": native_status(),
         "git_commit": commit,
         "git_dirty": dirty,
         "notes": notes,

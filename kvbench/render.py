@@ -44,6 +44,7 @@ def env_tables(env: dict[str, Any]) -> None:
         console.print(g)
     else:
         console.print("[bold]GPUs[/] none")
+    console.print(f"[bold]Native kernel[/] {env.get('native_kernel', 'unknown')}")
     v = env["versions"]
     console.print("[bold]Versions[/] " + ", ".join(f"{k} {val}" for k, val in v.items()))
     console.print(f"[bold]git[/] {env['git_commit']}{' (dirty)' if env['git_dirty'] else ''}  "

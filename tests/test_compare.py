@@ -8,7 +8,7 @@ import pytest
 from kvbench.cli import main
 from kvbench.compare import compare_sets, mann_whitney_p, min_p_value, regressed
 from kvbench.schema import measured, not_measured
-from kvbench.store import ResultWriter, load
+from kvbench.store import ResultSet, ResultWriter, load
 
 ENV = {"env_id": "e1"}
 
@@ -156,3 +156,16 @@ def test_real_probe_twice_clean_and_halved_regresses(tmp_path: Path,
               "--format", "markdown"])
     assert e.value.code == 0
     assert "| improved |" in capsys.readouterr().out
+
+
+def test_attention_backend_change_is_marked() -> None:
+    """A run whose attention fell back to torch is compared, and visibly marked."""
+
+    def rs(backend: str) -> ResultSet:
+        rec = {"kind": "run", "name": "full", "metric": "tbt", "provenance": "measured",
+               "params": {}, "unit": "s", "direction": "lower", "status": "ok", "value": 1.0,
+               "samples": [1.0], "env_id": "e", "method": {"backend": {"decode": backend}}}
+        return ResultSet(Path("x"), records=[rec])
+
+    assert compare_sets(rs("native"), rs("native"))[0].marks == []
+    assert compare_sets(rs("native"), rs("torch"))[0].marks == ["attention backend differs"]

@@ -13,10 +13,14 @@ the keys into parts passes each part's q_start so that the parts merge into full
 On the CPU, float32 and bfloat16 decode/append (Lq <= 32) run the native multi-threaded
 kernel (kvbench.kernels.cpu); everything else (prefill, CUDA, other dtypes) runs the torch
 path below, query-chunked so a 2048-token prefill does not materialise all scores at once.
+The torch path is taken silently only in the sense that the call succeeds: every call counts
+the backend that ran (`backend_use`), which runs and probes store as `method.backend`, and
+`native_status` says why the native library did not load (`kvbench env` shows it).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING
 
 from kvbench.errors import require
@@ -26,6 +30,38 @@ if TYPE_CHECKING:
 
 # Most float32 score elements one query chunk of the torch path may hold at a time.
 _MAX_SCORES = 1 << 24
+
+# (backend, phase) -> attention calls since the last `backend_use(reset=True)`
+_USE: Counter[tuple[str, str]] = Counter()
+
+
+def note_backend(backend: str, q: torch.Tensor) -> None:
+    """Count one attention call of q `[B, Hq, Lq, D]` on `backend` ("native" or "torch");
+    phase "decode" when Lq == 1, else "prefill/append"."""
+    _USE[(backend, "decode" if q.shape[2] == 1 else "prefill/append")] += 1
+
+
+def backend_use(reset: bool = False) -> dict[str, str]:
+    """phase -> backends that ran it since the last reset ("native", "torch" or
+    "native+torch"), as stored in records' `method.backend`; empty when nothing ran."""
+    out: dict[str, set[str]] = {}
+    for backend, phase in _USE:
+        out.setdefault(phase, set()).add(backend)
+    if reset:
+        _USE.clear()
+    return {phase: "+".join(sorted(b)) for phase, b in sorted(out.items())}
+
+
+def native_status() -> str:
+    """'loaded (ABI n)' or why the native CPU kernel library is unavailable."""
+    from kvbench.errors import KvbenchError
+    from kvbench.native import ABI_VERSION, lib
+
+    try:
+        lib()
+    except KvbenchError as e:
+        return f"not loaded: {e}"
+    return f"loaded (ABI {ABI_VERSION})"
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
@@ -85,7 +121,9 @@ def dense_attention(
     require(backend != "native" or native, "the native kernel needs CPU float32/bfloat16 "
             f"tensors with Lq <= {cpu.MAX_NATIVE_LQ} and a built kvbench._native")
     if native and backend != "torch":
+        note_backend("native", q)
         return cpu.run(q, k, v, scale=scale, causal=causal, q_start=start, threads=threads)
+    note_backend("torch", q)
     return torch_attention(q, k, v, scale, causal, start)
 
 

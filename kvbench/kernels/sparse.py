@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvbench.errors import require
-from kvbench.kernels.attention import check_qkv, empty_result, torch_attention
+from kvbench.kernels.attention import check_qkv, empty_result, note_backend, torch_attention
 
 if TYPE_CHECKING:
     import torch
@@ -122,8 +122,10 @@ def sparse_attention(
         lse.copy_(s)
         return out, lse
     if cpu.native_ok(q):
+        note_backend("native", q)
         return cpu.run(q, k, v, scale=scale, causal=causal, q_start=start, idx=idx, lens=lens,
                        out=out, lse=lse, group=group, threads=threads)
+    note_backend("torch", q)
     n = idx.shape[1]
     pos = idx.to(torch.int64).view(b, hkv, n)
     pad = torch.arange(n).view(1, 1, n) >= lens.view(b, hkv, 1)

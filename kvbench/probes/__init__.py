@@ -45,14 +45,22 @@ PROBES: Registry[type[Probe]] = Registry("probe", __name__)
 
 def run_and_store(probe: Probe, config: Any, out: Path | None,
                   show: Callable[[Record], None] | None = None) -> Path:
-    """Run a probe, appending each record to `out` (default: a new file under results/)."""
+    """Run a probe, appending each record to `out` (default: a new file under results/).
+
+    A record measured with kvbench's attention kernels says which backend ran them since the
+    previous record (`method.backend`, kvbench.kernels.attention.backend_use)."""
     from kvbench.envinfo import collect_env
+    from kvbench.kernels.attention import backend_use
     from kvbench.store import ResultWriter, default_out_path
 
     path = out or default_out_path(probe.name)
+    backend_use(reset=True)
     with ResultWriter(path, collect_env()) as w:
         for rec in probe.run(config):
             rec.version = probe.version
+            used = backend_use(reset=True)
+            if used:
+                rec.method.setdefault("backend", used)
             w.write(rec)
             if show is not None:
                 show(rec)

@@ -62,6 +62,7 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
 
     from kvbench.console import err_console
     from kvbench.envinfo import collect_env
+    from kvbench.kernels.attention import backend_use
     from kvbench.models.weights import load
     from kvbench.runtime.context import Counters, RunContext
     from kvbench.runtime.run import (
@@ -127,12 +128,14 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
         err_console.print(f"[cyan]note:[/] {note}")
     for warning in warnings:
         err_console.print(f"[yellow]warning:[/] {warning}")
+    backend_use(reset=True)
     with Interrupts() as stop, Progress(console=err_console, transient=True) as bar:
         err_console.print(f"decoding {turns * g} steps (SIGTERM or Ctrl-C: stop after the "
                           "current step and store the records so far, marked partial)")
         task = bar.add_task(f"{cls.name}: decode", total=turns * g)
         outcome = decode_run(model, strategy, rows, g, cfg.mode, sync,
                              lambda: bar.advance(task) or stop.signum is not None, turns)
+    backend = backend_use(reset=True)  # attention backend per phase of the timed run
     params = run_params(cfg, spec, layers, device, dtype, weights, sparams)
     if stop.signum is not None:  # partial: label every record with the steps completed
         params["steps_completed"] = len(outcome.steps)
@@ -154,6 +157,7 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
     with ResultWriter(path, collect_env()) as w:
         for rec in recs:
             rec.version = cls.version
+            rec.method.setdefault("backend", backend)
             w.write(rec)
     summary(recs, params, fit, accuracy)
     if stop.signum is not None:
