@@ -69,14 +69,10 @@ class Unit:
 
     def command(self) -> str:
         """The equivalent single command line (options mirror config fields one to one)."""
-        args = ["kvbench", "probe" if self.case.kind == "probe" else "run", self.case.name]
-        for k, v in self.params.items():
-            opt = "--" + k.replace("_", "-")
-            if isinstance(v, bool):
-                args.append(opt if v else "--no-" + k.replace("_", "-"))
-            else:
-                args += [opt, ",".join(map(str, v)) if isinstance(v, list) else str(v)]
-        return shlex.join(args)
+        from kvbench.options import to_argv
+
+        return shlex.join(["kvbench", "probe" if self.case.kind == "probe" else "run",
+                           self.case.name, *to_argv(self.params)])
 
 
 def units(suite: Suite, only: str | None = None) -> list[Unit]:

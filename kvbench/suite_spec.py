@@ -157,8 +157,11 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
 
 
 def _fields(config: type) -> dict[str, Any]:
+    """Field types of the options of a config dataclass (what a case's params may set)."""
+    from kvbench.options import fields
+
     hints = typing.get_type_hints(config)
-    return {f.name: hints[f.name] for f in dataclasses.fields(config)}
+    return {f.name: hints[f.name] for f in fields(config)}
 
 
 def _strategy_options(cls: type) -> dict[str, Any] | None:
@@ -188,18 +191,14 @@ def _run_strategy(name: str, params: dict[str, Any]) -> Iterator[Record]:
     import subprocess
     import tempfile
 
+    from kvbench.options import to_argv
     from kvbench.schema import Record as Rec
     from kvbench.store import load
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.jsonl"
-        args = [sys.executable, "-m", "kvbench.cli", "run", name, "--out", str(out)]
-        for k, v in params.items():
-            flag = "--" + k.replace("_", "-")
-            if isinstance(v, bool):
-                args.append(flag if v else "--no-" + k.replace("_", "-"))
-            else:
-                args += [flag, ",".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)]
+        args = [sys.executable, "-m", "kvbench.cli", "run", name, "--out", str(out),
+                *to_argv(params)]
         proc = subprocess.run(args, capture_output=True, text=True)
         if proc.returncode != 0 or not out.exists():
             tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]

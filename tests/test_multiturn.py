@@ -97,8 +97,8 @@ def test_decoder_dispatches_prefill_decode_append(model) -> None:
     ("full", NoParams(), 12),  # appends of 13 tokens: the native CPU kernel's causal q_start
     ("full", NoParams(), 36),  # appends of 37 tokens: the torch path
     ("offload", NoParams(), 12),
-    ("h2o", H2OParams(budget=1.0), 12),
-    ("streaming", StreamingParams(budget=1.0), 12),
+    ("h2o", H2OParams(gpu_share=1.0), 12),
+    ("streaming", StreamingParams(gpu_share=1.0), 12),
 ])
 def test_multiturn_nll_equals_one_long_full_run(model, name, params, p) -> None:
     """3 teacher-forced turns: every scored prediction's NLL equals that of the same
@@ -117,8 +117,8 @@ def test_multiturn_nll_equals_one_long_full_run(model, name, params, p) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("name, params", [
     ("offload", NoParams()),  # side-stream prefetches, pinned host cache
-    ("h2o", H2OParams(budget=1.0)),
-    ("streaming", StreamingParams(budget=1.0)),
+    ("h2o", H2OParams(gpu_share=1.0)),
+    ("streaming", StreamingParams(gpu_share=1.0)),
 ])
 def test_cuda_multiturn_equals_full(model, name, params) -> None:
     """On a GPU (float32): 3-turn eval NLLs of each strategy equal full attention's."""
@@ -138,7 +138,7 @@ def test_h2o_small_budget_differs_from_full(model) -> None:
     rows = torch.randint(0, 100, (2, turns * (p + g + 1)),
                          generator=torch.Generator().manual_seed(0))
     full = torch.tensor(run(model, "full", NoParams(), rows, p, g, "eval", turns).nll)
-    h2o = torch.tensor(run(model, "h2o", H2OParams(budget=0.3), rows, p, g, "eval", turns).nll)
+    h2o = torch.tensor(run(model, "h2o", H2OParams(gpu_share=0.3), rows, p, g, "eval", turns).nll)
     assert float(((h2o - full).abs() / full).max()) > 1e-3
 
 
@@ -164,7 +164,7 @@ def test_h2o_append_keeps_budget_recent_and_heavy_hitters() -> None:
     """After decode steps (one slot per row freed), an append attends to exactly the kept
     tokens plus the new ones (causal), adds the new queries' attention to the scores and
     keeps per row the budget: the 10 latest positions and the 10 best-scoring others."""
-    s = STRATEGIES.get("h2o")(H2OParams(budget=0.25, recent=0.5), context(80, 1, 1))
+    s = STRATEGIES.get("h2o")(H2OParams(gpu_share=0.25, recent=0.5), context(80, 1, 1))
     assert (s.budget, s.n_recent) == (20, 10)
     e = torch.zeros(SPEC.head_dim)
     e[0] = 1.0
@@ -224,7 +224,7 @@ def test_h2o_append_keeps_budget_recent_and_heavy_hitters() -> None:
 def test_streaming_append_attends_cache_then_keeps_sinks_and_window() -> None:
     """An append attends to the sinks + window it found plus the new tokens (causal);
     afterwards decode steps see the first 4 and the latest 20 tokens."""
-    s = STRATEGIES.get("streaming")(StreamingParams(budget=0.3, sinks=4), context(80))
+    s = STRATEGIES.get("streaming")(StreamingParams(gpu_share=0.3, sinks=4), context(80))
     assert (s.budget, s.ring) == (24, 20)
     steps = [_qkv(30, 2)] + [_qkv(1, 2, seed=i) for i in range(1, 6)] + [_qkv(8, 2, 6)] + [
         _qkv(1, 2, seed=i) for i in range(7, 11)]

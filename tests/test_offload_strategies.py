@@ -65,8 +65,8 @@ def max_diff(a, b) -> float:
     ("hgca", HgcaParams(gpu_tokens=16, block=8, beta=0.0), 2),
     ("offload", NoParams(), 3),  # odd layer count: the staging buffers alternate per call
     ("offload", NoParams(), 1),
-    ("h2o", H2OParams(budget=1.0), 2),
-    ("streaming", StreamingParams(budget=1.0), 2),
+    ("h2o", H2OParams(gpu_share=1.0), 2),
+    ("streaming", StreamingParams(gpu_share=1.0), 2),
 ])
 def test_exact_configurations_equal_full(name, params, layers) -> None:
     """hgca with beta 0 (ring wraps and evicts many times), offload, and h2o/streaming
@@ -174,7 +174,7 @@ def _selected_positions(L, row: int, k: torch.Tensor) -> list[int]:
 def test_streaming_attends_sinks_and_recent_window() -> None:
     """Each decode output equals dense attention over the first 4 and the last 20 tokens."""
     steps = inputs(30, 12)
-    s = make("streaming", StreamingParams(budget=0.3, sinks=4), layers=1, max_len=80)
+    s = make("streaming", StreamingParams(gpu_share=0.3, sinks=4), layers=1, max_len=80)
     outs = drive(s, steps)
     ks = torch.cat([st[1] for st in steps], dim=2)
     vs = torch.cat([st[2] for st in steps], dim=2)
@@ -195,7 +195,7 @@ def test_h2o_keeps_budget_recent_and_heavy_hitters() -> None:
         st[0][:] += 3 * e  # queries share a direction
     steps[0][1][:, :, 5] = 20 * e  # token 5: a heavy hitter for every query
     steps[0][1][:, :, 15] = -20 * e  # token 15: ignored by every query
-    s = make("h2o", H2OParams(budget=0.25, recent=0.5), layers=1, batch=1, max_len=80)
+    s = make("h2o", H2OParams(gpu_share=0.25, recent=0.5), layers=1, batch=1, max_len=80)
     outs = drive(s, steps)
     ks = torch.cat([st[1] for st in steps], dim=2)
     vs = torch.cat([st[2] for st in steps], dim=2)
@@ -244,8 +244,8 @@ def test_hgca_beta0_perplexity_equals_full_on_bundled_model(tmp_path: Path) -> N
     (["hgca", "--cpu-threads", "0"], "--cpu-threads 0: must be at least 1"),
     (["hgca", "--gpu-tokens", "100", "--block", "64"], "does not divide the GPU window"),
     (["hgca", "--gpu-share", "0.01"], "leaves no room for the prompt"),
-    (["h2o", "--budget", "0"], "--budget 0.0: must be in (0, 1]"),
-    (["streaming", "--budget", "0.01"], "leaves no recent window"),
+    (["h2o", "--gpu-share", "0"], "--gpu-share 0.0: must be in (0, 1]"),
+    (["streaming", "--gpu-share", "0.01"], "leaves no recent window"),
     (["nosuch"], "nosuch"),
 ])
 def test_bad_input_exits_2(args: list[str], message: str, capsys, tmp_path: Path) -> None:

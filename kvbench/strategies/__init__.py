@@ -40,8 +40,9 @@ them as records.
 Parameters are a frozen dataclass in the class attribute `params`: `kvbench run NAME`
 gets one option per field (default = the field default, help = the `help` metadata),
 and suites build the same dataclass from a TOML table by field name. The class method
-`kv_placement` says how many KV bytes each device holds at a given length, so that the
-run can refuse a batch that cannot fit before allocating anything.
+`placement` (by default `kv_placement`, the KV bytes each device holds at a given length)
+says how many bytes each device will hold, so that the run can refuse a batch that cannot
+fit before allocating anything; `for_run` resolves length-dependent defaults.
 """
 
 from __future__ import annotations
@@ -81,6 +82,22 @@ class Strategy:
     def kv_placement(cls, params: Any, kv_bytes: int) -> dict[str, int]:
         """KV bytes per device ("accel", "host") when the whole cache is `kv_bytes` bytes."""
         return {"accel": kv_bytes, "host": 0}
+
+    @classmethod
+    def placement(cls, params: Any, ctx: RunContext) -> dict[str, int]:
+        """Bytes per device ("accel", "host") that `cls(params, ctx)` allocates: its KV and
+        the state beside it (scores, staging buffers). Default: `kv_placement` of a cache of
+        ctx.max_len tokens. Strategies whose state is not a share of the KV override this."""
+        kv = ctx.batch * ctx.max_len * ctx.spec.kv_bytes_per_token(ctx.elem_bytes,
+                                                                   ctx.n_layers)
+        return cls.kv_placement(params, kv)
+
+    @classmethod
+    def for_run(cls, params: Any, max_len: int) -> tuple[Any, list[str]]:
+        """The parameters a run over a cache of max_len tokens uses and records (defaults
+        that depend on the length resolved) and warnings for the user (a setting outside
+        the regime the strategy's paper describes)."""
+        return params, []
 
     def begin_step(self, step: int) -> None:
         """Called before each step's layer 0 (step 0: prefill or append, 1, 2, ... decode)."""

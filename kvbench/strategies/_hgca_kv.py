@@ -21,6 +21,13 @@ if TYPE_CHECKING:
 _SCORES = 1 << 24  # fp32 attention scores per chunk of ingest_maw (64 MiB)
 
 
+def host_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The host copies' dtype: what the native kernel reads (float16 becomes float32)."""
+    import torch
+
+    return dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+
+
 class LayerKV:
     """One layer: ring + MAW on the accelerator, KV_cpu and KV_ctx on the host, worker jobs."""
 
@@ -30,8 +37,7 @@ class LayerKV:
         s, b, n = ctx.spec, ctx.batch, ctx.max_len
         hkv, hq, d = s.n_kv_heads, s.n_heads, s.head_dim
         pin = ctx.accel.type == "cuda"
-        # host dtype: what the native kernel reads (float16 models keep float32 on the host)
-        hd = ctx.dtype if ctx.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        hd = host_dtype(ctx.dtype)
         self.w = w
         self.gk = torch.empty(b, hkv, w, d, dtype=ctx.dtype, device=ctx.accel)
         self.gv = torch.empty_like(self.gk)
@@ -51,6 +57,19 @@ class LayerKV:
         self.lse: torch.Tensor | None = None
         self.jobs: list[Future[dict[str, float]]] = []  # worker jobs, in submission order
         self.copied: Any = None  # CUDA event: the staging copy is complete
+        self.side: Any = None  # CUDA event: the side stream's last MAW update / copy is done
+
+    @staticmethod
+    def nbytes(ctx: RunContext, w: int, block: int) -> tuple[int, int]:
+        """(accelerator, host) bytes one layer allocates (the output buffers included)."""
+        s, b = ctx.spec, ctx.batch
+        hkv, hq, d = s.n_kv_heads, s.n_heads, s.head_dim
+        he = host_dtype(ctx.dtype).itemsize
+        accel = b * w * (2 * hkv * d * ctx.elem_bytes + hq * 4)  # ring k/v, MAW
+        host = b * hkv * (d * he * (4 * ctx.max_len + 2 * block) + 4)  # KV_cpu, KV_ctx,
+        # staging, KV_ctx row lengths
+        host += b * hq * (block * 4 + d * he + 4)  # staging MAW, output and lse
+        return accel, host
 
     def resident(self) -> tuple[tuple[torch.Tensor, ...], ...]:
         """The resident slots as one or two (k, v, maw) ranges, oldest first."""

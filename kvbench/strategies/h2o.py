@@ -1,13 +1,14 @@
 """H2O: heavy hitters by accumulated attention plus a recent window; evicted KV is dropped.
 
 Zhang et al., "H2O: Heavy-Hitter Oracle" (the baseline of HGCA sections 2.2 and 5.2): each
-(batch, KV head) row keeps at most `budget` tokens on the accelerator: the `recent` share
-of them are the latest tokens, the rest the tokens with the largest attention accumulated
-over all steps so far (column sums of the prefill attention, then each decode step's
-softmax row, summed over the query heads of a GQA group). After each decode step the
-row's lowest-scoring token outside the recent window is evicted (per head, so rows keep
-different tokens); evicted tokens are gone for good. The default budget, 20% of the KV
-(prompt + generated), is the HGCA paper's H2O setting.
+(batch, KV head) row keeps at most `budget` tokens on the accelerator (`--gpu-share` of the
+KV, or `--gpu-tokens`): the `recent` share of them are the latest tokens, the rest the
+tokens with the largest attention accumulated over all steps so far (column sums of the
+prefill attention, then each decode step's softmax row, summed over the query heads of a
+GQA group). After each decode step the row's lowest-scoring token outside the recent
+window is evicted (per head, so rows keep different tokens); evicted tokens are gone for
+good. The default budget, 20% of the KV (prompt + generated), is the HGCA paper's H2O
+setting.
 
 A prompt is admitted the same way whether it is the first (prefill, empty cache) or a
 later turn's (append): causal attention over the kept tokens and the new ones, the new
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvbench.errors import require
-from kvbench.strategies import STRATEGIES, Strategy, column_scores, decode_weights
+from kvbench.strategies import STRATEGIES, Strategy, _budget, column_scores, decode_weights
 
 if TYPE_CHECKING:
     import torch
@@ -35,15 +36,16 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class H2OParams:
-    """KV budget (share of prompt + generated tokens) and its recent-window share."""
+    """Accelerator KV budget (share of prompt + generated tokens, or tokens) and its
+    recent-window share."""
 
-    budget: float = field(default=0.2, metadata={
-        "help": "Share of the KV (prompt + generated) kept, in (0, 1]."})
+    gpu_share: float = _budget.gpu_share(0.2)
+    gpu_tokens: int = _budget.gpu_tokens()
     recent: float = field(default=0.5, metadata={
         "help": "Share of the budget reserved for the most recent tokens, in [0, 1)."})
 
     def __post_init__(self) -> None:
-        require(0 < self.budget <= 1, f"--budget {self.budget}: must be in (0, 1]")
+        _budget.check(self.gpu_share, self.gpu_tokens)
         require(0 <= self.recent < 1, f"--recent {self.recent}: must be in [0, 1)")
 
 
@@ -62,16 +64,22 @@ class H2O(Strategy):
     params = H2OParams
 
     @classmethod
-    def kv_placement(cls, params: H2OParams, kv_bytes: int) -> dict[str, int]:
-        return {"accel": int(kv_bytes * params.budget), "host": 0}
+    def placement(cls, params: H2OParams, ctx: RunContext) -> dict[str, int]:
+        """Per layer: k/v [B, Hkv, budget + 1, D], fp32 scores and int64 positions [B, Hkv,
+        budget + 1] and the int64 slot each row freed [B, Hkv], all on the accelerator."""
+        s = ctx.spec
+        n = _budget.kept(params.gpu_share, params.gpu_tokens, ctx.max_len) + 1
+        row = n * (2 * s.head_dim * ctx.elem_bytes + 4 + 8) + 8
+        return {"accel": ctx.n_layers * ctx.batch * s.n_kv_heads * row, "host": 0}
 
     def __init__(self, params: H2OParams, ctx: RunContext) -> None:
         import torch
 
         super().__init__(params, ctx)
         s = ctx.spec
-        self.budget = int(params.budget * ctx.max_len)
-        require(self.budget >= 1, f"--budget {params.budget} of {ctx.max_len} tokens keeps none")
+        self.budget = _budget.kept(params.gpu_share, params.gpu_tokens, ctx.max_len)
+        require(self.budget >= 1, f"--gpu-share {params.gpu_share} of {ctx.max_len} tokens "
+                "keeps none")
         self.n_recent = int(self.budget * params.recent)
         shape = (ctx.batch, s.n_kv_heads, self.budget + 1)
         self.k = [torch.empty(*shape, s.head_dim, dtype=ctx.dtype, device=ctx.accel)

@@ -54,12 +54,12 @@ from __future__ import annotations
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from kvbench.errors import require
 from kvbench.kernels.cpu import default_threads
-from kvbench.strategies import STRATEGIES, Strategy, column_scores, decode_weights
+from kvbench.strategies import STRATEGIES, Strategy, _budget, column_scores, decode_weights
 from kvbench.strategies._hgca_kv import LayerKV, ingest_maw
 
 if TYPE_CHECKING:
@@ -68,44 +68,51 @@ if TYPE_CHECKING:
     from kvbench.runtime.context import RunContext
 
 
+BLOCK = 64  # the largest automatic block (tokens)
+MIN_BLOCKS = 4  # a window of fewer blocks is outside the paper's regime (a ring of blocks)
+
+
 @dataclass(frozen=True)
 class HgcaParams:
     """HGCA knobs (section 3.2): GPU window, sparsification, moving average, blocks, threads."""
 
-    gpu_share: float = field(default=0.25, metadata={
-        "help": "Share of the KV (prompt + generated) kept on the accelerator, in (0, 1]; "
-                "rounded down to whole blocks."})
-    gpu_tokens: int = field(default=0, metadata={
-        "help": "Accelerator window in tokens (overrides --gpu-share when > 0; a multiple "
-                "of --block)."})
+    gpu_share: float = _budget.gpu_share(0.25, "; the window, rounded down to whole blocks")
+    gpu_tokens: int = _budget.gpu_tokens("; a multiple of --block")
     beta: float = field(default=1.0, metadata={
         "help": "Sparsification factor: host entries with MAW > beta / window are attended "
                 "(0: all)."})
     alpha: float = field(default=0.003, metadata={
         "help": "Moving-average factor of attention weights, in (0, 1] (not given in the "
                 "paper; 0.003 was best of 0.001-0.1 on held-out text, results/hgca-table1)."})
-    block: int = field(default=64, metadata={"help": "KV block size in tokens."})
+    block: int = field(default=0, metadata={
+        "help": f"KV block size in tokens (0: the largest power of two up to {BLOCK} that "
+                f"leaves the window at least {MIN_BLOCKS} blocks)."})
     cpu_threads: int = field(default=default_threads(), metadata={
         "help": "Threads of the host sparse attention (default: this machine's CPUs)."})
 
+    window_blocks: int = field(default=0, metadata={
+        "derived": True, "help": "Blocks in the accelerator window (set by the run)."})
+
     def __post_init__(self) -> None:
         require(self.beta >= 0, f"--beta {self.beta}: must be >= 0")
-        require(0 < self.gpu_share <= 1, f"--gpu-share {self.gpu_share}: must be in (0, 1]")
-        require(self.gpu_tokens >= 0, f"--gpu-tokens {self.gpu_tokens}: must be >= 0")
+        _budget.check(self.gpu_share, self.gpu_tokens)
         require(0 < self.alpha <= 1, f"--alpha {self.alpha}: must be in (0, 1]")
-        require(self.block >= 1, f"--block {self.block}: must be at least 1")
+        require(self.block >= 0, f"--block {self.block}: must be at least 1 (0: automatic)")
         require(self.cpu_threads >= 1, f"--cpu-threads {self.cpu_threads}: must be at least 1")
 
-    def window(self, max_len: int) -> int:
-        """Accelerator window W in tokens for a cache of max_len; KvbenchError if unusable."""
+    def tokens(self, max_len: int) -> int:
+        """Accelerator window W in tokens for a cache of max_len, unchecked (block resolved
+        by `Hgca.for_run`)."""
         if self.gpu_tokens:
-            require(self.gpu_tokens % self.block == 0, f"--block {self.block} does not divide "
-                    f"the GPU window of {self.gpu_tokens} tokens")
-            w = self.gpu_tokens
-        else:
-            w = int(self.gpu_share * max_len) // self.block * self.block
-            if max_len <= self.block:  # the whole cache fits in one block: never evicted
-                w = max(w, self.block)
+            return self.gpu_tokens
+        w = int(self.gpu_share * max_len) // self.block * self.block
+        return max(w, self.block) if max_len <= self.block else w  # one block: never evicted
+
+    def window(self, max_len: int) -> int:
+        """`tokens(max_len)`, or a KvbenchError when it is not a usable ring of blocks."""
+        require(self.gpu_tokens % self.block == 0, f"--block {self.block} does not divide "
+                f"the GPU window of {self.gpu_tokens} tokens")
+        w = self.tokens(max_len)
         require(w >= self.block, f"GPU share leaves no room for the prompt: a window of "
                 f"{w} tokens of {max_len} is less than one block of {self.block}")
         return w
@@ -120,13 +127,41 @@ class Hgca(Strategy):
     params = HgcaParams
 
     @classmethod
-    def kv_placement(cls, params: HgcaParams, kv_bytes: int) -> dict[str, int]:
-        accel = kv_bytes if params.gpu_tokens else int(kv_bytes * params.gpu_share)
-        return {"accel": min(accel, kv_bytes), "host": kv_bytes}  # host: KV_cpu (+ KV_ctx)
+    def for_run(cls, params: HgcaParams, max_len: int) -> tuple[HgcaParams, list[str]]:
+        """Resolve --block 0 (the largest power of two up to BLOCK whose window holds at
+        least MIN_BLOCKS blocks, else the largest that divides the window) and record the
+        window's blocks; a window under MIN_BLOCKS blocks is warned about: the ring then
+        evicts most of what it holds at once."""
+        block = params.block
+        if not block:
+            fits = [b for b in (BLOCK >> i for i in range(BLOCK.bit_length()))
+                    if not params.gpu_tokens or params.gpu_tokens % b == 0]
+            block = next((b for b in fits if replace(params, block=b).tokens(max_len)
+                          >= MIN_BLOCKS * b), fits[0])
+        p = replace(params, block=block)
+        w = p.window(max_len)
+        p = replace(p, window_blocks=w // block)
+        if p.window_blocks >= MIN_BLOCKS or w >= max_len:
+            return p, []
+        return p, [f"hgca's accelerator window is {p.window_blocks} block(s) of {block} "
+                   f"tokens ({w} of {max_len}): outside the paper's regime of a ring of "
+                   f"several blocks (at least {MIN_BLOCKS}); pass a smaller --block, a larger "
+                   "--gpu-share or a longer --prompt-len"]
+
+    @classmethod
+    def placement(cls, params: HgcaParams, ctx: RunContext) -> dict[str, int]:
+        """Per layer (LayerKV.nbytes): ring k/v and MAW on the accelerator; KV_cpu, KV_ctx
+        (float32 for a float16 model), eviction staging and output buffers on the host;
+        plus the host's row index [B * Hkv, max_len] int32."""
+        p, _ = cls.for_run(params, ctx.max_len)
+        accel, host = LayerKV.nbytes(ctx, p.window(ctx.max_len), p.block)
+        index = ctx.batch * ctx.spec.n_kv_heads * ctx.max_len * 4
+        return {"accel": ctx.n_layers * accel, "host": ctx.n_layers * host + index}
 
     def __init__(self, params: HgcaParams, ctx: RunContext) -> None:
         import torch
 
+        params, _ = self.for_run(params, ctx.max_len)
         super().__init__(params, ctx)
         self.w = params.window(ctx.max_len)
         self.layers = [LayerKV(ctx, self.w, params.block) for _ in range(ctx.n_layers)]
@@ -186,7 +221,7 @@ class Hgca(Strategy):
                 for dst, src in zip(staged, (k, v, maw), strict=True):
                     dst.copy_(src, non_blocking=True)
                     src.record_stream(self.stream)  # k/v may be a temporary (overflow)
-                L.copied = torch.cuda.Event()
+                L.copied = L.side = torch.cuda.Event()
                 L.copied.record(self.stream)
         self._submit(L, self._select, *staged, L.copied)
 
@@ -205,6 +240,8 @@ class Hgca(Strategy):
                 self.stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(self.stream):
                     self._update_maw(L, q, lse)
+                    L.side = torch.cuda.Event()
+                    L.side.record(self.stream)
                 q.record_stream(self.stream)
                 lse.record_stream(self.stream)
         if a is not None:
@@ -278,13 +315,28 @@ class Hgca(Strategy):
         sel = Selection(self.idx[:, :nmax], L.lens, nmax)  # row r: KV_ctx[r, :lens[r]]
         out, lse = sparse_attention(qh, L.ck, L.cv, sel, causal=False, scale=self.scale,
                                     threads=self.p.cpu_threads, out=L.out, lse=L.lse)
-        c.moved("h2d", out.numel() * q.element_size() + lse.numel() * 4)
-        per_head = L.lens.view(q.shape[0], -1).sum(dim=0).tolist()
-        c.attended("host", q, sum(per_head) / len(L.lens))
-        c.add("tokens", "host_resident", q.shape[0] * L.n_host)
-        for h, n in enumerate(per_head):
-            c.add("tokens", f"host_selected.h{h}", n)
+        c.moved("h2d", out.numel() * out.element_size() + lse.numel() * 4)
+        c.attended("host", q, int(L.lens.sum()) / len(L.lens))
         return out, lse
+
+    def _count_selected(self, L: LayerKV, b: int) -> None:
+        """Host-resident and selected tokens (per KV head, summed over the batch) of a decode
+        step: every step with host entries, those that select none included."""
+        c = self.ctx.counters
+        c.add("tokens", "host_resident", b * L.n_host)
+        for h, n in enumerate(L.lens.view(b, -1).sum(dim=0).tolist()):
+            c.add("tokens", f"host_selected.h{h}", n)
+
+    def _await_side(self, L: LayerKV) -> None:
+        """The main stream waits for the layer's side-stream work (the previous step's MAW
+        update and eviction copy) before it reads or writes the ring or its MAW (HGCA
+        section 4: the streams are synchronised before each query)."""
+        if L.side is None:
+            return
+        import torch
+
+        torch.cuda.current_stream().wait_event(L.side)
+        L.side = None
 
     def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> torch.Tensor:
@@ -298,6 +350,7 @@ class Hgca(Strategy):
         L = self.layers[layer]
         c = self.ctx.counters
         self._join(L)
+        self._await_side(L)
         n, t = L.n, k.shape[2]
         parts = L.resident()
         keys = torch.cat([p[0] for p in parts] + [k], dim=2)  # [B, Hkv, n + T, D], oldest first
@@ -312,7 +365,7 @@ class Hgca(Strategy):
                 host = dense_attention(qh, L.hk[:, :, :nh], L.hv[:, :, :nh], causal=False,
                                        scale=self.scale, threads=self.p.cpu_threads)
             c.attended("host", q, nh)
-            c.moved("h2d", host[0].numel() * q.element_size() + host[1].numel() * 4)
+            c.moved("h2d", host[0].numel() * host[0].element_size() + host[1].numel() * 4)
             with c.timed("bookkeeping.merge"):
                 out, _ = merge(out, lse, *host)
             self._submit(L, self._reselect, qh, host[1], nh)
@@ -337,21 +390,20 @@ class Hgca(Strategy):
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
-        import torch
-
         from kvbench.kernels.attention import merge
 
         L = self.layers[layer]
         c = self.ctx.counters
         self._join(L)  # KV_ctx complete for this layer (the paper's per-layer sync)
+        self._await_side(L)  # MAW updated, evicted slots free
         slot = (L.tail + L.n) % self.w  # line 9: insert at the head of the ring
-        if L.copied is not None and self.stream is not None:
-            torch.cuda.current_stream().wait_event(L.copied)  # evicted slots are free
         L.gk[:, :, slot] = k[:, :, 0]
         L.gv[:, :, slot] = v[:, :, 0]
         L.maw[:, :, slot] = 0
         L.n += 1
         nmax = int(L.lens.max()) if L.n_host else 0  # longest KV_ctx row
+        if L.n_host:
+            self._count_selected(L, q.shape[0])
         qh = self._to_host(L, q) if nmax else None
         out, lse_w = self._window(L, q)  # lse_w: the window softmax's normaliser (A_gpu)
         c.attended("accel", q, L.n)

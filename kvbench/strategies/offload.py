@@ -39,8 +39,11 @@ class Offload(Strategy):
     version = "1"
 
     @classmethod
-    def kv_placement(cls, params: object, kv_bytes: int) -> dict[str, int]:
-        return {"accel": 0, "host": kv_bytes}  # plus two one-layer staging buffers
+    def placement(cls, params: object, ctx: RunContext) -> dict[str, int]:
+        """Every layer's KV on the host; two one-layer staging buffers (k and v each, the
+        whole cache length) on the accelerator."""
+        layer = ctx.batch * ctx.max_len * ctx.spec.kv_bytes_per_token(ctx.elem_bytes, 1)
+        return {"accel": 2 * layer, "host": ctx.n_layers * layer}
 
     def __init__(self, params: object, ctx: RunContext) -> None:
         import torch

@@ -2,7 +2,8 @@
 
 Xiao et al., "Efficient Streaming Language Models with Attention Sinks" (a baseline in the
 HGCA comparison, section 2.2's static sparse attention): each layer keeps the first
-`sinks` tokens and the latest `budget - sinks` tokens on the accelerator; a token leaving
+`sinks` tokens and the latest `budget - sinks` tokens on the accelerator (`budget`:
+`--gpu-share` of the KV rounded up, or `--gpu-tokens`); a token leaving
 the window is dropped. Positions are those the decoder applied (the cache is not
 re-indexed, unlike the paper's rolling positions), which matches how HGCA Table 1 style
 evaluations apply static patterns to a model's original positions.
@@ -16,12 +17,11 @@ where the token at position t lives in slot sinks + (t - sinks) mod (budget - si
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvbench.errors import require
-from kvbench.strategies import STRATEGIES, Strategy
+from kvbench.strategies import STRATEGIES, Strategy, _budget
 
 if TYPE_CHECKING:
     import torch
@@ -31,14 +31,15 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class StreamingParams:
-    """KV budget (share of prompt + generated tokens) and the number of sink tokens."""
+    """Accelerator KV budget (share of prompt + generated tokens, or tokens) and the number
+    of sink tokens."""
 
-    budget: float = field(default=0.2, metadata={
-        "help": "Share of the KV (prompt + generated) kept, in (0, 1]."})
+    gpu_share: float = _budget.gpu_share(0.2, "; rounded up")
+    gpu_tokens: int = _budget.gpu_tokens()
     sinks: int = field(default=4, metadata={"help": "Initial tokens always kept (>= 0)."})
 
     def __post_init__(self) -> None:
-        require(0 < self.budget <= 1, f"--budget {self.budget}: must be in (0, 1]")
+        _budget.check(self.gpu_share, self.gpu_tokens)
         require(self.sinks >= 0, f"--sinks {self.sinks}: must be >= 0")
 
 
@@ -51,18 +52,22 @@ class Streaming(Strategy):
     params = StreamingParams
 
     @classmethod
-    def kv_placement(cls, params: StreamingParams, kv_bytes: int) -> dict[str, int]:
-        return {"accel": int(kv_bytes * params.budget), "host": 0}
+    def placement(cls, params: StreamingParams, ctx: RunContext) -> dict[str, int]:
+        """Per layer: k/v [B, Hkv, budget, D] on the accelerator."""
+        n = _budget.kept(params.gpu_share, params.gpu_tokens, ctx.max_len, round_up=True)
+        return {"accel": n * ctx.batch * ctx.spec.kv_bytes_per_token(ctx.elem_bytes,
+                                                                     ctx.n_layers), "host": 0}
 
     def __init__(self, params: StreamingParams, ctx: RunContext) -> None:
         import torch
 
         super().__init__(params, ctx)
         s = ctx.spec
-        self.budget = math.ceil(params.budget * ctx.max_len)  # tokens, rounded up
+        self.budget = _budget.kept(params.gpu_share, params.gpu_tokens, ctx.max_len,
+                                   round_up=True)
         self.ring = self.budget - params.sinks
-        require(self.ring >= 1, f"--budget {params.budget} of {ctx.max_len} tokens leaves no "
-                f"recent window after {params.sinks} sinks")
+        require(self.ring >= 1, f"a budget of {self.budget} of {ctx.max_len} tokens leaves "
+                f"no recent window after {params.sinks} sinks")
         shape = (ctx.batch, s.n_kv_heads, self.budget, s.head_dim)
         self.k = [torch.empty(shape, dtype=ctx.dtype, device=ctx.accel)
                   for _ in range(ctx.n_layers)]

@@ -163,7 +163,7 @@ def main() -> None:
                   "", f"{q['turns']} turns of a {q['prompt_len']}-token prompt and "
                   f"{q['gen_len']} decoded tokens, teacher-forced over the same text (eval "
                   "mode; scored: the token after each prompt and every decoded one, "
-                  f"{turns['full']['n']} predictions); GPU share / budget 0.25 of the whole "
+                  f"{turns['full']['n']} predictions); GPU share 0.25 of the whole "
                   "sequence, hgca at its defaults.", "",
                   "| strategy | ppl | attention error mean |", "|---|---|---|"]
         for name, r in turns.items():

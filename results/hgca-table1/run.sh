@@ -15,13 +15,13 @@ export OUT=results/hgca-table1
 configs() {  # the bar's configurations first
   echo "full full"
   echo "hgca-s0.25-b1.0 hgca --gpu-share 0.25 --beta 1.0"
-  echo "h2o-s0.25 h2o --budget 0.25"
-  echo "streaming-s0.25 streaming --budget 0.25"
+  echo "h2o-s0.25 h2o --gpu-share 0.25"
+  echo "streaming-s0.25 streaming --gpu-share 0.25"
   echo "hgca-s0.25-b0 hgca --gpu-share 0.25 --beta 0"  # every host entry: must equal full
   for s in 0.25 0.5 0.75; do
     for b in 0.25 0.5 0.75 1.0; do echo "hgca-s$s-b$b hgca --gpu-share $s --beta $b"; done
-    echo "h2o-s$s h2o --budget $s"
-    echo "streaming-s$s streaming --budget $s"
+    echo "h2o-s$s h2o --gpu-share $s"
+    echo "streaming-s$s streaming --gpu-share $s"
   done
 }
 one() {  # one NAME STRATEGY ARGS...: run unless its result file exists
@@ -44,9 +44,9 @@ configs | awk '!seen[$1]++' | grep -E "^(${ONLY:-.*}) " | xargs -P "${JOBS:-2}" 
 #   for a in 0.001 0.003 0.01 0.03 0.1; do .venv/bin/kvbench run hgca --gpu-share 0.25 \
 #     --beta 1.0 --alpha $a --text /tmp/heldout.txt --mode eval --prompt-len 1 \
 #     --gen-len 2046 --threads 1 --out $OUT/alpha/hgca-a$a-s0.25-b1.0.jsonl; done
-#   (and h2o --budget 0.25 the same way into alpha/h2o-s0.25.jsonl)
-# multi-turn (multiturn/): each of full, hgca, h2o and streaming (the last three at share or
-# budget 0.25) with --mode eval --prompt-len 192 --gen-len 128 --turns 4 --threads 1
+#   (and h2o --gpu-share 0.25 the same way into alpha/h2o-s0.25.jsonl)
+# multi-turn (multiturn/): each of full, hgca, h2o and streaming (the last three at
+# --gpu-share 0.25) with --mode eval --prompt-len 192 --gen-len 128 --turns 4 --threads 1
 # hgca's decode-step breakdown at batch 1, 2048 context (a timing: run it alone on an
 # otherwise idle machine, default threads): prompt 1536 then 511 generated tokens, so the
 # ring evicts a block every 64 steps per layer
