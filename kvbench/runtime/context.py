@@ -24,15 +24,16 @@ if TYPE_CHECKING:
 
 # quantity -> unit of its records
 UNITS = {"tokens": "tokens", "flops": "FLOP", "bytes_read": "B", "bytes_moved": "B",
-         "time": "s", "rel_error": "ratio"}
+         "time": "s", "rel_error": "ratio", "pages": "pages"}
 
 
 class Counters:
     """Work per (quantity, where, layer), one value per step; cheap enough for every step.
 
     `where` is a device role ("accel", "host") for tokens/flops/bytes_read, a link ("h2d",
-    "d2h") for bytes_moved, and a phase name ("attention", "bookkeeping", "accel_idle",
-    ...) for time.
+    "d2h") for bytes_moved, a phase name ("attention", "bookkeeping", "accel_idle",
+    ...) for time, and "recalled"/"evicted" for pages (page strategies: pages moved into or
+    out of the accelerator's resident set, summed over batch rows and KV heads).
     """
 
     def __init__(self, kv_heads: int, elem_bytes: int, cuda: bool = False) -> None:

@@ -1,0 +1,189 @@
+"""Page machinery shared by the page-sparse strategies (quest, arkvale, later scout, pnm).
+
+KV is cut into pages of S tokens per (layer, sequence, KV head). Each full or partial page
+has a key digest, a box [lo, hi] per channel that holds every key of the page:
+
+- "minmax" (Quest Alg. 1, section 3.4): lo = channel-wise min, hi = channel-wise max.
+- "cuboid-mean" (ArkVale section 5.2, the public code's default): centre c = (max+min)/2,
+  radius r_i = mean over the page's keys of |k_i - c_i|; lo = c - r, hi = c + r. This box
+  does not always hold every key, so its score is an estimate, not a bound.
+
+A query's page score is sum_i max(q_i * hi_i, q_i * lo_i) (an upper bound on q.k for the
+minmax box; Quest's `decode_attn.cuh`, ArkVale's `estimate.cu`); q after RoPE, no scale.
+
+Top-k runs per KV head (the G query heads' scores summed, so the group shares one page
+set: what a resident set needs) or per query head (Quest's accuracy code: `repeat_kv`
+then per-head top-k); `topk_per` records which. Sink pages (the first `sinks`) and window
+pages (the last `window`, the current partial page included) are always kept.
+
+Shapes: keys k [B, Hkv, N, D]; digests lo/hi [B, Hkv, P, D] with P = ceil(N / S); scores
+[B, H, P] with H = Hkv or Hq; selected page ids [B, H, K].
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvbench.errors import require
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvbench.runtime.context import Counters
+
+DIGESTS = ("minmax", "cuboid-mean")
+TOPK_PER = ("query", "kv")
+
+
+def check_pages(page_size: int, budget_tokens: int, sinks: int, window: int,
+                dense_layers: int, topk_per: str = "kv") -> None:
+    """Validate the options every page strategy shares (one line, exit 2 when bad)."""
+    require(page_size >= 1, f"--page-size {page_size}: must be at least 1")
+    require(budget_tokens >= page_size, f"--budget-tokens {budget_tokens}: smaller than one "
+            f"page of {page_size} tokens")
+    require(sinks >= 0 and window >= 1, f"--sinks {sinks} / --window-pages {window}: sinks "
+            ">= 0 and at least the current page (window >= 1)")
+    require(sinks + window <= budget_tokens // page_size, f"--sinks {sinks} + --window-pages "
+            f"{window} pages exceed the budget of {budget_tokens // page_size} pages")
+    require(dense_layers >= 0, f"--dense-layers {dense_layers}: must be >= 0")
+    require(topk_per in TOPK_PER, f"--topk-per '{topk_per}': one of {', '.join(TOPK_PER)}")
+
+
+def check_layers(dense_layers: int, n_layers: int) -> None:
+    """--dense-layers must leave the model's layers in range (checked once the model is known)."""
+    require(dense_layers <= n_layers, f"--dense-layers {dense_layers}: the model runs "
+            f"{n_layers} layers")
+
+
+def digest(k: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Digest (lo, hi) [..., D] of the keys k [..., n, D] of one page (n >= 1), float32."""
+    kf = k.float()
+    hi, lo = kf.amax(dim=-2), kf.amin(dim=-2)
+    if kind == "minmax":
+        return lo, hi
+    c = (hi + lo) * 0.5
+    r = (kf - c.unsqueeze(-2)).abs().mean(dim=-2)
+    return c - r, c + r
+
+
+class Digests:
+    """Per-layer page digests of one cache, kept up to date as keys are written.
+
+    lo/hi [B, Hkv, P_max, D] in the cache's dtype on `device` (as Quest's metadata cache:
+    2 / S of the keys' bytes more per page pair, i.e. KV bytes / S); `update(k, n0, n1)`
+    re-digests every page touched by positions n0..n1-1 of the key buffer k [B, Hkv, >= n1,
+    D]. Digests are computed in float32 and stored rounded like the keys they summarise.
+    """
+
+    def __init__(self, b: int, hkv: int, max_len: int, d: int, page: int, kind: str,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        import torch
+
+        require(kind in DIGESTS, f"digest '{kind}': one of {', '.join(DIGESTS)}")
+        self.page, self.kind = page, kind
+        p_max = -(-max_len // page)
+        self.lo = torch.zeros(b, hkv, p_max, d, dtype=dtype, device=device)
+        self.hi = torch.zeros_like(self.lo)
+
+    def nbytes(self, n: int) -> int:
+        """Bytes of the digests of the pages covering n tokens (what one score pass reads)."""
+        b, hkv, _, d = self.lo.shape
+        return 2 * b * hkv * -(-n // self.page) * d * self.lo.element_size()
+
+    def put(self, first: int, pages: torch.Tensor) -> None:
+        """Digest whole pages [B, Hkv, m, S, D] as pages first..first+m-1."""
+        m = pages.shape[2]
+        self.lo[:, :, first:first + m], self.hi[:, :, first:first + m] = digest(
+            pages, self.kind)
+
+    def update(self, k: torch.Tensor, n0: int, n1: int) -> None:
+        s = self.page
+        first, last = n0 // s, -(-n1 // s)
+        full_end = min(last, n1 // s)  # pages wholly below n1
+        if full_end > first:  # whole pages in one batched call
+            kk = k[:, :, first * s:full_end * s]
+            self.put(first, kk.reshape(*kk.shape[:2], full_end - first, s, kk.shape[-1]))
+        if full_end < last:  # the partial last page
+            p = full_end
+            self.lo[:, :, p], self.hi[:, :, p] = digest(k[:, :, p * s:n1], self.kind)
+
+
+def page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, per: str
+                ) -> torch.Tensor:
+    """Upper-bound scores of q [B, Hq, 1, D] against digests [B, Hkv, P, D]: [B, H, P].
+
+    H = Hq (per="query") or Hkv (per="kv": the group's query heads summed).
+    """
+    b, hq, _, d = q.shape
+    hkv, p = lo.shape[1], lo.shape[2]
+    g = hq // hkv
+    qf = q.float().view(b, hkv, g, 1, d)
+    s = (qf * hi.unsqueeze(2)).maximum(qf * lo.unsqueeze(2)).sum(-1)  # [B, Hkv, G, P]
+    return s.view(b, hq, p) if per == "query" else s.sum(2)
+
+
+def select_pages(scores: torch.Tensor, n_pages: int, k: int, sinks: int,
+                 window: int) -> torch.Tensor:
+    """Page ids [B, H, K'] to attend: sinks + window + top of the rest, K' = min(k, n_pages).
+
+    scores [B, H, >= n_pages] (pages n_pages.. ignored); the window counts the last
+    (possibly partial) page. Ids are sorted ascending.
+    """
+    import torch
+
+    if k >= n_pages:
+        return torch.arange(n_pages, device=scores.device).expand(*scores.shape[:2], -1)
+    s = scores[:, :, :n_pages].clone()
+    s[:, :, :sinks] = float("inf")
+    s[:, :, max(n_pages - window, 0):] = float("inf")
+    return s.topk(k, dim=-1).indices.sort(dim=-1).values
+
+
+def page_tokens(pages: torch.Tensor, page: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token positions [B, H, K * S] of page ids [B, H, K] and valid lengths [B, H].
+
+    Positions at or past n (the partial last page's empty tail) are moved to the end of
+    each row as 0 and excluded by the length, so a row's first `len` positions are < n.
+    """
+    import torch
+
+    off = torch.arange(page, device=pages.device)
+    pos = (pages.unsqueeze(-1) * page + off).flatten(-2)  # [B, H, K*S]
+    valid = pos < n
+    lens = valid.sum(-1)
+    if bool(valid.all()):
+        return pos, lens
+    order = (~valid).to(torch.int8).argsort(dim=-1, stable=True)
+    return pos.masked_fill(~valid, 0).gather(-1, order), lens
+
+
+def attend_selected(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                    lens: torch.Tensor, counters: Counters, where: str = "accel"
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of decode queries q [B, Hq, 1, D] over selected keys of k/v [B, Hkv, N, D].
+
+    pos [B, H, n] (first lens[b, h] valid) per KV head (H = Hkv: the group shares the
+    selection) or per query head (H = Hq: one native call per group member, each a 1:1
+    query-to-KV-head problem, so no key is copied). Returns (out [B, Hq, 1, D], lse
+    [B, Hq, 1]) and counts tokens (mean per head), FLOPs and the key/value bytes read.
+    """
+    import torch
+
+    from kvbench.kernels.sparse import pack_indices, sparse_attention
+
+    b, hq, _, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    mean = float(lens.float().mean())
+    counters.add("tokens", where, b * mean)
+    counters.add("flops", where, 4.0 * b * hq * mean * d)
+    counters.add("bytes_read", where, 2.0 * float(lens.sum()) * d * counters.elem_bytes)
+    if pos.shape[1] == hkv:
+        return sparse_attention(q, k, v, pack_indices(pos, b, hkv, n, lens), causal=False)
+    g = hq // hkv
+    out, lse = torch.empty_like(q), torch.empty(b, hq, 1, dtype=torch.float32,
+                                                 device=q.device)
+    for j in range(g):  # query heads j, j + G, ...: one per KV head
+        sel = pack_indices(pos[:, j::g], b, hkv, n, lens[:, j::g])
+        o, s = sparse_attention(q[:, j::g], k, v, sel, causal=False)
+        out[:, j::g], lse[:, j::g] = o, s
+    return out, lse

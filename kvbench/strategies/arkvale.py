@@ -1,0 +1,294 @@
+"""ArkVale-style page recall: a page budget on the accelerator, every page backed up on the host.
+
+Chen et al., "ArkVale: Efficient Generative LLM Inference with Recallable Key-Value
+Eviction" (NeurIPS 2024), the baseline of CXL-PNM (its Algorithm 1 lines 1-6 and 10-11;
+spec sheet section 4). KV is cut into pages of S tokens (default 32). A page that fills is
+backed up to host memory (one d2h copy of S tokens) and summarised by a cuboid-mean digest
+(the public code's `_summarize_keys`). The accelerator holds `--budget-tokens` worth of
+pages (default 4096 = 128 pages of 32): the current partial page plus a pool of full pages.
+At each decode step every full page is scored with the query (digest bound, summed over a
+GQA group: one resident set per KV head), the top `--pages` pages (sinks and window pages
+always among them) are made resident by recalling the missing ones from the host into the
+slots of the lowest-scoring resident pages outside the top set (Alg. 1 lines 2-6, 11),
+then attention runs over *all* resident pages (ArkVale attends the whole budget, not only
+the top-k). Prefill and appends attend densely, then cut the pool down to the budget by
+the last query's scores (ArkVale's prefill). The first `--dense-layers` layers keep every
+page (`n_unlimited_layers` 2).
+
+Recalled and evicted pages are counted per layer and step ("pages", "recalled"/"evicted",
+summed over batch rows and KV heads), with the bytes they move (h2d) and the backups (d2h).
+Exact setting: a budget covering the context (no page ever leaves the accelerator).
+
+Layout per sparse layer: pool k/v [B, Hkv, C + 1, S, D] on the accelerator (slot C is the
+current page), slot -> page ids [B, Hkv, C], digests [B, Hkv, ceil(max_len/S), D]; host
+backup k/v [B, Hkv, pages * S, D] (pinned when the accelerator is CUDA).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvbench.errors import require
+from kvbench.strategies import STRATEGIES, Strategy
+from kvbench.strategies._pages import Digests, check_layers, check_pages, page_scores
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvbench.runtime.context import RunContext
+
+
+@dataclass(frozen=True)
+class ArkValeParams:
+    """ArkVale's page size, accelerator page budget, top-k pages, sinks and window."""
+
+    budget_tokens: int = field(default=4096, metadata={
+        "help": "Accelerator page budget in tokens (whole pages, the current page included): "
+                "all resident pages are attended; a budget covering the context is exact."})
+    page_size: int = field(default=32, metadata={"help": "Tokens per page (S)."})
+    pages: int = field(default=0, metadata={
+        "help": "Top pages made resident each step, sinks and window included (0: ArkVale's "
+                "rule min(1280, budget / 2) / S)."})
+    sinks: int = field(default=2, metadata={"help": "First pages always resident."})
+    window_pages: int = field(default=2, metadata={
+        "help": "Last pages always resident, the current (partial) page included."})
+    dense_layers: int = field(default=2, metadata={
+        "help": "Leading layers that keep every page (by real layer index)."})
+
+    def __post_init__(self) -> None:
+        check_pages(self.page_size, self.budget_tokens, self.sinks, self.window_pages,
+                    self.dense_layers)
+        c = self.budget_tokens // self.page_size
+        require(0 <= self.pages <= c, f"--pages {self.pages}: in [0, {c}] (the budget's pages)")
+        require(self.pages == 0 or self.pages >= self.sinks + self.window_pages,
+                f"--pages {self.pages}: fewer than --sinks + --window-pages")
+
+    @property
+    def topk(self) -> int:
+        """Top pages per step (the rule when --pages is 0), at least sinks + window."""
+        rule = min(1280, self.budget_tokens // 2) // self.page_size
+        return self.pages or max(rule, self.sinks + self.window_pages)
+
+
+@STRATEGIES.register
+class ArkVale(Strategy):
+    """ArkVale: page budget on the accelerator, pages recalled from host by digest score."""
+
+    name = "arkvale"
+    version = "1"
+    params = ArkValeParams
+
+    @classmethod
+    def kv_placement(cls, params: ArkValeParams, kv_bytes: int) -> dict[str, int]:
+        # upper bound: the host backs every page up; the accelerator may hold all of it
+        # (dense layers, or a budget covering the context) plus the digests (1/S of K+V)
+        return {"accel": kv_bytes + -(-kv_bytes // params.page_size), "host": kv_bytes}
+
+    def __init__(self, params: ArkValeParams, ctx: RunContext) -> None:
+        import torch
+
+        super().__init__(params, ctx)
+        check_layers(params.dense_layers, ctx.n_layers)
+        s, b, page = ctx.spec, ctx.batch, params.page_size
+        hkv, d = s.n_kv_heads, s.head_dim
+        self.c = params.budget_tokens // page - 1  # pool slots besides the current page
+        p_max = -(-ctx.max_len // page)
+        pin = ctx.accel.type == "cuda"
+        self.k: dict[int, torch.Tensor] = {}  # dense layers: [B, Hkv, max_len, D]
+        self.v: dict[int, torch.Tensor] = {}
+        self.pool_k: dict[int, torch.Tensor] = {}  # [B, Hkv, C + 1, S, D]
+        self.pool_v: dict[int, torch.Tensor] = {}
+        self.host_k: dict[int, torch.Tensor] = {}  # [B, Hkv, P_max, S, D]
+        self.host_v: dict[int, torch.Tensor] = {}
+        self.slot_page: dict[int, torch.Tensor] = {}  # [B, Hkv, C], -1: empty
+        self.dig: dict[int, Digests] = {}
+        for i in range(ctx.n_layers):
+            if i < params.dense_layers:
+                self.k[i] = torch.empty(b, hkv, ctx.max_len, d, dtype=ctx.dtype,
+                                        device=ctx.accel)
+                self.v[i] = torch.empty_like(self.k[i])
+                continue
+            self.pool_k[i] = torch.empty(b, hkv, self.c + 1, page, d, dtype=ctx.dtype,
+                                         device=ctx.accel)
+            self.pool_v[i] = torch.empty_like(self.pool_k[i])
+            self.host_k[i] = torch.empty(b, hkv, p_max, page, d, dtype=ctx.dtype,
+                                         pin_memory=pin)
+            self.host_v[i] = torch.empty_like(self.host_k[i], pin_memory=pin)
+            self.slot_page[i] = torch.full((b, hkv, self.c), -1, dtype=torch.long,
+                                           device=ctx.accel)
+            self.dig[i] = Digests(b, hkv, ctx.max_len, d, page, "cuboid-mean", ctx.accel,
+                                  ctx.dtype)
+        self.length = [0] * ctx.n_layers  # tokens cached
+
+    # --- pages of one sparse layer ---------------------------------------------------
+
+    def _target(self, scores: torch.Tensor, n_full: int, k: int) -> torch.Tensor:
+        """Pages kept [B, Hkv, n_full] (bool): sinks, the window's full pages, top of the rest
+        by score (Alg. 1 line 2, S[:K]); k pages in all, or every page when k >= n_full."""
+        p = self.p
+        s = scores.clone()
+        s[:, :, :p.sinks] = float("inf")
+        s[:, :, max(n_full - (p.window_pages - 1), 0):] = float("inf")
+        keep = s.topk(min(k, n_full), dim=-1).indices
+        return s.new_zeros(s.shape).bool().scatter_(2, keep, True)
+
+    def _place(self, layer: int, scores: torch.Tensor, target: torch.Tensor, fresh_first: int,
+               fresh_k: torch.Tensor, fresh_v: torch.Tensor) -> None:
+        """Make every target page resident (at most C): r = S[:K] - P is recalled into the
+        slots of the lowest-scoring resident pages outside the target, e (Alg. 1 lines 5-6,
+        11). Pages >= fresh_first were just written on the accelerator (fresh_k/v [B, Hkv,
+        m, S, D]) and are copied on the device; older ones come from the host backup (h2d).
+        Empty slots are taken first, in order, so a pool that is not full stays contiguous.
+        """
+        import torch
+
+        sp = self.slot_page[layer]  # [B, Hkv, C]
+        n_full = target.shape[2]
+        valid = sp >= 0
+        spc = sp.clamp_min(0)
+        resident = torch.zeros(*sp.shape[:2], n_full + 1, dtype=torch.bool, device=sp.device)
+        resident.scatter_(2, sp.masked_fill(~valid, n_full), True)  # empty: column n_full
+        need = target & ~resident[:, :, :n_full]
+        counters = self.ctx.counters
+        b, h, pg = need.nonzero(as_tuple=True)
+        if pg.numel():
+            slot_score = torch.where(valid, scores.gather(2, spc), float("-inf"))
+            keep = valid & target.gather(2, spc)
+            order = slot_score.masked_fill(keep, float("inf")).argsort(dim=-1, stable=True)
+            rank = need.cumsum(-1) - 1
+            slot = order[b, h, rank[b, h, pg]]
+            counters.add("pages", "evicted", float(valid[b, h, slot].sum()))
+            old = pg < fresh_first
+            bo, ho, po, so = b[old], h[old], pg[old], slot[old]
+            if po.numel():
+                hb, hh, hp = bo.cpu(), ho.cpu(), po.cpu()
+                dev = self.ctx.accel
+                self.pool_k[layer][bo, ho, so] = self.host_k[layer][hb, hh, hp].to(dev)
+                self.pool_v[layer][bo, ho, so] = self.host_v[layer][hb, hh, hp].to(dev)
+                counters.moved("h2d", 2.0 * po.numel() * fresh_k[0, 0, 0].numel()
+                               * self.ctx.elem_bytes)
+            counters.add("pages", "recalled", float(po.numel()))
+            bf, hf, pf, sf = b[~old], h[~old], pg[~old] - fresh_first, slot[~old]
+            self.pool_k[layer][bf, hf, sf] = fresh_k[bf, hf, pf]
+            self.pool_v[layer][bf, hf, sf] = fresh_v[bf, hf, pf]
+            sp[b, h, slot] = pg
+
+    def _complete(self, layer: int, first: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Back up full pages k/v [B, Hkv, m, S, D] (on the accelerator) to the host as pages
+        first..first+m-1 and digest them (ArkVale's decode_backup_1_page, save_1_digest)."""
+        m = k.shape[2]
+        self.host_k[layer][:, :, first:first + m].copy_(k, non_blocking=True)
+        self.host_v[layer][:, :, first:first + m].copy_(v, non_blocking=True)
+        self.dig[layer].put(first, k)
+        self.ctx.counters.moved("d2h", 2.0 * k.numel() * self.ctx.elem_bytes)
+
+    def _select(self, layer: int, q: torch.Tensor, n_full: int, k: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scores [B, Hkv, n_full] of q [B, Hq, 1, D] and the target pages (`_target`)."""
+        dig = self.dig[layer]
+        scores = page_scores(q, dig.lo[:, :, :n_full], dig.hi[:, :, :n_full], "kv")
+        self.ctx.counters.add("bytes_read", "accel", dig.nbytes(n_full * self.p.page_size))
+        return scores, self._target(scores, n_full, k)
+
+    def _all(self, layer: int, n_full: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """No selection (the pool holds every page): zero scores and every page targeted."""
+        z = self.slot_page[layer].new_zeros(*self.slot_page[layer].shape[:2], n_full)
+        return z.float(), z.bool().logical_not_()
+
+    def _dense(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        """A dense layer: every token stays on the accelerator (n_unlimited_layers)."""
+        from kvbench.kernels.attention import dense_attention
+
+        n0 = self.length[layer]
+        n1 = n0 + k.shape[2]
+        self.k[layer][:, :, n0:n1], self.v[layer][:, :, n0:n1] = k, v
+        self.length[layer] = n1
+        out, _ = dense_attention(q, self.k[layer][:, :, :n1], self.v[layer][:, :, :n1])
+        self.ctx.counters.attended("accel", q, n1)
+        return out
+
+    def append(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        """T new tokens: dense causal attention over every cached page (the evicted ones
+        read back from the host) and the new tokens, then back up the pages they fill and
+        cut the pool down to the budget by the last query's scores."""
+        import torch
+
+        from kvbench.kernels.attention import dense_attention
+
+        if layer < self.p.dense_layers:
+            return self._dense(layer, q, k, v)
+        size, c = self.p.page_size, self.c
+        n0 = self.length[layer]
+        nf, t = divmod(n0, size)
+        seg_k = torch.cat([self.pool_k[layer][:, :, c, :t], k], dim=2)  # from page nf on
+        seg_v = torch.cat([self.pool_v[layer][:, :, c, :t], v], dim=2)
+        keys, vals = seg_k, seg_v
+        counters = self.ctx.counters
+        if nf:  # the cached full pages, read from the host backup
+            keys = torch.cat([self.host_k[layer][:, :, :nf].flatten(2, 3).to(k.device), seg_k],
+                             dim=2)
+            vals = torch.cat([self.host_v[layer][:, :, :nf].flatten(2, 3).to(k.device), seg_v],
+                             dim=2)
+            counters.moved("h2d", 2.0 * (nf - min(nf, c)) * k[:, :, :1].numel() * size
+                           * self.ctx.elem_bytes)
+        out, _ = dense_attention(q, keys, vals)
+        counters.attended("accel", q, keys.shape[2])
+        m, rem = divmod(seg_k.shape[2], size)
+        b, hkv, _, d = k.shape
+        fresh_k = seg_k[:, :, :m * size].reshape(b, hkv, m, size, d)
+        fresh_v = seg_v[:, :, :m * size].reshape(b, hkv, m, size, d)
+        self.pool_k[layer][:, :, c, :rem] = seg_k[:, :, m * size:]
+        self.pool_v[layer][:, :, c, :rem] = seg_v[:, :, m * size:]
+        self.length[layer] = n0 + k.shape[2]
+        if m:
+            self._complete(layer, nf, fresh_k, fresh_v)
+            with counters.timed("bookkeeping.select"):
+                scores, target = (self._select(layer, q[:, :, -1:], nf + m, c)
+                                  if nf + m > c else self._all(layer, nf + m))
+                self._place(layer, scores, target, nf, fresh_k, fresh_v)
+        return out
+
+    prefill = append  # the first prompt: an append onto the empty cache
+
+    def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        """One token into the current page; when the pool cannot hold every page, make the
+        top pages resident (recalls); attend every resident page and the current one."""
+        from kvbench.kernels.attention import dense_attention, merge
+
+        if layer < self.p.dense_layers:
+            return self._dense(layer, q, k, v)
+        size, c = self.p.page_size, self.c
+        pk, pv = self.pool_k[layer], self.pool_v[layer]
+        nf, t = divmod(self.length[layer], size)
+        pk[:, :, c, t], pv[:, :, c, t] = k[:, :, 0], v[:, :, 0]
+        self.length[layer] += 1
+        t += 1
+        counters = self.ctx.counters
+        with counters.timed("bookkeeping.select"):
+            fresh = t == size
+            if fresh:  # the current page is full: back it up, place it as page nf
+                self._complete(layer, nf, pk[:, :, c:c + 1], pv[:, :, c:c + 1])
+                nf, t = nf + 1, 0
+            if nf > c:
+                scores, target = self._select(layer, q, nf, self.p.topk - 1)
+            elif fresh:
+                scores, target = self._all(layer, nf)
+            if nf > c or fresh:
+                self._place(layer, scores, target, nf - 1 if fresh else nf,
+                            pk[:, :, c:c + 1], pv[:, :, c:c + 1])
+        b, hkv, _, d = k.shape
+        flat_k, flat_v = pk.view(b, hkv, -1, d), pv.view(b, hkv, -1, d)
+        n_res = min(nf, c)
+        counters.attended("accel", q, n_res * size + t)
+        if n_res == c:  # slots 0..C-1 full, the current page follows in slot C
+            n = c * size + t
+            return dense_attention(q, flat_k[:, :, :n], flat_v[:, :, :n], causal=False)[0]
+        o1, s1 = dense_attention(q, flat_k[:, :, :n_res * size], flat_v[:, :, :n_res * size],
+                                 causal=False)
+        cur = slice(c * size, c * size + t)
+        o2, s2 = dense_attention(q, flat_k[:, :, cur], flat_v[:, :, cur], causal=False)
+        return merge(o1, s1, o2, s2)[0]
