@@ -69,6 +69,10 @@ class Strategy:
     name: ClassVar[str]
     version: ClassVar[str] = "1"
     params: ClassVar[type] = NoParams
+    # (parameter, value) overrides under which the strategy computes exactly full attention
+    # (a budget covering the context, beta 0, ...): tests/test_strategy_contract.py runs
+    # every registered strategy in it; None: not declared (the contract test fails)
+    exact: ClassVar[tuple[tuple[str, Any], ...] | None] = None
 
     def __init__(self, params: Any, ctx: RunContext) -> None:
         self.p = params

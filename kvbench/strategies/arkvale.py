@@ -78,6 +78,7 @@ class ArkVale(Strategy):
     name = "arkvale"
     version = "1"
     params = ArkValeParams
+    exact = (("budget_tokens", 1 << 20),)  # no page leaves the accelerator
 
     @classmethod
     def kv_placement(cls, params: ArkValeParams, kv_bytes: int) -> dict[str, int]:

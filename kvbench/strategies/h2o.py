@@ -62,6 +62,7 @@ class H2O(Strategy):
     name = "h2o"
     version = "1"
     params = H2OParams
+    exact = (("gpu_share", 1.0),)  # nothing evicted
 
     @classmethod
     def placement(cls, params: H2OParams, ctx: RunContext) -> dict[str, int]:

@@ -125,6 +125,7 @@ class Hgca(Strategy):
     name = "hgca"
     version = "3"
     params = HgcaParams
+    exact = (("beta", 0.0),)  # every host entry selected (section 3.2.2)
 
     @classmethod
     def for_run(cls, params: HgcaParams, max_len: int) -> tuple[HgcaParams, list[str]]:

@@ -91,6 +91,7 @@ class InfiniGen(Strategy):
     name = "infinigen"
     version = "1"
     params = InfiniGenParams
+    exact = (("alpha", float("inf")), ("budget_tokens", 1 << 20),)  # every token fetched
 
     @classmethod
     def kv_placement(cls, params: InfiniGenParams, kv_bytes: int) -> dict[str, int]:

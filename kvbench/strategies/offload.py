@@ -37,6 +37,7 @@ class Offload(Strategy):
 
     name = "offload"
     version = "1"
+    exact = ()  # every token attended: always exact
 
     @classmethod
     def placement(cls, params: object, ctx: RunContext) -> dict[str, int]:

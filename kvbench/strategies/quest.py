@@ -71,6 +71,7 @@ class Quest(Strategy):
     name = "quest"
     version = "1"
     params = QuestParams
+    exact = (("budget_tokens", 1 << 20),)  # every page selected
 
     @classmethod
     def kv_placement(cls, params: QuestParams, kv_bytes: int) -> dict[str, int]:

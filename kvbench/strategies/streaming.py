@@ -50,6 +50,7 @@ class Streaming(Strategy):
     name = "streaming"
     version = "1"
     params = StreamingParams
+    exact = (("gpu_share", 1.0),)  # the window holds every token
 
     @classmethod
     def placement(cls, params: StreamingParams, ctx: RunContext) -> dict[str, int]:
