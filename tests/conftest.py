@@ -50,6 +50,17 @@ def fake_sysfs(tmp_path: Path) -> Path:
     return make_fake_sysfs(tmp_path / "root")
 
 
+@pytest.fixture(scope="session")
+def bundled():
+    """The bundled SmolLM2-135M in float32 (de-quantised once per session, ~20 s)."""
+    import torch
+
+    from kvbench.models import get_spec
+    from kvbench.models.weights import load
+
+    return load(get_spec("smollm2-135m"), "bundled", 30, torch.float32, torch.device("cpu"))
+
+
 def cuda_available() -> bool:
     try:
         import torch

@@ -11,17 +11,6 @@ from kvbench.cli import main
 from kvbench.runtime.run import RunConfig, read_text, token_rows
 
 
-@pytest.fixture(scope="session")
-def bundled():
-    """The bundled SmolLM2-135M in float32 (de-quantised once per session, ~20 s)."""
-    import torch
-
-    from kvbench.models import get_spec
-    from kvbench.models.weights import load
-
-    return load(get_spec("smollm2-135m"), "bundled", 30, torch.float32, torch.device("cpu"))
-
-
 def test_perplexity_matches_transformers(bundled) -> None:
     """Full attention, eval mode through the decode path: perplexity of tokens P..P+G
     equals transformers' on the same tokens within 0.1% relative (issue bar)."""
