@@ -7,11 +7,11 @@ aliases from the field's metadata), `collect(cls, kw)` builds the config back fr
 typer parsed, and `to_argv(params)` turns parameters into the flags of the same command
 (booleans as --x / --no-x, lists comma-joined), for suites and repro commands.
 
-Field metadata: "help" (text), "min" (smallest value, checked by `check_ranges`, which a
-config's `__post_init__` calls so that suites get the same one-line error), "aliases"
-(older option names kept as hidden options that set this field) and "flags" ({flag:
-value}: hidden boolean options that each set the field to one value; two at once is an
-error), "derived" (set by the run, recorded, never an option).
+Field metadata: "help" (text), "hidden" (an option for tests), "min" (smallest value,
+checked by `check_ranges`, which a config's `__post_init__` calls so that suites get the
+same one-line error), "aliases" (older option names kept as hidden options that set this
+field), "flags" ({flag: value}: hidden boolean options that each set the field to one
+value; two at once is an error) and "derived" (set by the run, recorded, never an option).
 """
 
 from __future__ import annotations
@@ -27,6 +27,11 @@ from typing import Any
 import typer
 
 from kvbench.errors import KvbenchError, require
+
+
+def opt(default: Any, text: str, **meta: Any) -> Any:
+    """A config field with its option's help text and other metadata (see above)."""
+    return dataclasses.field(default=default, metadata={"help": text, **meta})
 
 
 def flag(name: str) -> str:
@@ -60,7 +65,8 @@ def options(cls: type, helps: dict[str, str] | None = None) -> list[inspect.Para
     for f in fields(cls):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         text = (helps or {}).get(f.name) or f.metadata.get("help", f.name)
-        out.append(_param(f.name, hints[f.name], typer.Option(default, help=text)))
+        out.append(_param(f.name, hints[f.name], typer.Option(
+            default, help=text, hidden=f.metadata.get("hidden", False))))
         for alias in f.metadata.get("aliases", ()):
             hidden.append(_param(alias, typing.Optional[hints[f.name]],  # noqa: UP045
                                  typer.Option(None, flag(alias), hidden=True)))
@@ -93,7 +99,7 @@ def check_ranges(config: Any) -> None:
         low = f.metadata.get("min")
         value = getattr(config, f.name)
         if low is not None:
-            require(value >= low, f"{flag(f.name)} {value}: must be at least {low}")
+            require(value >= low, f"{flag(f.name)} must be at least {low} (got {value})")
 
 
 def to_argv(params: dict[str, Any]) -> list[str]:

@@ -16,9 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import typer
-
 from kvbench.errors import KvbenchError, require
+from kvbench.options import check_ranges, config_command, opt
 from kvbench.probes import PROBES, Probe, run_and_store
 from kvbench.schema import Record, from_timing, measured, not_measured
 from kvbench.timing import Policy, Timing, time_cuda, time_host, time_native
@@ -32,18 +31,23 @@ COPY_BYTES = 256 << 20
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    batch: str = "1"
-    heads: str = "32"
-    kv_heads: str = "32"
-    head_dim: str = "128"
-    gpu_tokens: str = "1K,4K"
-    host_tokens: str = "1K,4K"
-    query: str = "1,32"
-    dtype: str = "float32,bfloat16"
-    keep: float = 0.1
-    modes: str = "all"
-    threads: int = 0
-    min_time: float = 0.2
+    """Options of `kvbench probe attention` (and of a suite's attention case)."""
+
+    batch: str = opt("1", "Batch sizes, e.g. 1,4.")
+    heads: str = opt("32", "Query heads.")
+    kv_heads: str = opt("32", "KV heads (heads must be a multiple).")
+    head_dim: str = opt("128", "Head dimensions.")
+    gpu_tokens: str = opt("1K,4K", "KV tokens resident on the GPU.")
+    host_tokens: str = opt("1K,4K", "KV tokens resident on the host.")
+    query: str = opt("1,32", "Query lengths (1 decode, 32 append).")
+    dtype: str = opt("float32,bfloat16", "float32, bfloat16, float16.")
+    keep: float = opt(0.1, "Fraction of host KV the sparse CPU part keeps.")
+    modes: str = opt("all", f"Modes: all or a list of {', '.join(MODES)}.")
+    threads: int = opt(0, "CPU threads (0: every CPU available).", min=0)
+    min_time: float = opt(0.2, "Seconds to time each quantity at least.")
+
+    def __post_init__(self) -> None:
+        check_ranges(self)
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -303,31 +307,16 @@ def _breakdown(recs: list[dict[str, Any]], out_dir: Path) -> Path | None:
     return save(fig, out_dir / "attention-fig11-breakdown.png")
 
 
-def cli(
-    batch: str = typer.Option("1", help="Batch sizes, e.g. 1,4."),
-    heads: str = typer.Option("32", help="Query heads."),
-    kv_heads: str = typer.Option("32", help="KV heads (heads must be a multiple)."),
-    head_dim: str = typer.Option("128", help="Head dimensions."),
-    gpu_tokens: str = typer.Option("1K,4K", help="KV tokens resident on the GPU."),
-    host_tokens: str = typer.Option("1K,4K", help="KV tokens resident on the host."),
-    query: str = typer.Option("1,32", help="Query lengths (1 decode, 32 append)."),
-    dtype: str = typer.Option("float32,bfloat16", help="float32, bfloat16, float16."),
-    keep: float = typer.Option(0.1, help="Fraction of host KV the sparse CPU part keeps."),
-    modes: str = typer.Option("all", help=f"Modes: all or a list of {', '.join(MODES)}."),
-    threads: int = typer.Option(0, min=0, help="CPU threads (0: every CPU available)."),
-    min_time: float = typer.Option(0.2, help="Seconds to time each quantity at least."),
-    out: Path | None = typer.Option(None, help="Result file (default: new file in results/)."),
-) -> None:
-    """Time attention modes over a grid; plots Figs. 10 and 11 next to the result file."""
+def _cli(cfg: AttentionConfig, out: Path | None) -> None:
     from kvbench.console import show_record, wrote
     from kvbench.store import load
 
-    cfg = AttentionConfig(batch, heads, kv_heads, head_dim, gpu_tokens, host_tokens, query,
-                          dtype, keep, modes, threads, min_time)
     path = run_and_store(AttentionProbe(), cfg, out, show_record)
     wrote(path)
     for png in AttentionProbe.plot(load(path).records, path.parent / f"{path.stem}-plots"):
         wrote(png)
 
 
-AttentionProbe.cli = cli
+AttentionProbe.cli = config_command(
+    [(AttentionConfig, None)], _cli,
+    "Time attention modes over a grid; plots Figs. 10 and 11 next to the result file.")

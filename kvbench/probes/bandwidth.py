@@ -25,9 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import typer
-
 from kvbench.errors import KvbenchError
+from kvbench.options import check_ranges, config_command, opt
 from kvbench.probes import PROBES, Probe
 from kvbench.probes._bandwidth_stats import STABLE_SIZE, cv_by_size, derived, stability
 from kvbench.probes._copy import (
@@ -55,17 +54,31 @@ ROUNDS = "interleaved rounds: one sample of every size per round, direction alte
 
 
 @dataclass(frozen=True)
-class BandwidthConfig:
-    src: str | None = None  # endpoints 'host:N'/'gpu:K', comma-separated; None: all
-    dst: str | None = None
-    sizes: str = DEFAULT_SIZES
-    memory: str = "both"  # pageable, pinned or both
-    threads: int = 1
-    bidirectional: bool = False
-    bars: bool = True
-    quick: bool = False
-    repeat: int = 1  # sweeps per pair and memory kind (>= 2 adds repeat_cv_median_ge_1m)
-    root: str = "/"
+class CopyPairs:
+    """The memory pairs of a copy sweep: options of the bandwidth and latency probes."""
+
+    src: str | None = opt(None, "Source endpoints host:N / gpu:K, comma-separated (default: "
+                          "every host node and GPU).")
+    dst: str | None = opt(None, "Destination endpoints (default: all).")
+    memory: str = opt("both", "Host memory: pinned (needs CUDA), pageable or both.",
+                      flags={"pinned": "pinned", "pageable": "pageable", "both": "both"})
+    root: str = opt("/", "Root of sysfs/procfs (tests).", hidden=True)
+
+
+@dataclass(frozen=True)
+class BandwidthConfig(CopyPairs):
+    """Options of `kvbench probe bandwidth` (and of a suite's bandwidth case)."""
+
+    sizes: str = opt(DEFAULT_SIZES, "Copy sizes: 1K,4K,...,256M or 1K..256M.")
+    threads: int = opt(1, "Copy threads per direction for host-to-host pairs.", min=1)
+    bidirectional: bool = opt(False, "Copy both ways at once (bytes of both counted).")
+    bars: bool = opt(True, "Also measure the bars (memcpy, PCIe, torch loop).")
+    quick: bool = opt(False, "Fewer repetitions (quick look, CI).")
+    repeat: int = opt(1, "Sweeps per pair and memory kind, fresh buffers each; 2 or more "
+                      "adds repeat_cv_median_ge_1m, the stability bar.", min=1)
+
+    def __post_init__(self) -> None:
+        check_ranges(self)
 
 
 @PROBES.register
@@ -262,41 +275,14 @@ def series(records: list[dict[str, Any]], name: str, metric: str
     return {k: sorted(v) for k, v in out.items()}
 
 
-def memory_flag(pinned: bool, pageable: bool, both: bool) -> str:
-    """The one memory kind the --pinned/--pageable/--both flags ask for (default both)."""
-    chosen = [k for k, on in (("pinned", pinned), ("pageable", pageable), ("both", both)) if on]
-    if len(chosen) > 1:
-        raise KvbenchError("use only one of --pinned, --pageable, --both")
-    return chosen[0] if chosen else "both"
-
-
-def cli(
-    src: str | None = typer.Option(None, help="Source endpoints host:N / gpu:K, comma-separated "
-                                   "(default: every host node and GPU)."),
-    dst: str | None = typer.Option(None, help="Destination endpoints (default: all)."),
-    sizes: str = typer.Option(DEFAULT_SIZES, help="Copy sizes: 1K,4K,...,256M or 1K..256M."),
-    pinned: bool = typer.Option(False, "--pinned", help="Pinned host memory only (needs CUDA)."),
-    pageable: bool = typer.Option(False, "--pageable", help="Pageable host memory only."),
-    both: bool = typer.Option(False, "--both", help="Pinned and pageable (the default)."),
-    threads: int = typer.Option(1, help="Copy threads per direction for host-to-host pairs."),
-    bidirectional: bool = typer.Option(False, "--bidirectional",
-                                       help="Copy both ways at once (bytes of both counted)."),
-    bars: bool = typer.Option(True, help="Also measure the bars (memcpy, PCIe, torch loop)."),
-    quick: bool = typer.Option(False, "--quick", help="Fewer repetitions (quick look, CI)."),
-    repeat: int = typer.Option(1, help="Sweeps per pair and memory kind, fresh buffers each; "
-                               "2 or more adds repeat_cv_median_ge_1m, the stability bar."),
-    root: str = typer.Option("/", hidden=True, help="Root of sysfs/procfs (tests)."),
-    out: Path | None = typer.Option(None, help="Result file (default: new file in results/)."),
-) -> None:
-    """Measure copy bandwidth between every pair of memories against size."""
+def _cli(config: BandwidthConfig, out: Path | None) -> None:
     from kvbench.probes._view import run_with_view
 
-    config = BandwidthConfig(src=src, dst=dst, sizes=sizes,
-                             memory=memory_flag(pinned, pageable, both), threads=threads,
-                             bidirectional=bidirectional, bars=bars, quick=quick,
-                             repeat=repeat, root=root)
+    plan = make_plan(config.src, config.dst, config.sizes, config.memory, config.root)
     run_with_view(BandwidthProbe(), config, out, "bandwidth (GB/s)", "bandwidth",
-                  make_plan(src, dst, sizes, config.memory, root).steps * max(repeat, 1))
+                  plan.steps * config.repeat)
 
 
-BandwidthProbe.cli = cli
+BandwidthProbe.cli = config_command(
+    [(BandwidthConfig, None)], _cli,
+    "Measure copy bandwidth between every pair of memories against size.")

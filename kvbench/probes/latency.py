@@ -18,12 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import typer
-
 from kvbench.memory import Endpoint, HostBuffer, llc_bytes, runner_cpus, runner_node
+from kvbench.options import config_command, opt
 from kvbench.probes import PROBES, Probe
 from kvbench.probes._copy import calibrated, make_plan, open_copier
-from kvbench.probes.bandwidth import memory_flag, series
+from kvbench.probes.bandwidth import CopyPairs, series
 from kvbench.schema import Record, measured, not_measured
 from kvbench.timing import DEFAULT, QUICK, Policy
 from kvbench.units import format_size, parse_size
@@ -33,14 +32,13 @@ LINE = 64
 
 
 @dataclass(frozen=True)
-class LatencyConfig:
-    src: str | None = None  # endpoints 'host:N'/'gpu:K', comma-separated; None: all
-    dst: str | None = None
-    sizes: str = DEFAULT_SIZES
-    memory: str = "both"  # pageable, pinned or both
-    chase_size: str | None = None  # pointer-chase buffer; None: max(4 x LLC, 64M)
-    quick: bool = False
-    root: str = "/"
+class LatencyConfig(CopyPairs):
+    """Options of `kvbench probe latency` (and of a suite's latency case)."""
+
+    sizes: str = opt(DEFAULT_SIZES, "Copy sizes: 1,4,...,64K or 1..64K.")
+    chase_size: str | None = opt(None, "Pointer-chase buffer per node (default: max(4 x "
+                                 "LLC, 64M)).")
+    quick: bool = opt(False, "Fewer repetitions (quick look, CI).")
 
 
 def chase_bytes(config: LatencyConfig) -> int:
@@ -137,29 +135,14 @@ class LatencyProbe(Probe):
         return [save(fig, out_dir / "latency.png")]
 
 
-def cli(
-    src: str | None = typer.Option(None, help="Source endpoints host:N / gpu:K, comma-separated "
-                                   "(default: every host node and GPU)."),
-    dst: str | None = typer.Option(None, help="Destination endpoints (default: all)."),
-    sizes: str = typer.Option(DEFAULT_SIZES, help="Copy sizes: 1,4,...,64K or 1..64K."),
-    pinned: bool = typer.Option(False, "--pinned", help="Pinned host memory only (needs CUDA)."),
-    pageable: bool = typer.Option(False, "--pageable", help="Pageable host memory only."),
-    both: bool = typer.Option(False, "--both", help="Pinned and pageable (the default)."),
-    chase_size: str | None = typer.Option(None, help="Pointer-chase buffer per node "
-                                          "(default: max(4 x LLC, 64M))."),
-    quick: bool = typer.Option(False, "--quick", help="Fewer repetitions (quick look, CI)."),
-    root: str = typer.Option("/", hidden=True, help="Root of sysfs/procfs (tests)."),
-    out: Path | None = typer.Option(None, help="Result file (default: new file in results/)."),
-) -> None:
-    """Measure small-copy latency per memory pair and each node's load latency."""
+def _cli(config: LatencyConfig, out: Path | None) -> None:
     from kvbench.probes._view import run_with_view
 
-    config = LatencyConfig(src=src, dst=dst, sizes=sizes,
-                           memory=memory_flag(pinned, pageable, both), chase_size=chase_size,
-                           quick=quick, root=root)
-    plan = make_plan(src, dst, sizes, config.memory, root)
+    plan = make_plan(config.src, config.dst, config.sizes, config.memory, config.root)
     chase_bytes(config)  # a bad --chase-size fails before anything runs
     run_with_view(LatencyProbe(), config, out, "copy latency (us)", "copy_latency", plan.steps)
 
 
-LatencyProbe.cli = cli
+LatencyProbe.cli = config_command(
+    [(LatencyConfig, None)], _cli,
+    "Measure small-copy latency per memory pair and each node's load latency.")

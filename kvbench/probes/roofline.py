@@ -16,9 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import typer
-
 from kvbench.errors import require
+from kvbench.options import check_ranges, config_command, opt
 from kvbench.probes import PROBES, Probe, run_and_store
 from kvbench.schema import Record, measured
 from kvbench.timing import Policy, time_cuda, time_host
@@ -29,15 +28,20 @@ STAGES = {"prefill": None, "append": 32, "decode": 1}  # query length (None: = t
 
 @dataclass(frozen=True)
 class RooflineConfig:
-    model: str = "opt-6.7b"
-    heads: int = 0
-    kv_heads: int = 0
-    head_dim: int = 0
-    tokens: int = 2048
-    batch: int = 1
-    dtype: str = "float32"
-    matmul: int = 2048
-    min_time: float = 0.2
+    """Options of `kvbench probe roofline` (and of a suite's roofline case)."""
+
+    model: str = opt("opt-6.7b", "Model whose attention shapes to use.")
+    heads: int = opt(0, "Query heads (overrides --model).", min=0)
+    kv_heads: int = opt(0, "KV heads (default: --heads).", min=0)
+    head_dim: int = opt(0, "Head dimension (with --heads).", min=0)
+    tokens: int = opt(2048, "Context tokens of the attention points.")
+    batch: int = opt(1, "Batch size of the attention points.")
+    dtype: str = opt("float32", "float32, bfloat16 or float16.")
+    matmul: int = opt(2048, "Square matmul size for the peak FLOP/s.")
+    min_time: float = opt(0.2, "Seconds to time each quantity at least.")
+
+    def __post_init__(self) -> None:
+        check_ranges(self)
 
 
 def intensity(stage_q: int, tokens: int, batch: int, heads: int, kv_heads: int, head_dim: int,
@@ -167,27 +171,16 @@ class RooflineProbe(Probe):
         return [save(fig, out_dir / "roofline-fig1.png")]
 
 
-def cli(
-    model: str = typer.Option("opt-6.7b", help="Model whose attention shapes to use."),
-    heads: int = typer.Option(0, min=0, help="Query heads (overrides --model)."),
-    kv_heads: int = typer.Option(0, min=0, help="KV heads (default: --heads)."),
-    head_dim: int = typer.Option(0, min=0, help="Head dimension (with --heads)."),
-    tokens: int = typer.Option(2048, help="Context tokens of the attention points."),
-    batch: int = typer.Option(1, help="Batch size of the attention points."),
-    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
-    matmul: int = typer.Option(2048, help="Square matmul size for the peak FLOP/s."),
-    min_time: float = typer.Option(0.2, help="Seconds to time each quantity at least."),
-    out: Path | None = typer.Option(None, help="Result file (default: new file in results/)."),
-) -> None:
-    """Measure device roofs and attention points; plots Fig. 1 next to the result file."""
+def _cli(cfg: RooflineConfig, out: Path | None) -> None:
     from kvbench.console import show_record, wrote
     from kvbench.store import load
 
-    cfg = RooflineConfig(model, heads, kv_heads, head_dim, tokens, batch, dtype, matmul, min_time)
     path = run_and_store(RooflineProbe(), cfg, out, show_record)
     wrote(path)
     for png in RooflineProbe.plot(load(path).records, path.parent / f"{path.stem}-plots"):
         wrote(png)
 
 
-RooflineProbe.cli = cli
+RooflineProbe.cli = config_command(
+    [(RooflineConfig, None)], _cli,
+    "Measure device roofs and attention points; plots Fig. 1 next to the result file.")

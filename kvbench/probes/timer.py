@@ -12,8 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import typer
-
+from kvbench.options import check_ranges, config_command, opt
 from kvbench.probes import PROBES, Probe, run_and_store
 from kvbench.schema import Record, measured, not_measured
 from kvbench.timing import Policy, time_cuda
@@ -21,8 +20,13 @@ from kvbench.timing import Policy, time_cuda
 
 @dataclass(frozen=True)
 class TimerConfig:
-    calls: int = 10_000
-    reps: int = 15
+    """Options of `kvbench probe timer` (and of a suite's timer case)."""
+
+    calls: int = opt(10_000, "Timer reads per repetition.", min=100)
+    reps: int = opt(15, "Timed repetitions.", min=3)
+
+    def __post_init__(self) -> None:
+        check_ranges(self)
 
 
 @PROBES.register
@@ -89,15 +93,11 @@ class TimerProbe(Probe):
                        [s * 1e6 for s in t.seconds], {"calls": config.calls}, t.method())
 
 
-def cli(
-    calls: int = typer.Option(10_000, min=100, help="Timer reads per repetition."),
-    reps: int = typer.Option(15, min=3, help="Timed repetitions."),
-    out: Path | None = typer.Option(None, help="Result file (default: new file in results/)."),
-) -> None:
-    """Measure the overhead of kvbench's timers."""
+def _cli(config: TimerConfig, out: Path | None) -> None:
     from kvbench.console import show_record, wrote
 
-    wrote(run_and_store(TimerProbe(), TimerConfig(calls=calls, reps=reps), out, show_record))
+    wrote(run_and_store(TimerProbe(), config, out, show_record))
 
 
-TimerProbe.cli = cli
+TimerProbe.cli = config_command([(TimerConfig, None)], _cli,
+                                "Measure the overhead of kvbench's timers.")
