@@ -1,10 +1,12 @@
 """Hardware probes: one module per probe, each a small class registered by name.
 
 A probe module defines a frozen config dataclass (the class attribute `config`), a `Probe`
-subclass whose `run` yields records for that config, and a typer function `cli` that parses
-options, builds the config and calls `run_and_store`; suites build the same config from a
-TOML table, so every CLI option has a config field of the same name. `kvbench probe NAME`
-is that function; `kvbench list` shows the first line of the class docstring.
+subclass whose `run` yields records for that config, and `cli`, the typer command that
+`kvbench.options.config_command` builds from the config's fields (help and checks in the
+field metadata) around a function that runs the probe on the config (`run_and_store`);
+suites build the same config from a TOML table, so every option is a config field of the
+same name. `kvbench probe NAME` is that command; `kvbench list` shows the first line of the
+class docstring.
 """
 
 from __future__ import annotations
