@@ -19,6 +19,7 @@ from kvbench.runtime.run import Outcome, RunConfig, decode_run
 from kvbench.strategies import STRATEGIES, NoParams, Strategy, supports_append
 from kvbench.strategies.full import Full
 from kvbench.strategies.h2o import H2OParams
+from kvbench.strategies.hgca import HgcaParams
 from kvbench.strategies.streaming import StreamingParams
 
 # GQA (4 query heads over 2 KV heads), RoPE, head dim 16, 100-token vocabulary
@@ -119,9 +120,11 @@ def test_multiturn_nll_equals_one_long_full_run(model, name, params, p) -> None:
     ("offload", NoParams()),  # side-stream prefetches, pinned host cache
     ("h2o", H2OParams(gpu_share=1.0)),
     ("streaming", StreamingParams(gpu_share=1.0)),
+    ("hgca", HgcaParams(gpu_tokens=8, block=4, beta=0.0)),  # side-stream MAW and evictions
 ])
 def test_cuda_multiturn_equals_full(model, name, params) -> None:
-    """On a GPU (float32): 3-turn eval NLLs of each strategy equal full attention's."""
+    """On a GPU (float32): 3-turn eval NLLs of each strategy equal full attention's (hgca
+    at beta 0: every host entry attended, the ring wrapping within each turn)."""
     import copy
 
     m = copy.deepcopy(model).to("cuda")
