@@ -23,10 +23,10 @@ from kvbench.errors import KvbenchError
 from kvbench.plots import pyplot, save
 from kvbench.schema import RecordKey, record_key
 from kvbench.store import load
+from kvbench.summary import REFERENCE, Summary, reference_value, summarize
 from kvbench.units import format_bytes
 
 FORMATS = ("table", "markdown", "html")
-REFERENCE = "full"  # the strategy whose perplexity every other one is compared with
 RUN_AXES = ("batch", "context", "prompt_len")  # run parameters figures put on the x axis
 
 
@@ -64,6 +64,7 @@ class Report:
     groups: list[Group]
     warnings: list[str]
     accuracy: list[list[str]]
+    summary: Summary = field(default_factory=Summary)
 
 
 def commands(records: list[dict[str, Any]]) -> list[str]:
@@ -71,7 +72,13 @@ def commands(records: list[dict[str, Any]]) -> list[str]:
 
 
 def label(r: dict[str, Any]) -> str:
-    return r["metric"] + ("" if r.get("provenance") == "measured" else " (projected)")
+    """The metric, marked when projected, and for a run's times when teacher-forced (eval
+    mode: the strategy's own times, its accuracy reference ran between the timed steps)."""
+    text = r["metric"] + ("" if r.get("provenance") == "measured" else " (projected)")
+    if r["kind"] == "run" and r["params"].get("mode") == "eval" and r["unit"] in ("s",
+                                                                                   "tokens/s"):
+        text += " (eval mode)"
+    return text
 
 
 def _numeric_axes(records: list[dict[str, Any]]) -> list[str]:
@@ -157,9 +164,7 @@ def accuracy_table(records: list[dict[str, Any]]) -> list[list[str]]:
             ref[tuple(sorted(r["params"].items(), key=str))] = r["value"]
     rows = []
     for r in sorted(ppl, key=lambda r: (r["name"] != REFERENCE, r["name"], str(r["params"]))):
-        shared = tuple(sorted(((k, v) for k, v in r["params"].items()), key=str))
-        base = ref.get(shared) or next((v for k, v in ref.items() if set(k) <= set(shared)),
-                                       None)
+        base = reference_value(ref, r["params"])
         change = "-" if base is None or r["name"] == REFERENCE else \
             f"{(r['value'] - base) / base:+.2%}"
         rows.append([r["name"], params_text(r["params"]), f"{r['value']:.4g}",
@@ -192,7 +197,12 @@ def build(files: list[Path], fig_dir: Path) -> Report:
         if not g.figures and g.kind != "run":
             g.figures = samples_figure(g, fig_dir)
     runs = [r for g in groups if g.kind == "run" for r in g.records]
-    return Report(files, envs, groups, warnings, accuracy_table(runs))
+    summary = summarize(envs, records, fig_dir)
+    if summary.traces is not None:
+        run_group = next(g for g in groups if g.kind == "run")
+        run_group.figures.append(Figure("runs: per-layer work traces", summary.traces,
+                                        commands(runs)))
+    return Report(files, envs, groups, warnings, accuracy_table(runs), summary)
 
 
 def env_summary(env: dict[str, Any]) -> dict[str, str]:
@@ -218,7 +228,10 @@ def env_summary(env: dict[str, Any]) -> dict[str, str]:
 def record_row(r: dict[str, Any]) -> list[str]:
     """[name, metric (projected labelled), params, value with spread, status]."""
     value = value_text(r["value"], r["unit"], r.get("stats")) if r["status"] == "ok" else "-"
-    return [r["name"], label(r), params_text(r["params"]), value,
+    metric = label(r)
+    if "cpu" in (r["params"].get("accel"), r["params"].get("device")):  # the role, not a GPU
+        metric = metric.replace("gpu", "accel (cpu)")
+    return [r["name"], metric, params_text(r["params"]), value,
             r["status"] + (f": {r['reason']}" if r.get("reason") else "")]
 
 

@@ -129,3 +129,16 @@ def parse_fraction(text: str, what: str = "threshold") -> float:
     if not math.isfinite(value) or value < 0 or (not t.endswith("%") and value >= 1):
         raise KvbenchError(f"{what} '{text}' out of range (use a percentage like 5% or 0.05)")
     return value
+
+
+# dtype spellings users type -> the torch name every record stores
+DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
+               "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
+
+
+def dtype_name(text: str, what: str = "--dtype") -> str:
+    """'fp32'/'bf16'/'fp16' or a torch name ('float32', ...) -> the torch name."""
+    name = DTYPE_NAMES.get(text.strip().lower())
+    if name is None:
+        raise KvbenchError(f"{what} '{text}': one of {', '.join(DTYPE_NAMES)}")
+    return name

@@ -20,11 +20,11 @@ from kvbench.errors import KvbenchError, require
 from kvbench.kernels.attention import dense_attention, merge
 from kvbench.kernels.cpu import output_buffers
 from kvbench.kernels.sparse import pack_indices, sparse_attention
+from kvbench.units import dtype_name
 
 if TYPE_CHECKING:
     import torch
 
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -38,12 +38,14 @@ class Point:
     gpu_tokens: int
     host_tokens: int
     query: int
-    dtype: str
+    dtype: str  # a torch name; fp32/bf16/fp16 become one
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
 
     def check(self) -> None:
         require(self.kv_heads > 0 and self.heads % self.kv_heads == 0,
                 f"heads ({self.heads}) must be a multiple of kv heads ({self.kv_heads})")
-        require(self.dtype in DTYPES, f"unknown dtype '{self.dtype}' (known: {', '.join(DTYPES)})")
         require(min(self.batch, self.head_dim, self.query) > 0
                 and min(self.gpu_tokens, self.host_tokens) >= 0,
                 "batch, head dim and query length must be positive, token counts >= 0")
@@ -61,7 +63,7 @@ def torch_dtype(name: str, device: str) -> torch.dtype:
     """The torch dtype for `name`; KvbenchError when `device` cannot compute in it."""
     import torch
 
-    dt = getattr(torch, name)
+    dt = getattr(torch, dtype_name(name))
     try:
         a = torch.ones(2, 2, dtype=dt, device=device)
         (a @ a).sum().item()

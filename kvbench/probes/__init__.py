@@ -11,6 +11,7 @@ class docstring.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -54,7 +55,11 @@ def run_and_store(probe: Probe, config: Any, out: Path | None,
     from kvbench.envinfo import collect_env
     from kvbench.kernels.attention import backend_use
     from kvbench.store import ResultWriter, default_out_path
+    from kvbench.units import dtype_name
 
+    if isinstance(getattr(config, "dtype", None), str):  # records carry torch names
+        config = dataclasses.replace(config, dtype=",".join(
+            dtype_name(t) for t in config.dtype.split(",")))
     path = out or default_out_path(probe.name)
     backend_use(reset=True)
     with ResultWriter(path, collect_env()) as w:

@@ -31,7 +31,8 @@ _HELP = {
     "batch": "Sequences decoded together.",
     "prompt_len": "Prompt tokens per sequence.",
     "gen_len": "Decode steps (tokens generated per sequence after the first).",
-    "dtype": "auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16 or float16.",
+    "dtype": "auto (bfloat16 on cuda, float32 on cpu), float32/fp32, bfloat16/bf16 or "
+             "float16/fp16.",
     "device": "Accelerator role: auto (cuda when present, else cpu), cpu or cuda.",
     "mode": "generate (greedy) or eval (teacher-forced perplexity, HGCA Table 1 method).",
     "text": "Text file for prompts and eval targets (default: /usr/share/common-licenses/*).",
@@ -82,6 +83,7 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
     require(cfg.threads >= 0, f"--threads {cfg.threads}: 0 (torch's default) or more")
     spec, layers, device, dtype, weights = resolve(cfg)
     from kvbench.runtime.machine import machine_defaults
+    from kvbench.runtime.shadow import Shadow
 
     layers, notes = machine_defaults(spec, cfg.layers, layers, device, weights, dtype.itemsize,
                                      cfg.prompt_len, cfg.gen_len)
@@ -109,8 +111,6 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
         strategy = cls(sparams, ctx)
         # per-layer error against full attention on the same inputs (nil for full itself)
         if cfg.mode == "eval" and cls.name != "full":
-            from kvbench.runtime.shadow import Shadow
-
             strategy = Shadow(strategy, ctx)
         model.setup(strategy, counters, max_len)
         return strategy
@@ -136,12 +136,15 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
         outcome = decode_run(model, strategy, rows, g, cfg.mode, sync,
                              lambda: bar.advance(task) or stop.signum is not None, turns)
     backend = backend_use(reset=True)  # attention backend per phase of the timed run
+    shadowed = isinstance(strategy, Shadow)
+    if shadowed:  # the last step's reference attention (outside the timed region)
+        strategy.flush()
     params = run_params(cfg, spec, layers, device, dtype, weights, sparams)
     if stop.signum is not None:  # partial: label every record with the steps completed
         params["steps_completed"] = len(outcome.steps)
     accuracy = "random weights: accuracy metrics are off" if weights == "random" else ""
     recs = list(records(cls.name, params, outcome, cfg.batch, accuracy, model.counters,
-                        peak_memory()))
+                        peak_memory(), shadowed))
     if cfg.compare_hf and stop.signum is None:
         def again() -> list[float]:  # one more greedy decode of ours, for interleaving
             return decode_run(model, start(length), rows[:, :p], g, "generate", sync).steps

@@ -31,10 +31,9 @@ from kvbench.errors import KvbenchError, require
 from kvbench.models import ModelSpec, get_spec
 from kvbench.schema import ParamValue, Record, measured, not_measured
 from kvbench.strategies import Strategy
-from kvbench.units import format_bytes
+from kvbench.units import dtype_name, format_bytes
 
 DEFAULT_TEXT_DIR = Path("/usr/share/common-licenses")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -89,13 +88,12 @@ def resolve(cfg: RunConfig) -> tuple[ModelSpec, int, Any, Any, str]:
     require(cfg.turns == 1 or not cfg.compare_hf,
             "--compare-hf times single-turn generation; pass --turns 1")
     require(cfg.mode in ("generate", "eval"), f"--mode '{cfg.mode}': generate or eval")
-    require(cfg.dtype in DTYPES, f"--dtype '{cfg.dtype}': one of {', '.join(DTYPES)}")
     require(cfg.device in ("auto", "cpu", "cuda"), f"--device '{cfg.device}': auto, cpu, cuda")
     if cfg.device == "cuda":
         require(torch.cuda.is_available(), "--device cuda: no CUDA GPU on this machine")
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cuda else "float32")
+    name = dtype_name(cfg.dtype) if cfg.dtype != "auto" else ("bfloat16" if cuda else "float32")
     weights = cfg.weights if cfg.weights != "auto" else (
         "bundled" if spec.name == "smollm2-135m" else "random")
     return spec, layers, device, getattr(torch, name), weights
@@ -223,17 +221,26 @@ def peak_memory() -> dict[str, int]:
 
 
 def records(name: str, params: dict[str, ParamValue], o: Outcome, batch: int,
-            accuracy: str, counters: Any, peaks: dict[str, int]) -> Iterator[Record]:
-    """The run's records: latency, throughput, memory, perplexity and the work trace."""
+            accuracy: str, counters: Any, peaks: dict[str, int],
+            shadowed: bool = False) -> Iterator[Record]:
+    """The run's records: latency, throughput, memory, perplexity and the work trace.
+
+    `shadowed`: an eval run whose full-attention reference (kvbench.runtime.shadow) ran
+    between the timed steps; the times are the strategy's (method "shadow" says so) and
+    peak memory, which holds the reference's cache, is waived."""
     import numpy as np
 
-    step_method = {"timer": "perf_counter_ns", "warmup": 1, "reps": len(o.steps),
-                   "statistic": "median", "per": "decode step, device synchronised"}
+    timer = {"timer": "perf_counter_ns", "warmup": 1}
+    if shadowed:
+        timer["shadow"] = ("full-attention reference computed between steps, outside the "
+                           "timed region (inputs copied inside it)")
+    step_method = {**timer, "reps": len(o.steps), "statistic": "median",
+                   "per": "decode step, device synchronised"}
     yield measured("run", name, "ttft", "s", "lower", [o.ttft], params,
-                   {"timer": "perf_counter_ns", "warmup": 1, "per": "prefill + first token"})
+                   {**timer, "per": "prefill + first token"})
     if o.appends:
         yield measured("run", name, "append_ttft", "s", "lower", o.appends, params,
-                       {"timer": "perf_counter_ns", "warmup": 1, "statistic": "median",
+                       {**timer, "statistic": "median",
                         "per": "turn >= 1: append of its prompt + first token"})
     yield measured("run", name, "tbt", "s", "lower", o.steps, params, step_method)
     for q in (90, 99):
@@ -244,6 +251,12 @@ def records(name: str, params: dict[str, ParamValue], o: Outcome, batch: int,
                    [batch / s for s in o.steps], params,
                    {**step_method, "per": f"batch ({batch}) / decode step time"})
     for where, n in peaks.items():
+        if shadowed:
+            yield not_measured("run", name, "peak_memory", "waived", "eval mode: the peak "
+                               "holds the full-attention reference's cache beside the "
+                               "strategy's; run --mode generate for its own",
+                               {**params, "where": where})
+            continue
         yield measured("run", name, "peak_memory", "B", "lower", [n], {**params, "where": where},
                        {"statistic": "allocator peak" if where == "accel" else "peak RSS"})
     if params["mode"] == "eval":

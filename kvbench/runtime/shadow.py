@@ -1,18 +1,24 @@
 """Eval-mode accuracy probe: full attention computed next to the strategy on the same inputs.
 
 `Shadow` wraps the run's strategy: every prefill/decode/append call goes to the strategy,
-and the same q/k/v also go to a private `full` strategy (its own accelerator KV cache and
-counters, so the run's traffic and token counts stay the strategy's own). The relative
-error of the strategy's attention output against full attention, ||out - ref|| / ||ref||
-(Frobenius, float32, over the whole [B, Hq, T, D] output), is counted per (step, layer) as
-quantity "rel_error" (where "attention"), so it is stored per layer like the rest of the
-trace.
-Wrapping costs one dense attention per layer and step; eval-mode timings include it.
+and the same q/k/v also go to a private `full` strategy (its own KV cache and counters, so
+the run's traffic and token counts stay the strategy's own). The relative error of the
+strategy's attention output against full attention, ||out - ref|| / ||ref|| (Frobenius,
+float32, over the whole [B, Hq, T, D] output), is counted per (step, layer) as quantity
+"rel_error" (where "attention"), so it is stored per layer like the rest of the trace.
+
+The reference is computed outside the timed region (issue 11.4): a call only keeps copies of
+its q/k/v `[B, H, T, D]` and the strategy's output, and the full-attention work runs at the
+next `begin_step` (which the run calls before starting a step's clock, synchronising CUDA
+after it) or at `flush` after the last step. The step times are then the strategy's own but
+for those copies (four per layer and step); the shadow's cache and copies still count in the
+process's peak memory, which eval runs therefore do not report as the strategy's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvbench.strategies import NoParams, Strategy
@@ -35,29 +41,51 @@ class Shadow(Strategy):
         c = ctx.counters
         private = Counters(c.kv_heads, c.elem_bytes, c.cuda)
         self.ref = Full(NoParams(), dataclasses.replace(ctx, counters=private))
+        # (step, layer, reference call, q, k, v, strategy output) not yet compared
+        self._pending: list[tuple[int, int, Callable[..., torch.Tensor], torch.Tensor,
+                                  torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def begin_step(self, step: int) -> None:
+        self.flush()
         self.inner.begin_step(step)
 
     def layer_input(self, layer: int, x: torch.Tensor) -> None:
         self.inner.layer_input(layer, x)
 
-    def _error(self, out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    def flush(self) -> None:
+        """Run the deferred full-attention calls in order and count each output's error at
+        the (step, layer) it belongs to."""
         import torch
 
-        err = torch.linalg.vector_norm((out.float() - ref.float()).flatten())
-        norm = torch.linalg.vector_norm(ref.float().flatten()).clamp_min(1e-30)
-        self.ctx.counters.add("rel_error", "attention", float(err / norm))
+        c = self.ctx.counters
+        now = c.step, c.layer
+        for step, layer, call, q, k, v, out in self._pending:
+            ref = call(layer, q, k, v)
+            c.step, c.layer = step, layer
+            err = torch.linalg.vector_norm((out.float() - ref.float()).flatten())
+            norm = torch.linalg.vector_norm(ref.float().flatten()).clamp_min(1e-30)
+            c.add("rel_error", "attention", float(err / norm))
+        c.step, c.layer = now
+        if self._pending and self.ctx.accel.type == "cuda":
+            torch.cuda.synchronize()
+        self._pending.clear()
+
+    def _defer(self, ref: Callable[..., torch.Tensor], run: Callable[..., torch.Tensor],
+               layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The strategy's `run`(layer, q, k, v); the reference `ref` waits for `flush`."""
+        saved = q.clone(), k.clone(), v.clone()  # the caller may reuse its buffers
+        out = run(layer, q, k, v)
+        self._pending.append((self.ctx.counters.step, layer, ref, *saved, out.clone()))
         return out
 
     def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> torch.Tensor:
-        return self._error(self.inner.prefill(layer, q, k, v), self.ref.prefill(layer, q, k, v))
+        return self._defer(self.ref.prefill, self.inner.prefill, layer, q, k, v)
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
-        return self._error(self.inner.decode(layer, q, k, v), self.ref.decode(layer, q, k, v))
+        return self._defer(self.ref.decode, self.inner.decode, layer, q, k, v)
 
     def append(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
-        return self._error(self.inner.append(layer, q, k, v), self.ref.append(layer, q, k, v))
+        return self._defer(self.ref.append, self.inner.append, layer, q, k, v)

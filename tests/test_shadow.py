@@ -1,0 +1,70 @@
+"""Eval mode: the full-attention reference stays out of the strategy's timings (issue 11.4)."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvbench.cli import main
+from kvbench.models import get_spec
+from kvbench.runtime.context import Counters, RunContext
+from kvbench.runtime.shadow import Shadow
+from kvbench.store import load
+from kvbench.strategies import NoParams
+from kvbench.strategies.full import Full
+
+
+def test_reference_runs_between_steps() -> None:
+    """A decode call only runs the strategy; the reference attention and the error of each
+    output run at the next begin_step, and the error is filed at the step it belongs to."""
+    spec = get_spec("smollm2-135m")
+    cpu = torch.device("cpu")
+    counters = Counters(spec.n_kv_heads, 4)
+    ctx = RunContext(spec, 2, 1, 16, torch.float32, cpu, cpu, counters, None)
+    shadow = Shadow(Full(NoParams(), ctx), ctx)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 4, spec.head_dim, generator=g)
+               for h in (spec.n_heads, spec.n_kv_heads, spec.n_kv_heads))
+    shadow.begin_step(0)
+    for layer in (0, 1):
+        counters.layer = layer
+        shadow.prefill(layer, q, k, v)
+    assert shadow.ref.length == [0, 0]  # nothing of the reference ran yet
+    q.zero_()  # a caller reusing its buffer does not change what the reference sees
+    counters.step = 1
+    shadow.begin_step(1)
+    assert shadow.ref.length == [4, 4]
+    errors = {(layer, s): v for qn, _, layer, steps in counters.series() if qn == "rel_error"
+              for s, v in steps.items()}
+    assert errors.keys() == {(0, 0), (1, 0)}  # filed at the prefill, both layers
+    assert all(e < 1e-6 for e in errors.values())  # full against full: exact
+
+
+def test_eval_run_times_exclude_reference(tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a real eval run every reference call comes from Shadow.flush (between steps,
+    outside the clock); times say so and peak memory, holding its cache, is waived."""
+    callers: list[str] = []
+    prefill = Full.prefill
+
+    def spy(self: Full, *a: Any) -> torch.Tensor:
+        callers.append(inspect.stack()[1].function)
+        return prefill(self, *a)
+
+    monkeypatch.setattr(Full, "prefill", spy)
+    monkeypatch.setattr(Full, "decode", spy)
+    out = tmp_path / "r.jsonl"
+    with pytest.raises(SystemExit) as e:
+        main(["run", "h2o", "--mode", "eval", "--layers", "2", "--prompt-len", "32",
+              "--gen-len", "3", "--threads", "1", "--out", str(out)])
+    assert e.value.code == 0
+    assert callers and set(callers) == {"flush"}
+    recs = {(r["metric"], r["params"].get("where")): r for r in load(out).records}
+    for metric in ("ttft", "tbt", "decode_tokens_per_s"):
+        assert "outside the timed region" in recs[(metric, None)]["method"]["shadow"]
+    assert recs[("peak_memory", "host")]["status"] == "waived"
+    assert len(recs[("attention_rel_error", None)]["samples"]) == 2  # one per layer
