@@ -1,13 +1,17 @@
 """Compact decoders in the spirit of gpt-fast: one readable implementation per family.
 
 Module names mirror the Hugging Face checkpoints of each family (after the "model.",
-"model.decoder." or "gpt_neox." prefix), so a checkpoint loads with `load_state_dict`.
+"model.decoder." or "gpt_neox." prefix), except the fused projections (`FUSED`: q/k/v in one
+matmul, gate/up in one, as gpt-fast does): `fuse_checkpoint` concatenates the checkpoint's
+rows, then the state dict loads with `load_state_dict`.
 Every attention call goes through the run's strategy (kvbench.strategies): the layer
 computes q [B, Hq, T, D] and k/v [B, Hkv, T, D] with positions applied and hands them to
 `Strategy.prefill` (first call, start 0, T = prompt length), `Strategy.decode` (T = 1) or
 `Strategy.append` (a later turn's prompt after the cached tokens, T >= 2).
 
 Only the last position's logits are computed ([B, vocab]): the run needs no others.
+Decode allocates nothing it can avoid: RoPE tables (positions up to the run's max length)
+are built once in `setup`, q and k are rotated by one set of ops, residual adds are in place.
 """
 
 from __future__ import annotations
@@ -35,15 +39,22 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op, bit-identical to the formula below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
 
 def rope_tables(spec: ModelSpec, max_len: int, device: torch.device,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [max_len, rot] for the rotated part (rot = head_dim * rotary_pct)."""
-    rot = int(spec.head_dim * spec.rotary_pct)
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """cos, signed sin [max_len, D] and the rotate-half permutation [D] of `apply_rope`.
+
+    The rotated part is rot = head_dim * rotary_pct dims; the rest has cos 1 and sin 0.
+    sin carries rotate-half's sign: [-sin, sin] over the two halves of the rotated part.
+    """
+    d = spec.head_dim
+    rot = int(d * spec.rotary_pct)
     inv = 1.0 / (spec.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
     if spec.llama3_rope:  # Llama 3.1: factor 8, low/high frequency factors 1 and 4, 8192
         wavelen = 2 * math.pi / inv
@@ -51,21 +62,29 @@ def rope_tables(spec: ModelSpec, max_len: int, device: torch.device,
         mid = (1 - smooth) * inv / 8 + smooth * inv
         inv = torch.where(wavelen > 8192, inv / 8, torch.where(wavelen < 8192 / 4, inv, mid))
     freqs = torch.outer(torch.arange(max_len, dtype=torch.float64), inv).float()
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(device, dtype), emb.sin().to(device, dtype)
+    cos, sin = freqs.cos(), freqs.sin()
+    ones, zeros = torch.ones(max_len, d - rot), torch.zeros(max_len, d - rot)
+    cos = torch.cat([cos, cos, ones], dim=-1)
+    sin = torch.cat([-sin, sin, zeros], dim=-1)
+    half = rot // 2
+    perm = torch.cat([torch.arange(half, rot), torch.arange(half), torch.arange(rot, d)])
+    return cos.to(device, dtype), sin.to(device, dtype), perm.to(device)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first cos.shape[-1] dims of x [B, H, T, D] (rotate-half convention)."""
-    rot = cos.shape[-1]
-    xr, xp = x[..., :rot], x[..., rot:]
-    x1, x2 = xr[..., : rot // 2], xr[..., rot // 2:]
-    xr = xr * cos + torch.cat([-x2, x1], dim=-1) * sin
-    return torch.cat([xr, xp], dim=-1) if xp.shape[-1] else xr
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               perm: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on x [..., T, H, D] with cos/sin [T, 1, D] from `rope_tables`:
+    x * cos + rotate_half(x) * sin, rotate_half being the permutation with sin's sign."""
+    return torch.addcmul(x * cos, x.index_select(-1, perm), sin)
 
 
 class Decoder(nn.Module):
-    """Shared driver: embed, run the layers with the strategy, final norm, last logits."""
+    """Shared driver: embed, run the layers with the strategy, final norm, last logits.
+
+    Look-ahead strategies reach any layer through `query(layer, x, start)` (q with positions,
+    as that layer computes it) and `query_weight(layer)` (its W_q, a view of the fused
+    projection).
+    """
 
     layers: nn.ModuleList
 
@@ -75,7 +94,7 @@ class Decoder(nn.Module):
         self.n_layers = n_layers
         self.strategy: Strategy | None = None
         self.counters: Counters | None = None
-        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def setup(self, strategy: Strategy, counters: Counters, max_len: int) -> None:
         """Attach the run's strategy and counters; build RoPE tables up to max_len."""
@@ -84,12 +103,31 @@ class Decoder(nn.Module):
             w = next(self.parameters())
             self._rope = rope_tables(self.spec, max_len, w.device, w.dtype)
 
+    def rope(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """Positions start.. on x [B, T, H, D] (unchanged for learned positions)."""
+        if self._rope is None:
+            return x
+        cos, sin, perm = self._rope
+        t = x.shape[1]
+        return apply_rope(x, cos[start:start + t, None], sin[start:start + t, None], perm)
+
+    def query_weight(self, layer: int) -> torch.Tensor:
+        """Layer `layer`'s W_q [Hq * D, hidden] (a view of its fused projection; neox: a copy)."""
+        return self.layers[layer].attn().q_weight()
+
+    def query(self, layer: int, x: torch.Tensor, start: int) -> torch.Tensor:
+        """Layer `layer`'s query [B, Hq, T, D] from a normed hidden state x [B, T, hidden]
+        at positions start..start+T-1, q-norm and positions applied as the layer applies them.
+
+        What look-ahead strategies (InfiniGen, ScoutAttention) use to predict layer i+1's
+        query from layer i's input (the predicted query needs RoPE); only the q rows of the
+        fused projection are multiplied.
+        """
+        return self.layers[layer].attn().q(x, self, start)
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                start: int) -> torch.Tensor:
-        """Positions on q/k [B, H, T, D], then the strategy; returns [B, T, Hq * D]."""
-        if self._rope is not None:
-            cos, sin = (t[start:start + q.shape[2]] for t in self._rope)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        """The strategy on q [B, Hq, T, D], k/v [B, Hkv, T, D]; returns [B, T, Hq * D]."""
         with self.counters.timed("attention"):
             if start == 0:
                 out = self.strategy.prefill(layer, q, k, v)
@@ -99,19 +137,6 @@ class Decoder(nn.Module):
                 out = self.strategy.append(layer, q, k, v)
         b, h, t, d = out.shape
         return out.transpose(1, 2).reshape(b, t, h * d)
-
-    def query(self, layer: int, x: torch.Tensor, start: int) -> torch.Tensor:
-        """Layer `layer`'s query [B, Hq, T, D] from a normed hidden state x [B, T, hidden]
-        at positions start..start+T-1, positions applied as `attend` applies them.
-
-        What look-ahead strategies (InfiniGen, ScoutAttention) use to predict layer i+1's
-        query from layer i's input (spec section 0: the predicted query needs RoPE).
-        """
-        q = self.layers[layer].q_heads(x)
-        if self._rope is not None:
-            cos, sin = (t[start:start + q.shape[2]] for t in self._rope)
-            q = apply_rope(q, cos, sin)
-        return q
 
     def embed(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
         raise NotImplementedError
@@ -129,49 +154,89 @@ class Decoder(nn.Module):
         return self.logits(x[:, -1]).float()
 
 
-def _heads(x: torch.Tensor, n: int) -> torch.Tensor:
-    """[B, T, n * D] -> [B, n, T, D]."""
-    b, t, _ = x.shape
-    return x.view(b, t, n, -1).transpose(1, 2)
+class FusedQKV(nn.Module):
+    """q, k and v in one matmul: `qkv_proj` holds the checkpoint's q_proj, k_proj and v_proj
+    rows in that order (`FUSED`), so x [B, T, hidden] is read once per layer."""
+
+    def __init__(self, s: ModelSpec, bias: bool) -> None:
+        super().__init__()
+        self.hq, self.hkv, self.nq = s.n_heads, s.n_kv_heads, s.n_heads * s.head_dim
+        self.qkv_proj = nn.Linear(s.hidden, (s.n_heads + 2 * s.n_kv_heads) * s.head_dim,
+                                  bias=bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+
+    def q_weight(self) -> torch.Tensor:
+        return self.qkv_proj.weight[:self.nq]
+
+    def q(self, x: torch.Tensor, m: Decoder, start: int) -> torch.Tensor:
+        """q [B, Hq, T, D] alone for x [B, T, hidden], q-norm and positions on."""
+        b, t, _ = x.shape
+        bias = None if self.qkv_proj.bias is None else self.qkv_proj.bias[:self.nq]
+        q = F.linear(x, self.q_weight(), bias).view(b, t, self.hq, -1)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return m.rope(q, start).transpose(1, 2)
+
+    def qkv(self, x: torch.Tensor, m: Decoder, start: int
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, Hq, T, D], k/v [B, Hkv, T, D] (views) for x [B, T, hidden], positions on."""
+        b, t, _ = x.shape
+        qkv = self.qkv_proj(x).view(b, t, self.hq + 2 * self.hkv, -1)
+        q, k, v = qkv.split((self.hq, self.hkv, self.hkv), dim=2)
+        if self.q_norm is not None and self.k_norm is not None:  # qwen3: before positions
+            q, k = m.rope(self.q_norm(q), start), m.rope(self.k_norm(k), start)
+        else:  # q and k rotated by one set of ops
+            q, k = m.rope(qkv[:, :, :self.hq + self.hkv], start).split((self.hq, self.hkv), 2)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+
+# fused module -> the checkpoint modules whose weight (and bias) rows it holds, in order
+FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def fuse_checkpoint(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
+                                                          dict[str, list[str]]]:
+    """Checkpoint names (prefix stripped) -> this module's: the `FUSED` groups concatenated
+    by rows. Also returns fused name -> the checkpoint names it holds, in row order."""
+    out, parts = dict(sd), {}
+    for name in sd:
+        for fused, group in FUSED.items():
+            head = f".{group[0]}."
+            if head in name:
+                pre, suf = name.split(head)
+                names = [f"{pre}.{g}.{suf}" for g in group]
+                parts[f"{pre}.{fused}.{suf}"] = names
+                out[f"{pre}.{fused}.{suf}"] = torch.cat([out.pop(n) for n in names])
+    return out, parts
 
 
 # --- Llama family (Llama 2/3, Qwen3, SmolLM2): RoPE, RMSNorm, SwiGLU, GQA ---------------
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(FusedQKV):
     def __init__(self, s: ModelSpec) -> None:
-        super().__init__()
-        d = s.head_dim
-        self.q_proj = nn.Linear(s.hidden, s.n_heads * d, bias=False)
-        self.k_proj = nn.Linear(s.hidden, s.n_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(s.hidden, s.n_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(s.n_heads * d, s.hidden, bias=False)
-        self.q_norm = RMSNorm(d, s.norm_eps) if s.qk_norm else None
-        self.k_norm = RMSNorm(d, s.norm_eps) if s.qk_norm else None
-        self.s = s
-
-    def q_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """Query heads [B, Hq, T, D] of x [B, T, hidden], q-norm applied, no positions."""
-        q = _heads(self.q_proj(x), self.s.n_heads)
-        return q if self.q_norm is None else self.q_norm(q)
+        super().__init__(s, bias=False)
+        self.o_proj = nn.Linear(s.n_heads * s.head_dim, s.hidden, bias=False)
+        if s.qk_norm:
+            self.q_norm = RMSNorm(s.head_dim, s.norm_eps)
+            self.k_norm = RMSNorm(s.head_dim, s.norm_eps)
 
     def forward(self, x: torch.Tensor, i: int, m: Decoder, start: int) -> torch.Tensor:
-        q = self.q_heads(x)
-        k = _heads(self.k_proj(x), self.s.n_kv_heads)
-        v = _heads(self.v_proj(x), self.s.n_kv_heads)
-        if self.k_norm is not None:
-            k = self.k_norm(k)
-        return self.o_proj(m.attend(i, q, k, v, start))
+        return self.o_proj(m.attend(i, *self.qkv(x, m, start), start))
 
 
 class LlamaMLP(nn.Module):
+    """SwiGLU with gate and up in one matmul (`gate_up_proj`: gate rows, then up rows)."""
+
     def __init__(self, s: ModelSpec) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(s.hidden, s.ffn, bias=False)
-        self.up_proj = nn.Linear(s.hidden, s.ffn, bias=False)
+        self.gate_up_proj = nn.Linear(s.hidden, 2 * s.ffn, bias=False)
         self.down_proj = nn.Linear(s.ffn, s.hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class LlamaLayer(nn.Module):
@@ -182,14 +247,14 @@ class LlamaLayer(nn.Module):
         self.input_layernorm = RMSNorm(s.hidden, s.norm_eps)
         self.post_attention_layernorm = RMSNorm(s.hidden, s.norm_eps)
 
-    def q_heads(self, x: torch.Tensor) -> torch.Tensor:
-        return self.self_attn.q_heads(x)
+    def attn(self) -> FusedQKV:
+        return self.self_attn
 
     def forward(self, x: torch.Tensor, i: int, m: Decoder, start: int) -> torch.Tensor:
         h = self.input_layernorm(x)
         m.strategy.layer_input(i, h)
         x = x + self.self_attn(h, i, m, start)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
 
 class LlamaDecoder(Decoder):
@@ -205,24 +270,18 @@ class LlamaDecoder(Decoder):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.norm(x) @ w.T
+        return F.linear(self.norm(x), w)
 
 
 # --- OPT: learned positions (offset 2), pre-LayerNorm, ReLU, biases, tied head ----------
 
-class OPTAttention(nn.Module):
+class OPTAttention(FusedQKV):
     def __init__(self, s: ModelSpec) -> None:
-        super().__init__()
-        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (
-            nn.Linear(s.hidden, s.hidden) for _ in range(4))
-        self.n = s.n_heads
-
-    def q_heads(self, x: torch.Tensor) -> torch.Tensor:
-        return _heads(self.q_proj(x), self.n)
+        super().__init__(s, bias=True)
+        self.out_proj = nn.Linear(s.hidden, s.hidden)
 
     def forward(self, x: torch.Tensor, i: int, m: Decoder, start: int) -> torch.Tensor:
-        q, k, v = (_heads(p(x), self.n) for p in (self.q_proj, self.k_proj, self.v_proj))
-        return self.out_proj(m.attend(i, q, k, v, start))
+        return self.out_proj(m.attend(i, *self.qkv(x, m, start), start))
 
 
 class OPTLayer(nn.Module):
@@ -234,14 +293,14 @@ class OPTLayer(nn.Module):
         self.fc2 = nn.Linear(s.ffn, s.hidden)
         self.final_layer_norm = nn.LayerNorm(s.hidden)
 
-    def q_heads(self, x: torch.Tensor) -> torch.Tensor:
-        return self.self_attn.q_heads(x)
+    def attn(self) -> FusedQKV:
+        return self.self_attn
 
     def forward(self, x: torch.Tensor, i: int, m: Decoder, start: int) -> torch.Tensor:
         h = self.self_attn_layer_norm(x)
         m.strategy.layer_input(i, h)
         x = x + self.self_attn(h, i, m, start)
-        return x + self.fc2(F.relu(self.fc1(self.final_layer_norm(x))))
+        return x.add_(self.fc2(F.relu(self.fc1(self.final_layer_norm(x)))))
 
 
 class OPTDecoder(Decoder):
@@ -253,33 +312,45 @@ class OPTDecoder(Decoder):
         self.final_layer_norm = nn.LayerNorm(s.hidden)
 
     def embed(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
-        pos = torch.arange(start + 2, start + 2 + tokens.shape[1], device=tokens.device)
-        return self.embed_tokens(tokens) + self.embed_positions(pos)[None]
+        pos = self.embed_positions.weight[start + 2:start + 2 + tokens.shape[1]]
+        return self.embed_tokens(tokens) + pos
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.final_layer_norm(x) @ self.embed_tokens.weight.T
+        return F.linear(self.final_layer_norm(x), self.embed_tokens.weight)
 
 
 # --- GPT-NeoX: parallel residual, partial rotary, fused qkv, GELU -----------------------
 
 class NeoXAttention(nn.Module):
+    """The checkpoint's own fused qkv: per head [q | k | v] rows."""
+
     def __init__(self, s: ModelSpec) -> None:
         super().__init__()
         self.query_key_value = nn.Linear(s.hidden, 3 * s.hidden)
         self.dense = nn.Linear(s.hidden, s.hidden)
         self.n = s.n_heads
 
-    def q_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """The query third of each head's fused [q | k | v] rows: [B, H, T, D]."""
-        w = self.query_key_value.weight.view(self.n, 3, -1, x.shape[-1])[:, 0]
-        bias = self.query_key_value.bias.view(self.n, 3, -1)[:, 0]
-        return _heads(F.linear(x, w.reshape(-1, x.shape[-1]), bias.reshape(-1)), self.n)
+    def q_weight(self) -> torch.Tensor:
+        w = self.query_key_value.weight
+        return w.view(self.n, 3, -1, w.shape[1])[:, 0].reshape(-1, w.shape[1])
+
+    def q(self, x: torch.Tensor, m: Decoder, start: int) -> torch.Tensor:
+        """The query third of each head's [q | k | v] rows: [B, H, T, D], positions on."""
+        b, t, _ = x.shape
+        bias = self.query_key_value.bias.view(self.n, 3, -1)[:, 0].reshape(-1)
+        q = F.linear(x, self.q_weight(), bias).view(b, t, self.n, -1)
+        return m.rope(q, start).transpose(1, 2)
+
+    def qkv(self, x: torch.Tensor, m: Decoder, start: int
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q/k/v [B, H, T, D] for x [B, T, hidden], positions on q and k."""
+        b, t, _ = x.shape
+        q, k, v = self.query_key_value(x).view(b, t, self.n, 3, -1).unbind(3)
+        return (m.rope(q, start).transpose(1, 2), m.rope(k, start).transpose(1, 2),
+                v.transpose(1, 2))
 
     def forward(self, x: torch.Tensor, i: int, m: Decoder, start: int) -> torch.Tensor:
-        b, t, _ = x.shape
-        qkv = self.query_key_value(x).view(b, t, self.n, -1).transpose(1, 2)
-        q, k, v = qkv.chunk(3, dim=-1)  # per head [q | k | v], as the checkpoints store it
-        return self.dense(m.attend(i, q, k, v, start))
+        return self.dense(m.attend(i, *self.qkv(x, m, start), start))
 
 
 class NeoXLayer(nn.Module):
@@ -292,8 +363,8 @@ class NeoXLayer(nn.Module):
         self.mlp.dense_h_to_4h = nn.Linear(s.hidden, s.ffn)
         self.mlp.dense_4h_to_h = nn.Linear(s.ffn, s.hidden)
 
-    def q_heads(self, x: torch.Tensor) -> torch.Tensor:
-        return self.attention.q_heads(x)
+    def attn(self) -> NeoXAttention:
+        return self.attention
 
     def forward(self, x: torch.Tensor, i: int, m: Decoder, start: int) -> torch.Tensor:
         h = self.input_layernorm(x)

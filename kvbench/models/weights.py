@@ -7,7 +7,9 @@
 - "random": shape-faithful seeded initialisation (N(0, 0.02) matrices, unit norms, zero
   biases) for performance runs; tokens are the text's UTF-8 bytes (no tokenizer needed).
 
-Whatever the source, the decoder keeps only the first `n_layers` layers.
+Whatever the source, the decoder keeps only the first `n_layers` layers. Its fused
+projections (q/k/v, gate/up) hold the checkpoint's rows once: the transformers model's
+q/k/v and gate/up weights become views of them (same layout, so its speed is unchanged).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from kvbench.errors import KvbenchError
 from kvbench.models import ModelSpec
-from kvbench.models.decoder import FAMILIES, Decoder
+from kvbench.models.decoder import FAMILIES, Decoder, fuse_checkpoint
 
 BUNDLED_MODEL = "smollm2-135m"
 _GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -74,12 +76,13 @@ def load(spec: ModelSpec, weights: str, n_layers: int, dtype: torch.dtype,
         source = str(path)
     _check_config(spec, hf.config)
     model = _meta(spec, n_layers)
-    state = _state_dict(hf.state_dict(), spec, n_layers)
+    state, parts = fuse_checkpoint(_state_dict(hf.state_dict(), spec, n_layers))
     try:
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as e:
         raise KvbenchError(f"checkpoint does not match {spec.name}: {str(e).splitlines()[0]}") \
             from None
+    _share(hf, model, parts)
     return Loaded(model.to(device).eval(), lambda text: tok(text)["input_ids"], hf, source)
 
 
@@ -136,15 +139,29 @@ def _check_config(spec: ModelSpec, cfg: Any) -> None:
         raise KvbenchError(f"checkpoint is not {spec.name}: {', '.join(bad)}")
 
 
+def _strip(name: str) -> str:
+    for p in _PREFIXES:
+        if name.startswith(p):
+            return name[len(p):]
+    return name
+
+
+def _share(hf: Any, model: Decoder, parts: dict[str, list[str]]) -> None:
+    """Point the transformers model's q/k/v (gate/up) tensors at rows of our fused ones."""
+    hf_params = {_strip(n): p for n, p in hf.named_parameters()}
+    for fused, names in parts.items():
+        rows = model.get_parameter(fused).detach()
+        for name, part in zip(names, rows.split([hf_params[n].shape[0] for n in names]),
+                              strict=True):
+            hf_params[name].data = part
+
+
 def _state_dict(sd: dict[str, torch.Tensor], spec: ModelSpec,
                 n_layers: int) -> dict[str, torch.Tensor]:
     """HF names -> decoder names; drop layers >= n_layers, tied heads and known buffers."""
     out = {}
     for name, t in sd.items():
-        for p in _PREFIXES:
-            if name.startswith(p):
-                name = name[len(p):]
-                break
+        name = _strip(name)
         if name.endswith(_IGNORED) or (spec.tied and name == "lm_head.weight"):
             continue
         if name.startswith("layers.") and int(name.split(".")[1]) >= n_layers:
