@@ -118,7 +118,7 @@ def suite_check_cmd(
     base = load(baseline or baseline_path(suite, new))
     rows = []
     for glob, threshold in (suite.guard or {"*": suite.threshold}).items():
-        for row in compare_sets(base, new, threshold, 0.05, glob):
+        for row in compare_sets(base, new, threshold, 0.05, glob, thresholded=True):
             row.marks.append(f"threshold {threshold:.0%}")
             rows.append(row)
     compare_output(rows, fmt, suite.threshold, 0.05)

@@ -3,9 +3,15 @@
 A quantity is matched across files by (kind, name, metric, provenance, params). Its change
 is the relative difference of medians, signed so that positive means better. A change
 counts (regressed or improved) only when it is beyond the threshold AND the two sample sets
-are distinguishable by a two-sided Mann-Whitney U test at level alpha. When the samples are
-too few for the test to ever reach alpha (for example one sample each, as for a
-deterministic perplexity), the threshold alone decides and the row says "threshold-only".
+are distinguishable by a two-sided Mann-Whitney U test at level alpha.
+
+A verdict needs a known uncertainty (issue 11.17: compare must not cry wolf). When the
+samples are too few for the test to ever reach alpha (a single derived value such as a
+latency floor or a ratio of medians, a CV over two sizes), the threshold alone decides only
+for a quantity its record declares exact (`method["exact"]`, e.g. a deterministic
+perplexity) or when the caller vouches for the threshold as that quantity's tolerance (suite
+guards, `thresholded=True`); otherwise the row is "untestable" and never regresses.
+Quantities with direction "none" (diagnostics such as a sweep's CV) are informational.
 Records whose environment, probe version or attention backend (method.backend: the native
 kernel or the torch fallback) differ are compared and visibly marked.
 """
@@ -123,11 +129,13 @@ def _backends(recs: list[dict[str, Any]]) -> set[str]:
 
 
 def compare_sets(base: ResultSet, new: ResultSet, threshold: float = 0.05, alpha: float = 0.05,
-                 pattern: str | Sequence[str] | None = None) -> list[Row]:
+                 pattern: str | Sequence[str] | None = None, thresholded: bool = False
+                 ) -> list[Row]:
     """One row per quantity present in either file, in base-file order then new-only ones.
 
     `pattern` is a glob or a list of globs; a record counts when any matches its metric or
-    'name.metric'."""
+    'name.metric'. `thresholded`: the threshold is the tolerance of every matched quantity,
+    so too few samples to test are judged by the threshold alone (as the module says)."""
     b, n = _pool(base, pattern), _pool(new, pattern)
     rows = []
     for key in list(b) + [k for k in n if k not in b]:
@@ -144,12 +152,12 @@ def compare_sets(base: ResultSet, new: ResultSet, threshold: float = 0.05, alpha
                 row.marks.append("version differs")
             if _backends(rb) != _backends(rn):
                 row.marks.append("attention backend differs")
-        _judge(row, rb, rn, threshold, alpha)
+        _judge(row, rb, rn, threshold, alpha, thresholded)
     return rows
 
 
 def _judge(row: Row, rb: list[dict[str, Any]], rn: list[dict[str, Any]], threshold: float,
-           alpha: float) -> None:
+           alpha: float, thresholded: bool) -> None:
     if not rn:
         row.verdict = "missing"
         return
@@ -177,6 +185,10 @@ def _judge(row: Row, rb: list[dict[str, Any]], rn: list[dict[str, Any]], thresho
         row.change = sign * (row.new - row.base) / abs(row.base)
     beyond = abs(row.change) > threshold
     if min_p_value(len(sb), len(sn)) > alpha:
+        exact = all((r.get("method") or {}).get("exact") for r in rb + rn)
+        if not (exact or thresholded):
+            row.test, row.verdict = "untestable", "noise" if beyond else "same"
+            return
         row.test = "threshold-only"
         significant = True
     else:

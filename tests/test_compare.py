@@ -65,7 +65,10 @@ def run_files(tmp_path: Path, bw_scale: float, lat_scale: float, seed: int) -> P
                  {"size": 1 << 20}),
         measured("probe", "bw", "latency", "us", "lower", noisy(rng, 5 * lat_scale),
                  {"size": 1 << 20}),
-        measured("run", "full", "perplexity", "", "lower", [12.5 * lat_scale]),
+        measured("run", "full", "perplexity", "", "lower", [12.5 * lat_scale], {},
+                 {"exact": "deterministic"}),
+        measured("probe", "bw", "latency_floor", "us", "lower", [2.0 * lat_scale], {},
+                 {"derived": "min over sizes"}),
     ])
 
 
@@ -84,8 +87,16 @@ def test_direction_aware(tmp_path: Path) -> None:
     assert worse["latency"].verdict == "regressed"
     assert worse["perplexity"].verdict == "regressed" and worse["perplexity"].test == (
         "threshold-only")
+    # one derived value, uncertainty unknown: shown, never a verdict (issue 11.17)
+    assert worse["latency_floor"].verdict == "noise" and worse["latency_floor"].test == (
+        "untestable")
+    assert worse["latency_floor"] not in regressed(list(worse.values()))
     better = {r.metric: r for r in compare_sets(base, load(run_files(tmp_path, 2, 0.5, 2)))}
-    assert {r.verdict for r in better.values()} == {"improved"}
+    assert {r.verdict for r in better.values()} == {"improved", "noise"}
+    # a suite guard vouches for its threshold: the single value is judged by it
+    guarded = compare_sets(base, load(run_files(tmp_path, 0.5, 2, 1)), pattern="latency_floor",
+                           thresholded=True)
+    assert [(r.verdict, r.test) for r in guarded] == [("regressed", "threshold-only")]
 
 
 def test_beyond_threshold_but_not_significant_is_noise(tmp_path: Path) -> None:
@@ -118,7 +129,7 @@ def test_error_missing_added_and_marks(tmp_path: Path) -> None:
 def test_metric_glob(tmp_path: Path) -> None:
     rows = compare_sets(load(run_files(tmp_path, 1, 1, 0)), load(run_files(tmp_path, 0.5, 1, 1)),
                         pattern="lat*")
-    assert [r.metric for r in rows] == ["latency"]
+    assert [r.metric for r in rows] == ["latency", "latency_floor"]
 
 
 def test_real_probe_twice_clean_and_halved_regresses(tmp_path: Path,

@@ -4,6 +4,9 @@ Per pair and memory kind: the peak, the size reaching 90% of it, the half-bandwi
 the small-copy latency floor of one sweep (medians per size, GB/s); and the stability records,
 the median over sizes >= 1M of per-size coefficients of variation, within one sweep or across
 the sweeps of a `--repeat` run (the issue's bar: under 5% on an idle machine).
+The stability records are diagnostics of spread: direction "none", so compare shows them and
+never judges them (issue 11.17). The derived figures are one value each, which compare
+judges only when a suite guard vouches for a threshold (kvbench.compare).
 """
 
 from __future__ import annotations
@@ -61,11 +64,12 @@ def cv_by_size(sweeps: Sequence[dict[int, float]]) -> dict[int, float]:
 
 def stability(name: str, metric: str, cvs: dict[int, float], params: dict[str, Any],
               load: float, how: str, bar: bool) -> Iterator[Record]:
-    """One record whose samples are the per-size CVs (sizes >= 1M) and whose value is their
-    median, with the 1-minute load average at the run's start and now; none without sizes."""
+    """One informational record (direction "none") whose samples are the per-size CVs (sizes
+    >= 1M) and whose value is their median, with the 1-minute load average at the run's start
+    and now; none without sizes."""
     if not cvs:
         return
-    rec = measured("probe", name, metric, "ratio", "lower", list(cvs.values()), params,
+    rec = measured("probe", name, metric, "ratio", "none", list(cvs.values()), params,
                    {"derived": f"median over sizes >= 1M of the {how}",
                     "sizes": ",".join(format_size(s) for s in cvs),
                     "loadavg_1m_start": load, "loadavg_1m_end": os.getloadavg()[0]})

@@ -265,7 +265,9 @@ def records(name: str, params: dict[str, ParamValue], o: Outcome, batch: int,
         else:
             yield measured("run", name, "perplexity", "ppl", "lower",
                            [math.exp(sum(o.nll) / len(o.nll))], params,
-                           {"statistic": "exp(mean NLL)", "tokens": len(o.nll)})
+                           {"statistic": "exp(mean NLL)", "tokens": len(o.nll),
+                            "exact": "deterministic: same tokens, weights, dtype and "
+                                     "strategy give the same value"})
     from kvbench.runtime.breakdown import derived
     from kvbench.runtime.context import UNITS
 
