@@ -10,6 +10,8 @@ from pathlib import Path
 from kvbench.errors import KvbenchError
 
 ABI_VERSION = 3
+# Entry points added since ABI 3 (a library built from older sources lacks them: stale).
+REQUIRED = ("kvb_read_threads", "kvb_attn_isa")
 
 
 class CopyJob(ctypes.Structure):
@@ -37,7 +39,7 @@ def lib() -> ctypes.CDLL:
                            "checkout (needs a C compiler)")
     so = ctypes.CDLL(str(path))
     so.kvb_abi_version.restype = ctypes.c_int
-    if so.kvb_abi_version() != ABI_VERSION:
+    if so.kvb_abi_version() != ABI_VERSION or not all(hasattr(so, f) for f in REQUIRED):
         raise KvbenchError("native probes are stale: rebuild with `pip install -e .`")
     so.kvb_now_ns.restype = ctypes.c_uint64
     so.kvb_memcpy_loop.restype = ctypes.c_uint64
@@ -48,6 +50,9 @@ def lib() -> ctypes.CDLL:
     so.kvb_memcpy_threads.restype = ctypes.c_uint64
     so.kvb_memcpy_threads.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
                                       ctypes.c_size_t, ctypes.c_int]
+    so.kvb_read_threads.restype = ctypes.c_uint64
+    so.kvb_read_threads.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
+                                    ctypes.c_int]
     so.kvb_chase_build.restype = ctypes.c_int
     so.kvb_chase_build.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
                                    ctypes.c_uint64]
@@ -58,4 +63,6 @@ def lib() -> ctypes.CDLL:
     so.kvb_attn.argtypes = [ctypes.c_int, vp, vp, vp, vp, vp, i64, i64, i64, i64, i64, i64,
                             i64p, i64p, vp, vp, i64, ctypes.c_float, ctypes.c_int, i64, i64,
                             ctypes.c_int]
+    so.kvb_attn_isa.restype = ctypes.c_int
+    so.kvb_attn_isa.argtypes = [ctypes.c_int]
     return so

@@ -127,6 +127,81 @@ uint64_t kvb_memcpy_threads(void *dst, const void *src, size_t n, size_t iters, 
     return kvb_now_ns() - t0;
 }
 
+/* Read-only bandwidth (the roof of decode attention, which reads K and V once): each of
+ * `nthreads` threads sums 64-bit words of its contiguous slice of src `iters` times, with
+ * AVX2 loads where the CPU has them. Threads are created before the clock starts and
+ * released together; returns ns from the first thread's start to the last one's end, or 0
+ * when a thread could not be created. */
+typedef struct { const char *p; size_t n, iters; int *go; uint64_t t0, t1, sum; } read_arg;
+
+static uint64_t read_generic(const char *p, size_t n) {
+    uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    const uint64_t *w = (const uint64_t *)p;
+    size_t i = 0, nw = n / 8;
+    for (; i + 4 <= nw; i += 4) s0 += w[i], s1 += w[i + 1], s2 += w[i + 2], s3 += w[i + 3];
+    for (; i < nw; i++) s0 += w[i];
+    return s0 + s1 + s2 + s3;
+}
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+__attribute__((target("avx2"))) static uint64_t read_avx2(const char *p, size_t n) {
+    __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
+    size_t i = 0;
+    for (; i + 128 <= n; i += 128) {
+        s0 = _mm256_add_epi64(s0, _mm256_loadu_si256((const __m256i *)(p + i)));
+        s1 = _mm256_add_epi64(s1, _mm256_loadu_si256((const __m256i *)(p + i + 32)));
+        s2 = _mm256_add_epi64(s2, _mm256_loadu_si256((const __m256i *)(p + i + 64)));
+        s3 = _mm256_add_epi64(s3, _mm256_loadu_si256((const __m256i *)(p + i + 96)));
+    }
+    uint64_t lane[4];
+    _mm256_storeu_si256((__m256i *)lane,
+                        _mm256_add_epi64(_mm256_add_epi64(s0, s1), _mm256_add_epi64(s2, s3)));
+    return lane[0] + lane[1] + lane[2] + lane[3] + read_generic(p + i, n - i);
+}
+#endif
+
+static void *read_worker(void *p) {
+    read_arg *a = p;
+    uint64_t (*fn)(const char *, size_t) = read_generic;
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2")) fn = read_avx2;
+#endif
+    int go;
+    while ((go = __atomic_load_n(a->go, __ATOMIC_ACQUIRE)) == 0) sched_yield();
+    if (go != 1) return NULL;
+    a->t0 = kvb_now_ns();
+    for (size_t i = 0; i < a->iters; i++) a->sum += fn(a->p, a->n);
+    a->t1 = kvb_now_ns();
+    return NULL;
+}
+
+uint64_t kvb_read_threads(const void *src, size_t n, size_t iters, int nthreads) {
+    if (nthreads < 1 || nthreads > 1024) return 0;
+    pthread_t tid[1024];
+    read_arg args[1024];
+    int go = 0, started = 0;
+    size_t slice = n / (size_t)nthreads / 64 * 64;
+    for (int k = 0; k < nthreads; k++) {
+        size_t off = slice * (size_t)k;
+        args[k] = (read_arg){(const char *)src + off, k == nthreads - 1 ? n - off : slice, iters,
+                             &go, 0, 0, 0};
+        if (pthread_create(&tid[k], NULL, read_worker, &args[k]) != 0) break;
+        started++;
+    }
+    __atomic_store_n(&go, started == nthreads ? 1 : 2, __ATOMIC_RELEASE);
+    uint64_t first = UINT64_MAX, last = 0, sum = 0;
+    for (int k = 0; k < started; k++) {
+        pthread_join(tid[k], NULL);
+        sum += args[k].sum;
+        if (args[k].t0 < first) first = args[k].t0;
+        if (args[k].t1 > last) last = args[k].t1;
+    }
+    __asm__ volatile("" : : "r"(sum));
+    return started < nthreads ? 0 : last - first;
+}
+
 /* Pointer chase: make the `nlines` lines of `line` bytes at buf one random cycle (Sattolo's
  * algorithm), each line's first word pointing at the next line. Returns 0, or -1 if out of
  * memory. */

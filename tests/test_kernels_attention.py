@@ -159,3 +159,64 @@ def test_native_matches_reference(dtype, lq, q_start, causal):
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse.float()))
     fin = torch.isfinite(ref_lse)
     assert max_err(lse[fin], ref_lse[fin]) < 1e-4
+
+
+@pytest.fixture(params=["avx2", "portable"])
+def kernel_isa(request):
+    """Each native inner-loop set in turn (avx2 runs where the CPU has it), restored after."""
+    from kvbench.kernels import cpu
+
+    if cpu.isa() is None:
+        pytest.skip("native library not built")
+    before = cpu.isa()
+    got = cpu.isa(request.param)
+    if got != request.param:
+        cpu.isa(before)
+        pytest.skip(f"this CPU has no {request.param}")
+    yield got
+    cpu.isa(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq, hkv, d", [(8, 8, 64), (9, 3, 64), (4, 4, 128), (9, 3, 128),
+                                        (6, 2, 80), (2, 1, 24), (3, 1, 12)])
+def test_native_shapes_isas_and_split(kernel_isa, dtype, hq, hkv, d):
+    """Both inner-loop sets at MHA and GQA (the bundled model's 9/3), head dims 64/128 and
+    ones off the vector width, odd lengths, and long rows that a few threads split along the
+    keys (split-K with the log-sum-exp merge) -- against the float64 reference."""
+    for lk, lq, threads in ((1, 1, 2), (67, 1, 1), (65, 5, 3), (1531, 1, 2), (1531, 3, 3),
+                            (2049, 1, 1), (3001, 32, 2)):
+        q, k, v = make(1, hq, hkv, lq, lk, d, dtype, seed=lk)
+        out, lse = dense_attention(q, k * 2, v, backend="native", threads=threads)
+        ref, ref_lse = reference(q, k * 2, v)
+        assert max_err(out, ref) < TOL[dtype], (lk, lq, threads)
+        assert max_err(lse, ref_lse) < 1e-4, (lk, lq, threads)
+
+
+def test_native_sparse_split_matches_reference(kernel_isa):
+    """Long per-head selections on few rows (split-K over the selected positions), with rows
+    of different lengths, one of them empty."""
+    from kvbench.kernels.sparse import pack_indices, sparse_attention
+
+    q, k, v = make(1, 9, 3, 2, 4000, 64, seed=5)
+    gen = torch.Generator().manual_seed(1)
+    order = torch.rand(1, 3, 4000, generator=gen).argsort(dim=-1)[..., :1800].sort(-1).values
+    lengths = torch.tensor([[1800, 0, 700]])
+    keep = torch.zeros(1, 3, 4000, dtype=torch.bool)
+    for h in range(3):
+        keep[0, h, order[0, h, :lengths[0, h]]] = True
+    out, lse = sparse_attention(q, k, v, pack_indices(order, 1, 3, 4000, lengths), threads=2)
+    ref, ref_lse = reference(q, k, v, keep=keep)
+    assert max_err(out, ref) < 1e-5
+    assert torch.all(out[:, 3:6] == 0) and torch.all(torch.isneginf(lse[:, 3:6]))
+    fin = torch.isfinite(ref_lse)
+    assert max_err(lse[fin], ref_lse[fin]) < 1e-4
+
+
+def test_isa_rejects_unknown_name():
+    from kvbench.kernels import cpu
+
+    if cpu.isa() is None:
+        pytest.skip("native library not built")
+    with pytest.raises(KvbenchError, match="unknown kernel instruction set"):
+        cpu.isa("sse9")

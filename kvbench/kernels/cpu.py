@@ -3,7 +3,10 @@
 `run` computes attention of q `[B, Hq, Lq, D]` over k/v `[B, Hkv, Lk, D]` (any strides with
 a contiguous last dimension) for every (batch, KV head) row, either over all Lk positions or
 over the row's selected positions idx `[B * Hkv, N]` int32 (the first lens[row] of them).
-Rows are grouped `group` at a time into tasks for `threads` pthreads (HGCA section 3.3).
+Rows are grouped `group` at a time into tasks for `threads` pthreads (HGCA section 3.3);
+with fewer than 8 rows per thread the kernel splits each row's keys into chunks merged by
+log-sum-exp (split-K), so batch-1 decode over a few KV heads uses every thread. Its inner
+loops use AVX2/FMA where the CPU has them (`isa`), else portable C.
 """
 
 from __future__ import annotations
@@ -31,6 +34,21 @@ def _lib() -> ctypes.CDLL | None:
         return lib()
     except KvbenchError:
         return None
+
+
+ISAS = ("portable", "avx2")
+
+
+def isa(force: str | None = None) -> str | None:
+    """The native kernel's inner loops now in use: "avx2" (AVX2/FMA, chosen on first use
+    where the CPU has them) or "portable"; `force` selects one ("avx2" only takes effect on a
+    CPU that has it). None when the kernel is not built."""
+    so = _lib()
+    if so is None:
+        return None
+    if force is not None and force not in ISAS:
+        raise KvbenchError(f"unknown kernel instruction set '{force}' (known: {', '.join(ISAS)})")
+    return ISAS[so.kvb_attn_isa(-1 if force is None else ISAS.index(force))]
 
 
 def default_threads() -> int:
