@@ -1,0 +1,260 @@
+"""Quest, ArkVale and InfiniGen against independent references (plain loops over pages and
+tokens, float64 softmax), the page digests, and their bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvbench.cli import main
+from kvbench.models import ModelSpec
+from kvbench.runtime.context import Counters, RunContext
+from kvbench.strategies._pages import Digests, digest, page_scores
+from kvbench.strategies.arkvale import ArkVale, ArkValeParams
+from kvbench.strategies.infinigen import InfiniGen, InfiniGenParams
+from kvbench.strategies.quest import Quest, QuestParams
+
+# GQA: 6 query heads over 2 KV heads, head dim 8
+SPEC = ModelSpec("tiny-gqa", "llama", 3, 6, 2, 48, 96, 100, 512, head_dim=8)
+CPU = torch.device("cpu")
+
+
+def ctx(max_len: int, layers: int = 3, batch: int = 2) -> RunContext:
+    return RunContext(SPEC, layers, batch, max_len, torch.float32, CPU, CPU,
+                      Counters(SPEC.n_kv_heads, 4))
+
+
+def ref_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One query [D] over keys/values [n, D], float64."""
+    w = torch.softmax((k.double() @ q.double()) * q.shape[0] ** -0.5, dim=0)
+    return (w[:, None] * v.double()).sum(0)
+
+
+def test_digests_bound_and_cuboid_mean() -> None:
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(2, 2, 37, 8, generator=g)
+    q = torch.randn(2, 6, 1, 8, generator=g)
+    d = Digests(2, 2, 64, 8, 16, "minmax", CPU, torch.float32)
+    d.update(k, 0, 37)
+    s = page_scores(q, d.lo[:, :, :3], d.hi[:, :, :3], "query")  # [2, 6, 3]
+    for b in range(2):
+        for h in range(6):
+            for p in range(3):  # the bound holds every key of the page, and is attained
+                keys = k[b, h // 3, p * 16:(p + 1) * 16]  # corners: max of q.k over the box
+                dots = keys @ q[b, h, 0]
+                corner = torch.where(q[b, h, 0] > 0, keys.amax(0), keys.amin(0))
+                assert float(dots.max()) <= float(s[b, h, p]) + 1e-5
+                assert abs(float(corner @ q[b, h, 0]) - float(s[b, h, p])) < 1e-4
+    keys = k[0, 1, 16:32]
+    c = (keys.amax(0) + keys.amin(0)) / 2
+    r = torch.tensor([sum(abs(float(keys[t, i] - c[i])) for t in range(16)) / 16
+                     for i in range(8)])
+    lo, hi = digest(keys, "cuboid-mean")
+    assert torch.allclose(lo, c - r, atol=1e-6) and torch.allclose(hi, c + r, atol=1e-6)
+
+
+def _quest_reference(q, k, v, n, budget, page, per_query: bool):
+    """Quest decode by loops: score each page by its min/max bound (per query head, or the
+    group's sum), keep the current page plus the top others, attend their tokens."""
+    b_, hq = q.shape[:2]
+    g = hq // k.shape[1]
+    n_pages = -(-n // page)
+    out = torch.zeros(b_, hq, 8, dtype=torch.float64)
+    for b in range(b_):
+        for h in range(hq):
+            kh = h // g
+            heads = [h] if per_query else range(kh * g, kh * g + g)
+            scores = []
+            for p in range(n_pages - 1):
+                keys = k[b, kh, p * page:min(n, (p + 1) * page)]
+                scores.append(sum(float(torch.maximum(q[b, x, 0] * keys.amax(0),
+                                                      q[b, x, 0] * keys.amin(0)).sum())
+                                  for x in heads))
+            top = sorted(range(n_pages - 1), key=lambda p: -scores[p])[:budget // page - 1]
+            toks = [t for p in [*top, n_pages - 1] for t in range(p * page, min(n, p * page
+                                                                                 + page))]
+            out[b, h] = ref_attention(q[b, h, 0], k[b, kh, toks], v[b, kh, toks])
+    return out
+
+
+@pytest.mark.parametrize("per", ["query", "kv"])
+def test_quest_decode_matches_reference(per: str) -> None:
+    g = torch.Generator().manual_seed(1)
+    n0, page, budget = 70, 8, 32
+    s = Quest(QuestParams(budget_tokens=budget, page_size=page, dense_layers=1,
+                          topk_per=per), ctx(96))
+    k = torch.randn(2, 2, n0, 8, generator=g)
+    v = torch.randn(2, 2, n0, 8, generator=g)
+    s.prefill(1, torch.randn(2, 6, n0, 8, generator=g), k, v)
+    for _ in range(3):  # three decode steps, crossing into a new page
+        kn, vn = torch.randn(2, 2, 1, 8, generator=g), torch.randn(2, 2, 1, 8, generator=g)
+        q = torch.randn(2, 6, 1, 8, generator=g)
+        out = s.decode(1, q, kn, vn)
+        k, v = torch.cat([k, kn], 2), torch.cat([v, vn], 2)
+        ref = _quest_reference(q, k, v, k.shape[2], budget, page, per == "query")
+        assert torch.allclose(out[:, :, 0].double(), ref, atol=1e-5)
+    # layer 0 is dense (--dense-layers 1): it attends every token
+    s.prefill(0, torch.randn(2, 6, n0, 8, generator=g), k[:, :, :n0], v[:, :, :n0])
+    s.ctx.counters.layer = 0
+    s.decode(0, q, k[:, :, -1:], v[:, :, -1:])
+    assert s.ctx.counters.step_total("tokens", "accel", 0) > 0
+
+
+def test_arkvale_recalls_like_algorithm_1() -> None:
+    """Resident sets and outputs against a set-based simulation of CXL-PNM Alg. 1 lines
+    1-6, 11 (top pages by cuboid-mean bound, recall the missing, evict the lowest)."""
+    g = torch.Generator().manual_seed(2)
+    page, budget, topk = 4, 24, 4  # 5 pool slots + the current page; 4 top pages
+    p = ArkValeParams(budget_tokens=budget, page_size=page, pages=topk, sinks=1,
+                      window_pages=2, dense_layers=0)
+    c = ctx(128, layers=1, batch=1)
+    s = ArkVale(p, c)
+    n0 = 30
+    k = torch.randn(1, 2, n0, 8, generator=g) * 2
+    v = torch.randn(1, 2, n0, 8, generator=g)
+    q0 = torch.randn(1, 6, n0, 8, generator=g)
+    s.prefill(0, q0, k, v)
+    resident = []
+    for h in range(2):  # prefill: the pool is cut to its 5 slots by the last query
+        nf = n0 // page
+        sc = _ark_scores(q0[0, 3 * h:3 * h + 3, -1], k[0, h], nf, page)
+        keep = {0, nf - 1} | set(sorted(set(range(1, nf - 1)), key=lambda x: -sc[x])[:3])
+        resident.append(keep)
+    assert [set(s.slot_page[0][0, h].tolist()) for h in range(2)] == resident
+    recalled = 0
+    for step in range(14):
+        kn, vn = torch.randn(1, 2, 1, 8, generator=g) * 2, torch.randn(1, 2, 1, 8, generator=g)
+        q = torch.randn(1, 6, 1, 8, generator=g)
+        c.counters.step = step + 1
+        out = s.decode(0, q, kn, vn)
+        k, v = torch.cat([k, kn], 2), torch.cat([v, vn], 2)
+        n = k.shape[2]
+        nf = n // page
+        filled = n % page == 0
+        for h in range(2):
+            res = resident[h]
+            sc = _ark_scores(q[0, 3 * h:3 * h + 3, 0], k[0, h], nf, page)
+            # the sink page and the last full page (window 2 = it + the current page) are
+            # kept; top-k 4 = those two, the current page and the best of the rest
+            target = {0, nf - 1}
+            target.add(max(set(range(nf)) - target, key=lambda x: sc[x]))
+            need = target - res
+            victims = sorted(res - target, key=lambda x: sc[x])[:len(need)]
+            res.difference_update(victims)
+            res |= need
+            recalled += len(need - ({nf - 1} if filled else set()))
+            assert set(s.slot_page[0][0, h].tolist()) == res, (step, h)
+            toks = [t for pg in sorted(res) for t in range(pg * page, pg * page + page)]
+            toks += list(range(nf * page, n))
+            for j in range(3):
+                ref = ref_attention(q[0, 3 * h + j, 0], k[0, h, toks], v[0, h, toks])
+                assert torch.allclose(out[0, 3 * h + j, 0].double(), ref, atol=1e-5)
+    counted = sum(sum(s_.values()) for (qn, w, _), s_ in c.counters._v.items()
+                  if qn == "pages" and w == "recalled")
+    assert counted == recalled > 0
+
+
+def _ark_scores(qs: torch.Tensor, keys: torch.Tensor, n_pages: int, page: int) -> list[float]:
+    """Cuboid-mean bound of each full page, summed over the group's queries qs [G, D]."""
+    out = []
+    for p in range(n_pages):
+        kp = keys[p * page:(p + 1) * page]
+        c = (kp.amax(0) + kp.amin(0)) / 2
+        r = (kp - c).abs().mean(0)
+        out.append(float(sum(torch.maximum(x * (c + r), x * (c - r)).sum() for x in qs)))
+    return out
+
+
+class _Model:
+    """Stands in for the decoder: `query` returns the predicted query it was given."""
+
+    def __init__(self) -> None:
+        self.q: torch.Tensor | None = None
+
+    def query(self, layer: int, x: torch.Tensor, start: int) -> torch.Tensor:
+        return self.q
+
+
+@pytest.mark.parametrize("max_per", ["head", "head0"])
+def test_infinigen_speculation_matches_reference(max_per: str) -> None:
+    """r = 1: partial scores are the exact scores (A is orthogonal), so the prefetched set is
+    each head's top n' by q_pred.k, n' = min(mean count within alpha of the max, cap)."""
+    g = torch.Generator().manual_seed(3)
+    c = ctx(64, layers=2)
+    c.model = _Model()
+    alpha = 1.0
+    s = InfiniGen(InfiniGenParams(alpha=alpha, partial_ratio=1.0, dense_layers=1,
+                                  max_per=max_per, budget_tokens=12), c)
+    n0 = 40
+    k = torch.randn(2, 2, n0, 8, generator=g)
+    v = torch.randn(2, 2, n0, 8, generator=g)
+    s.prefill(1, torch.randn(2, 6, n0, 8, generator=g), k, v)
+    pred = torch.randn(2, 6, 1, 8, generator=g)
+    c.model.q = pred
+    s.layer_input(0, torch.zeros(2, 1, 48))
+    q = pred + 0.3 * torch.randn(2, 6, 1, 8, generator=g)  # the real query differs
+    kn, vn = torch.randn(2, 2, 1, 8, generator=g), torch.randn(2, 2, 1, 8, generator=g)
+    out = s.decode(1, q, kn, vn)
+    logits = torch.einsum("bhd,bhnd->bhn", pred[:, :, 0], k.repeat_interleave(3, 1)) / 8 ** .5
+    top = logits.amax(-1, keepdim=True)
+    if max_per == "head0":
+        top = top[:, :1].expand_as(top)
+    n_sel = min(int((logits >= top - alpha).sum(-1).float().mean()), 12)
+    assert n_sel >= 1
+    for b in range(2):
+        for h in range(6):
+            toks = logits[b, h].topk(n_sel).indices
+            kk = torch.cat([k[b, h // 3, toks], kn[b, h // 3]])
+            vv = torch.cat([v[b, h // 3, toks], vn[b, h // 3]])
+            ref = ref_attention(q[b, h, 0], kk, vv)
+            assert torch.allclose(out[b, h, 0].double(), ref, atol=1e-5)
+    assert c.counters.step_total("bytes_moved", "h2d", 0) == 2 * 2 * 6 * n_sel * 8 * 4
+
+
+def test_infinigen_skew_is_orthogonal_and_keeps_the_heaviest_channels() -> None:
+    from kvbench.strategies.infinigen import skew
+
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 6, 50, 8, generator=g) * torch.linspace(0.1, 3, 8)
+    k = torch.randn(1, 2, 50, 8, generator=g)
+    a, ch = skew(q, 2, 0.25)
+    assert a.shape == (2, 8, 8) and ch.shape == (2, 2)
+    assert torch.allclose(a @ a.transpose(1, 2), torch.eye(8).expand(2, 8, 8), atol=1e-5)
+    for h in range(6):  # q A . k A == q . k within each group
+        qa, ka = q[0, h] @ a[h // 3], k[0, h // 3] @ a[h // 3]
+        assert torch.allclose(qa @ ka.T, q[0, h] @ k[0, h // 3].T, atol=1e-4)
+    for j in range(2):
+        mass = (q[0, 3 * j:3 * j + 3].reshape(-1, 8) @ a[j]).abs().sum(0)
+        assert set(ch[j].tolist()) == set(mass.topk(2).indices.tolist())
+
+
+@pytest.mark.parametrize("args, message", [
+    (["quest", "--budget-tokens", "8"], "smaller than one page of 16 tokens"),
+    (["quest", "--page-size", "0"], "--page-size 0: must be at least 1"),
+    (["arkvale", "--budget-tokens", "16"], "smaller than one page of 32 tokens"),
+    (["arkvale", "--budget-tokens", "64"], "exceed the budget of 2 pages"),
+    (["infinigen", "--partial-ratio", "0"], "--partial-ratio 0.0: must be in (0, 1]"),
+    (["infinigen", "--partial-ratio", "1.5"], "--partial-ratio 1.5: must be in (0, 1]"),
+    (["infinigen", "--alpha", "-1"], "--alpha -1.0: must be >= 0"),
+    (["quest", "--dense-layers", "40"], "--dense-layers 40: the model runs 30 layers"),
+    (["infinigen", "--dense-layers", "31"], "--dense-layers 31: the model runs 30 layers"),
+    (["arkvale", "--dense-layers", "31"], "--dense-layers 31: the model runs 30 layers"),
+])
+def test_bad_input_exits_2(args: list[str], message: str, capsys, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["run", *args, "--model", "smollm2-135m", "--weights", "random",
+              "--prompt-len", "40", "--gen-len", "4", "--out", str(tmp_path / "x.jsonl")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_budget_beyond_context_is_exact_not_an_error(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["run", "quest", "--budget-tokens", "100000", "--model", "smollm2-135m",
+              "--weights", "random", "--layers", "3", "--prompt-len", "40", "--gen-len", "4",
+              "--out", str(tmp_path / "x.jsonl")])
+    assert e.value.code == 0
