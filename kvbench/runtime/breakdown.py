@@ -1,14 +1,15 @@
 """Per-run figures derived from the work trace (issue 6: what a run reports).
 
 From the per-(step, layer) counters of the decode steps: bytes moved per link per step,
-tokens attended per device, step, layer and sequence (mean over layers and the batch), the
-share of decode time the accelerator role waited for the host or a transfer (`accel_idle`),
-the share spent in the strategy's bookkeeping (every "bookkeeping.*" phase, including
-worker-thread time filed by the strategy), the selected fraction of host-resident entries
-per KV head (strategies that count "host_selected.h*" and "host_resident" tokens: hgca)
-and, in eval mode, the attention output's relative error against full attention
-(kvbench.runtime.shadow), mean over layers and worst layer. Shares are of the summed decode
-step time, so they are ratios within one run, robust to a noisy shared machine.
+pages recalled and evicted per step (page strategies), tokens attended per device, step,
+layer and sequence (mean over layers and the batch), the share of decode time the
+accelerator role waited for the host or a transfer (`accel_idle`), the share spent in the
+strategy's bookkeeping (every "bookkeeping.*" phase, including worker-thread time filed by
+the strategy), the selected fraction of host-resident entries per KV head (strategies that
+count "host_selected.h*" and "host_resident" tokens: hgca) and, in eval mode, the
+attention output's relative error against full attention (kvbench.runtime.shadow), mean
+over layers and worst layer. Shares are of the summed decode step time, so they are ratios
+within one run, robust to a noisy shared machine.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ def derived(name: str, params: dict[str, ParamValue], steps: list[float],
         if quantity == "bytes_moved":
             yield measured("run", name, "bytes_moved_per_step", "B", "none", v,
                            {**params, "where": where}, method)
+        elif quantity == "pages":  # page strategies' resident-set changes (arkvale)
+            yield measured("run", name, f"pages_{where}_per_step", "pages", "none", v,
+                           params, {**method, "per": "decode step: pages summed over "
+                                    "layers, sequences and KV heads"})
         elif quantity == "tokens" and where in ("accel", "host"):
             layers, batch = int(params["layers"]), int(params["batch"])  # type: ignore[arg-type]
             yield measured("run", name, "tokens_attended_per_step", "tokens/layer", "none",
