@@ -1,10 +1,12 @@
 """One self-contained HTML page for `kvbench report --format html`.
 
-Figures are PNGs embedded as base64 data URIs and the style is inline, so the page reads
-offline from a single file. Each figure carries the exact commands that produced its
-records; each environment is a card. A small inline script marks `<body>` with
-`data-figures="N/M"` (images decoded / images present) once the page has loaded, which
-the browser test reads from the DOM.
+The page opens with the summary (kvbench.summary: the machine in one line, the headline
+figures, the runs side by side) before the detail, where each group's figures stay open
+and its raw records are folded in a collapsed <details>. Figures are PNGs embedded as
+base64 data URIs and the style is inline, so the page reads offline from a single file.
+Each figure carries the exact commands that produced its records; each environment is a
+card. A small inline script marks `<body>` with `data-figures="N/M"` (images decoded /
+images present) once the page has loaded, which the browser test reads from the DOM.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import base64
 from html import escape
 
 from kvbench.report import REFERENCE, Report, env_summary, record_row
+from kvbench.summary import COLUMNS, Summary
 
 _STYLE = """
 body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width:1200px}
@@ -28,7 +31,8 @@ tr.waived td{color:#a67c00}tr.error td{color:#c00}
 figure{display:inline-block;margin:8px;border:1px solid #ddd;padding:6px;max-width:100%}
 figure img{max-width:100%}figcaption{font-size:13px;font-weight:600}
 pre{background:#f4f4f4;padding:6px;font-size:12px;white-space:pre-wrap;margin:4px 0}
-.warn{color:#a67c00}
+.warn{color:#a67c00}.machine{font-size:15px;margin:4px 0}
+details{margin:8px 0}summary{cursor:pointer;color:#225}
 """
 
 _SCRIPT = """
@@ -53,9 +57,22 @@ def _img(path) -> str:
     return f'<img alt="{escape(path.stem)}" src="data:image/png;base64,{data}">'
 
 
+def _summary(s: Summary) -> list[str]:
+    """The opening section: machine lines, headline figures, the runs compared."""
+    parts = ['<h2 id="summary">Summary</h2>']
+    parts += [f'<p class="machine"><b>machine</b> {escape(m)}</p>' for m in s.machines]
+    if s.headlines:
+        parts.append(_table(["headline", "figure", "measured at"], s.headlines))
+    if s.runs:
+        parts.append(f"<p><b>runs compared</b> ({escape(s.common)})</p>")
+        parts.append(_table(COLUMNS, s.runs))
+    return parts
+
+
 def render(rep: Report) -> str:
     """The whole page as one string (images inline)."""
     parts = [f"<h1>kvbench report: {escape(', '.join(p.name for p in rep.files))}</h1>",
+             *_summary(rep.summary),
              '<p class="legend"><span>measured values: plain, solid lines, filled boxes</span>'
              '<span class="proj">projected values: italic, dashed lines, hatched boxes, '
              'labelled (projected)</span></p>', "<h2>Environment</h2>", '<div class="cards">']
@@ -72,10 +89,13 @@ def render(rep: Report) -> str:
                          f"<pre>{cmds}</pre></figure>")
         ok = g.ok()
         if ok:
+            parts.append(f"<details><summary>{len(ok)} records of {escape(g.title)}"
+                         "</summary>")
             parts.append(_table(["name", "metric", "params", "value", "status"],
                                 [record_row(r) for r in ok],
                                 ["projected" if r["provenance"] == "projected" else ""
                                  for r in ok]))
+            parts.append("</details>")
         bad = g.not_ok()
         if bad:
             parts.append("<p>Not measured here:</p>" + _table(

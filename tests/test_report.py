@@ -130,3 +130,61 @@ def test_html_renders_in_headless_chromium(results, tmp_path):
     assert px.shape[:2] == (3000, 1280)
     ink = (px[..., :3].mean(axis=2) < 0.9).mean()  # share of pixels that are not white
     assert 0.02 < ink < 0.9 and px[..., :3].std() > 0.1
+
+
+@pytest.fixture
+def runs(tmp_path: Path) -> Path:
+    """Eval-mode runs of full and hgca on the CPU as `kvbench run` stores them: summary
+    metrics, per-place records and per-layer traces."""
+    path = tmp_path / "runs.jsonl"
+    base = {"model": "smollm2-135m", "batch": 1, "prompt_len": 256, "gen_len": 8,
+            "mode": "eval", "accel": "cpu"}
+    with ResultWriter(path, collect_env(), command="kvbench run") as w:
+        for name, own, ppl, speed in (("full", {}, 12.0, 20.0),
+                                      ("hgca", {"gpu_share": 0.25, "beta": 1.0}, 12.3, 15.0)):
+            p = {**base, **own}
+            w.write(measured("run", name, "ttft", "s", "lower", [0.5], p))
+            w.write(measured("run", name, "tbt", "s", "lower", [1 / speed] * 8, p))
+            w.write(measured("run", name, "tbt_p90", "s", "lower", [1.1 / speed], p))
+            w.write(measured("run", name, "decode_tokens_per_s", "tokens/s", "higher",
+                             [speed] * 8, p))
+            w.write(measured("run", name, "peak_memory", "B", "lower", [2 << 30],
+                             {**p, "where": "host"}))
+            w.write(measured("run", name, "perplexity", "ppl", "lower", [ppl], p))
+            for where, n in (("accel", 64.0), ("host", 5.5)) if own else (("accel", 256.0),):
+                w.write(measured("run", name, "tokens_attended_per_step", "tokens", "none",
+                                 [n] * 8, {**p, "where": where}))
+                for layer in range(3):
+                    w.write(measured("run", name, "trace.tokens", "tokens", "none", [n] * 8,
+                                     {**p, "where": where, "layer": layer,
+                                      "phase": "decode"}))
+            if own:
+                w.write(measured("run", name, "bytes_moved_per_step", "B", "none",
+                                 [32768.0] * 8, {**p, "where": "h2d"}))
+                w.write(measured("run", name, "accel_idle_share", "ratio", "lower", [0.02],
+                                 p))
+    return path
+
+
+def test_html_opens_with_a_summary_and_folds_raw_rows(runs, tmp_path):
+    """Machine line, headline figures and the runs side by side come before the detail;
+    traces are a figure, raw rows sit in a collapsed <details>; the accelerator role that
+    ran on the CPU is `accel (cpu)`."""
+    assert report([str(runs), "--format", "html", "--out", str(tmp_path / "rep")]) == 0
+    html = (tmp_path / "rep" / "report.html").read_text()
+    head, _, detail = html.partition("<h2>Environment</h2>")
+    assert 'id="summary"' in head and "<details" not in head
+    assert "no GPU (the accelerator role runs on the CPU)" in head
+    assert re.search(r"<td>hgca on smollm2-135m \(accel \(cpu\)\)</td><td>perplexity 12\.3 "
+                     r"\(\+2\.50% vs full 12\)</td>", head)
+    assert "<td>20 tokens/s (eval mode)</td>" in head
+    row = re.search(r"<tr class=\"\"><td>hgca</td>(.*?)</tr>", head).group(1)
+    cells = re.findall(r"<td>(.*?)</td>", row)
+    assert cells[0] == "beta=1.0 gpu_share=0.25" or cells[0] == "gpu_share=0.25 beta=1.0"
+    assert cells[1:8] == ["500 ms (eval mode)", "66.7 ms (eval mode)", "73.3 ms (eval mode)",
+                          "15 (eval mode)", "host 2 GiB", "12.3", "+2.50%"]
+    assert cells[8:] == ["accel (cpu) 64, host 5.5", "h2d 32 KiB", "2.0%"]
+    assert "gpu" not in re.sub(r"gpu_share=[\d.]+|no GPU", "", head).lower()
+    assert "runs: per-layer work traces" in detail
+    assert "trace.tokens" not in re.sub(r"<details>.*?</details>", "", detail, flags=re.S)
+    assert detail.count("<details><summary>") == 1
