@@ -112,3 +112,23 @@ def test_roofline_bad_input(args, msg, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         main(["probe", "roofline", *args, "--out", str(tmp_path / "x.jsonl")])
     assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_attention_decode_rounds_read_and_sdpa(tmp_path: Path):
+    """Decode: dense, SDPA and a read loop over the KV's bytes timed in the same rounds; the
+    read bar is the per-round ratio of dense GB/s over read GB/s; append has neither."""
+    out = tmp_path / "dec.jsonl"
+    run_cli([*TINY, "--modes", "cpu-dense", "--out", str(out)])
+    recs = load(out).records
+    by = {(r["metric"], r["params"].get("query")): r for r in recs}
+    read, dense = by[("host_read_gbps", 1)], by[("time", 1)]
+    kv = by[("kv_read_gbps", 1)]["params"]["kv_bytes"]
+    assert read["params"]["bytes"] == kv == 2 * 2 * 128 * 16 * 4 and read["value"] > 0
+    frac = by[("bar.cpu_dense_over_host_read", 1)]
+    sdpa = by[("bar.sdpa_time_over_cpu_dense_time", 1)]
+    assert len(frac["samples"]) == len(sdpa["samples"]) == len(dense["samples"]) >= 3
+    for f, t, g in zip(frac["samples"], dense["samples"], read["samples"], strict=True):
+        assert f == pytest.approx(kv / t / 1e9 / g, rel=1e-6)
+    assert frac["method"]["isa"] in ("avx2", "portable") and frac["method"]["bar"] == ">= 0.85"
+    assert "per-round" in sdpa["method"]["statistic"] and sdpa["method"]["goal"] == ">= 1.5"
+    assert ("host_read_gbps", 4) not in by and ("bar.cpu_dense_over_host_read", 4) not in by
