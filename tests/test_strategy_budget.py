@@ -145,7 +145,8 @@ def test_hgca_counts_host_entries_on_steps_without_a_selection() -> None:
     assert n_host > 0 and int(s.layers[0].lens.sum()) == 0
     for step in range(1, 7):
         assert c.step_total("tokens", "host_resident", step) >= 2 * 2 * 24
-    rec = next(r for r in derived("hgca", {}, [1.0] * 6, c) if r.metric == "selected_fraction")
+    rec = next(r for r in derived("hgca", {"layers": 2, "batch": 2}, [1.0] * 6, c)
+               if r.metric == "selected_fraction")
     assert rec.value == 0.0
 
 

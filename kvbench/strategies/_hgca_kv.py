@@ -1,4 +1,5 @@
-"""HGCA's per-layer KV state (HGCA paper section 3.2, Algorithm 1), used by strategies.hgca.
+"""HGCA's parameters and per-layer KV state (HGCA paper section 3.2, Algorithm 1), used by
+strategies.hgca.
 
 The accelerator holds a ring of fixed-size blocks, k/v [B, Hkv, W, D], with a moving
 average of attention weights (MAW) per resident entry and query head, [B, Hq, W]. The
@@ -11,7 +12,12 @@ from __future__ import annotations
 
 import math
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from kvbench.errors import require
+from kvbench.kernels.cpu import default_threads
+from kvbench.strategies import _budget
 
 if TYPE_CHECKING:
     import torch
@@ -19,6 +25,54 @@ if TYPE_CHECKING:
     from kvbench.runtime.context import RunContext
 
 _SCORES = 1 << 24  # fp32 attention scores per chunk of ingest_maw (64 MiB)
+BLOCK = 64  # the largest automatic block (tokens)
+MIN_BLOCKS = 4  # a window of fewer blocks is outside the paper's regime (a ring of blocks)
+
+
+@dataclass(frozen=True)
+class HgcaParams:
+    """HGCA knobs (section 3.2): GPU window, sparsification, moving average, blocks, threads."""
+
+    gpu_share: float = _budget.gpu_share(0.25, "; the window, rounded down to whole blocks")
+    gpu_tokens: int = _budget.gpu_tokens("; a multiple of --block")
+    beta: float = field(default=1.0, metadata={
+        "help": "Sparsification factor: host entries with MAW > beta / window are attended "
+                "(0: all)."})
+    alpha: float = field(default=0.003, metadata={
+        "help": "Moving-average factor of attention weights, in (0, 1] (not given in the "
+                "paper; 0.003 was best of 0.001-0.1 on held-out text, results/hgca-table1)."})
+    block: int = field(default=0, metadata={
+        "help": f"KV block size in tokens (0: the largest power of two up to {BLOCK} that "
+                f"leaves the window at least {MIN_BLOCKS} blocks)."})
+    cpu_threads: int = field(default=default_threads(), metadata={
+        "help": "Threads of the host sparse attention (default: this machine's CPUs)."})
+
+    window_blocks: int = field(default=0, metadata={
+        "derived": True, "help": "Blocks in the accelerator window (set by the run)."})
+
+    def __post_init__(self) -> None:
+        require(self.beta >= 0, f"--beta {self.beta}: must be >= 0")
+        _budget.check(self.gpu_share, self.gpu_tokens)
+        require(0 < self.alpha <= 1, f"--alpha {self.alpha}: must be in (0, 1]")
+        require(self.block >= 0, f"--block {self.block}: must be at least 1 (0: automatic)")
+        require(self.cpu_threads >= 1, f"--cpu-threads {self.cpu_threads}: must be at least 1")
+
+    def tokens(self, max_len: int) -> int:
+        """Accelerator window W in tokens for a cache of max_len, unchecked (block resolved
+        by `Hgca.for_run`)."""
+        if self.gpu_tokens:
+            return self.gpu_tokens
+        w = int(self.gpu_share * max_len) // self.block * self.block
+        return max(w, self.block) if max_len <= self.block else w  # one block: never evicted
+
+    def window(self, max_len: int) -> int:
+        """`tokens(max_len)`, or a KvbenchError when it is not a usable ring of blocks."""
+        require(self.gpu_tokens % self.block == 0, f"--block {self.block} does not divide "
+                f"the GPU window of {self.gpu_tokens} tokens")
+        w = self.tokens(max_len)
+        require(w >= self.block, f"GPU share leaves no room for the prompt: a window of "
+                f"{w} tokens of {max_len} is less than one block of {self.block}")
+        return w
 
 
 def host_dtype(dtype: torch.dtype) -> torch.dtype:
