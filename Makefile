@@ -25,8 +25,10 @@ demo: install
 	$(BIN)/kvbench probe latency --quick --out $(DEMO_OUT)
 	$(BIN)/kvbench probe attention --gpu-tokens 1K --host-tokens 4K --query 1,32 --out $(DEMO_OUT)
 	$(BIN)/kvbench probe roofline --model opt-6.7b --tokens 1024 --out $(DEMO_OUT)
-	$(BIN)/kvbench run full --model smollm2-135m --mode eval --prompt-len 256 --gen-len 32 --compare-hf --out $(DEMO_OUT)
+	$(BIN)/kvbench run full --model smollm2-135m --mode eval --prompt-len 256 --gen-len 64 --compare-hf --out $(DEMO_OUT)
 	$(BIN)/kvbench run hgca --model smollm2-135m --mode eval --prompt-len 256 --gen-len 64 --gpu-share 0.25 --block 16 --beta 1.0 --out $(DEMO_OUT)
+	$(BIN)/kvbench run h2o --model smollm2-135m --mode eval --prompt-len 256 --gen-len 64 --gpu-share 0.25 --out $(DEMO_OUT)
+	$(BIN)/kvbench run streaming --model smollm2-135m --mode eval --prompt-len 256 --gen-len 64 --gpu-share 0.25 --out $(DEMO_OUT)
 	$(BIN)/kvbench report $(DEMO_OUT) --format html --out $(DEMO_OUT:.jsonl=-report)
 	@echo "results: $(DEMO_OUT)"
 	@echo "report:  $(DEMO_OUT:.jsonl=-report)/report.html"
