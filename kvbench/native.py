@@ -9,21 +9,21 @@ from pathlib import Path
 
 from kvbench.errors import KvbenchError
 
-ABI_VERSION = 3
-# Entry points added since ABI 3 (a library built from older sources lacks them: stale).
-REQUIRED = ("kvb_read_threads", "kvb_attn_isa")
+ABI_VERSION = 4  # kvb_abi_version() of probes/native.c: bump both when an interface changes
 
 
 class CopyJob(ctypes.Structure):
     """One thread's share of a copy (kvb_copy_job in probes/copy.c): each iteration copies
     `chunk` bytes at offset w * stride, w stepping by `hop` modulo `windows` from `start`
-    (written back on return), on CPU `cpu` (-1: not pinned), with a full fence after each
-    copy when `fence` is 1."""
+    (written back on return), on any of the `ncpus` CPUs at `cpus` (0: not pinned), with a
+    full fence after each copy when `fence` is 1; `allowed` comes back as the number of CPUs
+    the thread could run on."""
 
     _fields_ = [("dst", ctypes.c_void_p), ("src", ctypes.c_void_p), ("chunk", ctypes.c_size_t),
                 ("stride", ctypes.c_size_t), ("windows", ctypes.c_size_t),
                 ("hop", ctypes.c_size_t), ("start", ctypes.c_size_t),
-                ("cpu", ctypes.c_int), ("fence", ctypes.c_int)]
+                ("cpus", ctypes.POINTER(ctypes.c_int)), ("ncpus", ctypes.c_int),
+                ("fence", ctypes.c_int), ("allowed", ctypes.c_int)]
 
 
 @lru_cache(maxsize=1)
@@ -39,7 +39,7 @@ def lib() -> ctypes.CDLL:
                            "checkout (needs a C compiler)")
     so = ctypes.CDLL(str(path))
     so.kvb_abi_version.restype = ctypes.c_int
-    if so.kvb_abi_version() != ABI_VERSION or not all(hasattr(so, f) for f in REQUIRED):
+    if so.kvb_abi_version() != ABI_VERSION:
         raise KvbenchError("native probes are stale: rebuild with `pip install -e .`")
     so.kvb_now_ns.restype = ctypes.c_uint64
     so.kvb_memcpy_loop.restype = ctypes.c_uint64

@@ -27,9 +27,11 @@ typedef struct {
     size_t windows; /* number of offsets visited (>= 1) */
     size_t hop;     /* window step, 1 <= hop < windows unless windows == 1 */
     size_t start;   /* first window; updated to the next one on return */
-    int cpu;        /* CPU the thread is pinned to, -1 for none */
+    const int *cpus; /* CPUs the thread may run on (its source node's), NULL: any */
+    int ncpus;
     int fence;      /* 1: fence after every copy and make the next address depend on its
                        data, so copies do not overlap (latency) */
+    int allowed;    /* written back: how many CPUs the thread was allowed to run on */
 } kvb_copy_job;
 
 typedef struct {
@@ -39,18 +41,27 @@ typedef struct {
     uint64_t t0, t1;
 } worker_arg;
 
-static void pin_self(int cpu) {
-    if (cpu < 0) return;
+/* Restrict the calling thread to cpus[0..n) (n == 0: leave it as it is); returns how many
+ * CPUs it may run on afterwards. A set rather than one CPU per thread: with as many copy
+ * threads as CPUs, a thread pinned to one CPU cannot leave it when anything else runs there
+ * (a display thread, another process) while a sibling's CPU idles, and the sample waits for
+ * the slowest thread. */
+static int pin_self(const int *cpus, int n) {
     cpu_set_t set;
-    CPU_ZERO(&set);
-    CPU_SET(cpu, &set);
-    pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+    if (n > 0) {
+        CPU_ZERO(&set);
+        for (int i = 0; i < n; i++)
+            if (cpus[i] >= 0 && cpus[i] < CPU_SETSIZE) CPU_SET(cpus[i], &set);
+        pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+    }
+    if (pthread_getaffinity_np(pthread_self(), sizeof set, &set) != 0) return 0;
+    return CPU_COUNT(&set);
 }
 
 static void *copy_worker(void *p) {
     worker_arg *a = p;
     kvb_copy_job *j = a->job;
-    pin_self(j->cpu);
+    j->allowed = pin_self(j->cpus, j->ncpus);
     int go;
     while ((go = __atomic_load_n(a->go, __ATOMIC_ACQUIRE)) == 0) sched_yield();
     if (go != 1) return NULL;
@@ -225,7 +236,7 @@ typedef struct { const void *q; size_t loads; int cpu; uint64_t ns; } chase_arg;
 
 static void *chase_worker(void *p) {
     chase_arg *a = p;
-    pin_self(a->cpu);
+    pin_self(&a->cpu, a->cpu >= 0);
     const void *q = a->q;
     uint64_t t0 = kvb_now_ns();
     for (size_t i = 0; i < a->loads; i += 8) { /* each load depends on the one before */

@@ -9,7 +9,7 @@
 #include <string.h>
 #include <time.h>
 
-int kvb_abi_version(void) { return 3; }
+int kvb_abi_version(void) { return 4; }
 
 static inline uint64_t now_ns(void) {
     struct timespec ts;

@@ -109,3 +109,51 @@ def test_nt_threshold_reads_what_glibc_applies(monkeypatch: pytest.MonkeyPatch) 
         pytest.skip("not glibc on x86 (no x86_non_temporal_threshold tunable)")
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.cpu.x86_non_temporal_threshold=0x100000")
     assert _copy.nt_threshold.__wrapped__() == 0x100000
+
+
+def test_copy_threads_may_run_on_every_cpu_of_their_node() -> None:
+    """Threads = CPUs: each copy thread is pinned to its node's CPU set, not one CPU, so it
+    can leave a CPU that something else wants (issue 11: one-CPU pins fell behind a plain
+    unpinned loop at all-core threads)."""
+    from kvbench.memory import runner_cpus
+
+    cpus = runner_cpus(0)
+    if len(cpus) < 2:
+        pytest.skip("needs a node with two CPUs this process may use")
+    copier = HostCopier(Pair(H0, H0), "pageable", 4 * M, len(cpus), False)
+    try:
+        assert copier.sampler(M)(2) > 0
+        assert copier.cpus_per_thread == len(cpus)
+        assert copier.sampler(64, latency=True)(2) > 0  # the one latency thread as well
+        assert copier.cpus_per_thread == len(cpus)
+    finally:
+        copier.close()
+
+
+def test_sweep_view_never_redraws_during_a_measurement(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The live table is drawn when records arrive, with no refresh thread of its own that
+    could take a CPU from a copy thread in the middle of a sample."""
+    import threading
+
+    from rich.live import _RefreshThread
+
+    from kvbench.console import console
+
+    seen: list[tuple[bool, bool]] = []  # per sweep: live area up, a refresh thread alive
+    sweep = HostCopier.sweep
+
+    def watched(self: HostCopier, sizes: list[int], policy: Policy) -> dict:
+        seen.append((bool(console._live_stack),
+                     any(isinstance(t, _RefreshThread) for t in threading.enumerate())))
+        return sweep(self, sizes, policy)
+
+    monkeypatch.setattr(HostCopier, "sweep", watched)
+    out = tmp_path / "bw.jsonl"
+    with pytest.raises(SystemExit) as e:
+        main(["probe", "bandwidth", "--src", "host:0", "--dst", "host:0", "--sizes", "64K",
+              "--pageable", "--quick", "--no-bars", "--repeat", "2", "--out", str(out)])
+    assert e.value.code == 0
+    assert seen == [(False, False), (True, False)]  # the 2nd sweep runs under the live view
+    bw = [r for r in load(out).records if r["metric"] == "bandwidth"]
+    assert all(r["method"]["cpus_per_thread"] >= 1 for r in bw)

@@ -19,7 +19,10 @@ from kvbench.units import format_size
 class SweepView:
     """Rows are (pair, memory kind), columns sizes; `metric` records fill the cells and
     advance the bar, every other record is printed above the live area as a line.
-    The live area starts with the first record: a probe rejecting its input draws nothing."""
+    The live area starts with the first record: a probe rejecting its input draws nothing.
+    It is redrawn only when a record arrives (between measurements), never from a refresh
+    thread of its own: with as many copy threads as CPUs, a redraw during a sample would
+    take a CPU from a copy thread and slow the sample it lands in."""
 
     def __init__(self, title: str, metric: str, total: int) -> None:
         self.title, self.metric = title, metric
@@ -28,7 +31,7 @@ class SweepView:
         self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
                                  MofNCompleteColumn(), TimeElapsedColumn(), console=console)
         self.task = self.progress.add_task(title, total=total)
-        self.live = Live(self._render(), console=console, refresh_per_second=4)
+        self.live = Live(self._render(), console=console, auto_refresh=False)
 
     def _render(self) -> Group:
         t = Table(title=self.title, title_justify="left")
@@ -45,6 +48,7 @@ class SweepView:
             self.live.start()
         if rec.metric != self.metric or "size" not in rec.params:
             show_record(rec)  # the live console prints it above the live area
+            self.live.refresh()
             return
         size = int(rec.params["size"])  # type: ignore[arg-type]
         if size not in self.sizes:
@@ -54,7 +58,7 @@ class SweepView:
         text = f"{rec.value:.3g}" if rec.value is not None else rec.status
         self.cells.setdefault(key, {})[size] = text + (" [yellow]~[/]" if cv > 0.05 else "")
         self.progress.advance(self.task)
-        self.live.update(self._render())
+        self.live.update(self._render(), refresh=True)
 
     def __enter__(self) -> SweepView:
         return self
@@ -62,7 +66,7 @@ class SweepView:
     def __exit__(self, *exc: Any) -> None:
         if not self.live.is_started:
             return
-        self.live.update(self._render())
+        self.live.update(self._render(), refresh=True)
         self.live.__exit__(*exc)
         if not console.is_terminal:  # rich leaves the last frame unterminated in logs
             console.line()

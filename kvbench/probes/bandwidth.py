@@ -157,6 +157,7 @@ class BandwidthProbe(Probe):
                       "copies_per_sample": iters, "repeat": repeat}
             if isinstance(copier, HostCopier):
                 method.update(cpus=",".join(map(str, copier.cpus)) or "unpinned",
+                              cpus_per_thread=copier.cpus_per_thread,
                               order=ROUNDS, memcpy_stores=copier.stores(size),
                               nt_threshold=nt_threshold())
             else:
