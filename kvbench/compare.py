@@ -2,8 +2,10 @@
 
 A quantity is matched across files by (kind, name, metric, provenance, params). Its change
 is the relative difference of medians, signed so that positive means better. A change
-counts (regressed or improved) only when it is beyond the threshold AND the two sample sets
-are distinguishable by a two-sided Mann-Whitney U test at level alpha.
+counts (regressed or improved) only when it is beyond the threshold AND the new samples are
+distinguishable, by a two-sided Mann-Whitney U test at level alpha, from the base samples
+moved by the threshold towards them (the change is beyond the threshold with significance,
+not merely nonzero: a 6% shift of tight samples is not a 5% regression).
 
 A verdict needs a known uncertainty (issue 11.17: compare must not cry wolf). When the
 samples are too few for the test to ever reach alpha (a single derived value such as a
@@ -191,8 +193,9 @@ def _judge(row: Row, rb: list[dict[str, Any]], rn: list[dict[str, Any]], thresho
             return
         row.test = "threshold-only"
         significant = True
-    else:
-        row.p_value = mann_whitney_p(sb, sn)
+    else:  # beyond the threshold with significance: against the base moved by it
+        moved = [x * (1 + math.copysign(threshold, row.new - row.base)) for x in sb]
+        row.p_value = mann_whitney_p(moved, sn)
         row.test = "mann-whitney"
         significant = row.p_value < alpha
     if beyond and significant:
