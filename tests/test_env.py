@@ -62,8 +62,9 @@ def test_env_cli_json(fake_sysfs: Path, capsys: pytest.CaptureFixture[str]) -> N
 
 def test_env_cli_table_flags_memory_only(fake_sysfs: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as e:
         main(["env", "--root", str(fake_sysfs)])
+    assert e.value.code == 0
     out = capsys.readouterr().out
     assert "memory-only" in out and "mem0 (node 2)" in out and "Fake Xeon 8480" in out
 

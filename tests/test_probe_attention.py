@@ -37,7 +37,15 @@ def test_attention_tiny_run(tmp_path: Path):
     bars = {r["metric"] for r in recs if r["metric"].startswith("bar.")}
     assert {"bar.sdpa_time_over_cpu_dense_time", "bar.cpu_sparse_over_dense_gbps",
             "bar.merge_share_of_hybrid"} <= bars
-    assert all(isinstance(r["method"]["pass"], bool) for r in recs if r["metric"] in bars)
+    for r in (r for r in recs if r["metric"] in bars):  # value, bar and pass agree
+        op, limit = r["method"]["bar"].split()
+        assert r["method"]["pass"] is (r["value"] >= float(limit) if op == ">="
+                                       else r["value"] <= float(limit)), r
+    # a bar is derived from the run's own records: merge time over hybrid time
+    merge = next(r for r in recs if r["metric"] == "bar.merge_share_of_hybrid"
+                 and r["params"]["query"] == 1)
+    assert merge["value"] == pytest.approx(by[("time_merge", "hybrid", 1)]["value"]
+                                           / by[("time", "hybrid", 1)]["value"], rel=1e-9)
     if not cuda_available():
         assert by[("time", "gpu", 1)]["status"] == "waived"
         assert "no CUDA" in by[("time", "gpu-transfer", 4)]["reason"]
