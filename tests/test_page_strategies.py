@@ -258,3 +258,49 @@ def test_budget_beyond_context_is_exact_not_an_error(tmp_path: Path) -> None:
               "--weights", "random", "--layers", "3", "--prompt-len", "40", "--gen-len", "4",
               "--out", str(tmp_path / "x.jsonl")])
     assert e.value.code == 0
+
+
+def test_attended_masks_count_what_was_attended() -> None:
+    """Strategy.attended marks as many positions per head as the step counted tokens."""
+    from kvbench.strategies.h2o import H2O, H2OParams
+    from kvbench.strategies.streaming import Streaming, StreamingParams
+
+    g = torch.Generator().manual_seed(5)
+    made = [Quest(QuestParams(budget_tokens=32, page_size=8, dense_layers=0), ctx(96)),
+            ArkVale(ArkValeParams(budget_tokens=24, page_size=4, pages=4, sinks=1,
+                                  window_pages=2, dense_layers=0), ctx(96)),
+            H2O(H2OParams(gpu_tokens=20), ctx(96)),
+            Streaming(StreamingParams(gpu_tokens=20), ctx(96))]
+    k = torch.randn(2, 2, 60, 8, generator=g)
+    for s in made:
+        s.prefill(0, torch.randn(2, 6, 60, 8, generator=g), k, k.clone())
+        s.ctx.counters.step = 1
+        s.decode(0, torch.randn(2, 6, 1, 8, generator=g), k[:, :, :1], k[:, :, :1])
+        mask = s.attended(0)
+        assert mask.shape == (2, 6, 61) and mask[:, :, -1].all()  # the new token
+        counted = s.ctx.counters.step_total("tokens", "accel", 1) / 2  # per sequence
+        assert abs(float(mask.sum(-1).float().mean()) - counted) < 1e-6, type(s).__name__
+        assert not mask.all()  # the budget left some out
+
+
+def test_shadow_counts_top10_recall() -> None:
+    """Eval mode: the share of full attention's top-10 keys a streaming window kept,
+    against a direct computation."""
+    from kvbench.runtime.shadow import Shadow
+    from kvbench.strategies.streaming import Streaming, StreamingParams
+
+    g = torch.Generator().manual_seed(6)
+    c = ctx(96)
+    s = Shadow(Streaming(StreamingParams(gpu_tokens=24, sinks=4), c), c)
+    k = torch.randn(2, 2, 50, 8, generator=g)
+    s.prefill(0, torch.randn(2, 6, 50, 8, generator=g), k, k.clone())
+    c.counters.step = 1
+    q = torch.randn(2, 6, 1, 8, generator=g)
+    kn = torch.randn(2, 2, 1, 8, generator=g)
+    s.decode(0, q, kn, kn.clone())
+    s.flush()
+    kk = torch.cat([k, kn], 2).repeat_interleave(3, 1)
+    best = (q @ kk.transpose(-1, -2)).squeeze(2).topk(10, dim=-1).indices
+    kept = (best < 4) | (best >= 51 - 20)
+    got = c.counters.step_total("topk_recall", "attention", 1)
+    assert abs(got - float(kept.float().mean())) < 1e-6 and 0 < got < 1

@@ -7,9 +7,10 @@ accelerator role waited for the host or a transfer (`accel_idle`), the share spe
 strategy's bookkeeping (every "bookkeeping.*" phase, including worker-thread time filed by
 the strategy), the selected fraction of host-resident entries per KV head (strategies that
 count "host_selected.h*" and "host_resident" tokens: hgca) and, in eval mode, the
-attention output's relative error against full attention (kvbench.runtime.shadow), mean
-over layers and worst layer. Shares are of the summed decode step time, so they are ratios
-within one run, robust to a noisy shared machine.
+attention output's relative error against full attention and the share of its top-10 keys
+attended (kvbench.runtime.shadow), median and mean over layers and the worst layer.
+Shares are of the summed decode step time, so they are ratios within one run, robust to a
+noisy shared machine.
 """
 
 from __future__ import annotations
@@ -62,15 +63,18 @@ def derived(name: str, params: dict[str, ParamValue], steps: list[float],
                        [sum(book.values()) / total], params,
                        {**share, "phases": {w: t / total for w, t in sorted(book.items())}})
     yield from _selected(name, params, per_layer)
-    errors = {layer: statistics.fmean(v) for (q, _, layer), v in per_layer.items()
-              if q == "rel_error" and v}
-    if errors:
-        worst = max(errors, key=errors.__getitem__)
-        yield measured("run", name, "attention_rel_error", "ratio", "lower",
-                       list(errors.values()), params,
-                       {"statistic": "median over layers of the mean over decode steps",
-                        "mean": statistics.fmean(errors.values()), "worst_layer": worst,
-                        "worst": errors[worst]})
+    for quantity, metric, direction, worst_of in (
+            ("rel_error", "attention_rel_error", "lower", max),
+            ("topk_recall", "top10_recall", "higher", min)):
+        by_layer = {layer: statistics.fmean(v) for (q, _, layer), v in per_layer.items()
+                    if q == quantity and v}
+        if by_layer:
+            worst = worst_of(by_layer, key=by_layer.__getitem__)
+            yield measured("run", name, metric, "ratio", direction, list(by_layer.values()),
+                           params,
+                           {"statistic": "median over layers of the mean over decode steps",
+                            "mean": statistics.fmean(by_layer.values()), "worst_layer": worst,
+                            "worst": by_layer[worst]})
 
 
 def _selected(name: str, params: dict[str, ParamValue],

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 
 # quantity -> unit of its records
 UNITS = {"tokens": "tokens", "flops": "FLOP", "bytes_read": "B", "bytes_moved": "B",
-         "time": "s", "rel_error": "ratio", "pages": "pages"}
+         "time": "s", "rel_error": "ratio", "pages": "pages",
+         "topk_recall": "ratio"}
 
 
 class Counters:

@@ -6,6 +6,9 @@ the run's traffic and token counts stay the strategy's own). The relative error 
 strategy's attention output against full attention, ||out - ref|| / ||ref|| (Frobenius,
 float32, over the whole [B, Hq, T, D] output), is counted per (step, layer) as quantity
 "rel_error" (where "attention"), so it is stored per layer like the rest of the trace.
+For strategies that say which positions a decode step attended (`Strategy.attended`), the
+share of full attention's top-10 keys per query head among them is counted as quantity
+"topk_recall" (Quest Fig. 4's recall rate).
 
 The reference is computed outside the timed region (issue 11.4): a call only keeps copies of
 its q/k/v `[B, H, T, D]` and the strategy's output, and the full-attention work runs at the
@@ -41,9 +44,11 @@ class Shadow(Strategy):
         c = ctx.counters
         private = Counters(c.kv_heads, c.elem_bytes, c.cuda)
         self.ref = Full(NoParams(), dataclasses.replace(ctx, counters=private))
-        # (step, layer, reference call, q, k, v, strategy output) not yet compared
+        # (step, layer, reference call, q, k, v, strategy output, attended mask) not yet
+        # compared
         self._pending: list[tuple[int, int, Callable[..., torch.Tensor], torch.Tensor,
-                                  torch.Tensor, torch.Tensor, torch.Tensor]] = []
+                                  torch.Tensor, torch.Tensor, torch.Tensor,
+                                  torch.Tensor | None]] = []
 
     def begin_step(self, step: int) -> None:
         self.flush()
@@ -59,23 +64,41 @@ class Shadow(Strategy):
 
         c = self.ctx.counters
         now = c.step, c.layer
-        for step, layer, call, q, k, v, out in self._pending:
+        for step, layer, call, q, k, v, out, mask in self._pending:
             ref = call(layer, q, k, v)
             c.step, c.layer = step, layer
             err = torch.linalg.vector_norm((out.float() - ref.float()).flatten())
             norm = torch.linalg.vector_norm(ref.float().flatten()).clamp_min(1e-30)
             c.add("rel_error", "attention", float(err / norm))
+            if mask is not None:
+                c.add("topk_recall", "attention", self._recall(layer, q, mask))
         c.step, c.layer = now
         if self._pending and self.ctx.accel.type == "cuda":
             torch.cuda.synchronize()
         self._pending.clear()
 
+    def _recall(self, layer: int, q: torch.Tensor, mask: torch.Tensor, top: int = 10
+                ) -> float:
+        """Share of full attention's `top` keys per query head (q [B, Hq, 1, D] over the
+        reference cache) that the strategy attended (mask [B, Hq, n])."""
+        import torch
+
+        n = mask.shape[2]
+        k = self.ref.k[layer][:, :, :n].float()
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # [B, Hq, n, D]
+        logits = torch.matmul(q.float(), k.transpose(-1, -2)).squeeze(2)  # [B, Hq, n]
+        best = logits.topk(min(top, n), dim=-1).indices
+        return float(mask.gather(2, best).float().mean())
+
     def _defer(self, ref: Callable[..., torch.Tensor], run: Callable[..., torch.Tensor],
-               layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+               layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               decode: bool = False) -> torch.Tensor:
         """The strategy's `run`(layer, q, k, v); the reference `ref` waits for `flush`."""
         saved = q.clone(), k.clone(), v.clone()  # the caller may reuse its buffers
         out = run(layer, q, k, v)
-        self._pending.append((self.ctx.counters.step, layer, ref, *saved, out.clone()))
+        mask = self.inner.attended(layer) if decode else None
+        self._pending.append((self.ctx.counters.step, layer, ref, *saved, out.clone(),
+                              None if mask is None else mask.clone()))
         return out
 
     def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor,
@@ -84,7 +107,7 @@ class Shadow(Strategy):
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
-        return self._defer(self.ref.decode, self.inner.decode, layer, q, k, v)
+        return self._defer(self.ref.decode, self.inner.decode, layer, q, k, v, decode=True)
 
     def append(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:

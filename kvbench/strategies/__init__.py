@@ -109,6 +109,12 @@ class Strategy:
     def layer_input(self, layer: int, x: torch.Tensor) -> None:
         """The normed hidden state x [B, T, hidden] entering `layer` (for look-ahead)."""
 
+    def attended(self, layer: int) -> torch.Tensor | None:
+        """Which cached positions the last decode step of `layer` attended: bool [B, Hq, n]
+        over the n tokens cached so far (None: not tracked, e.g. dense strategies). Eval
+        mode reads it for the share of full attention's top keys a strategy kept."""
+        return None
+
     def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> torch.Tensor:
         """Store the prompt's k/v [B, Hkv, P, D] and return causal attention [B, Hq, P, D]."""
@@ -129,6 +135,20 @@ class Strategy:
 def supports_append(cls: type[Strategy]) -> bool:
     """Whether strategy class `cls` implements `append` (multi-turn runs)."""
     return cls.append is not Strategy.append
+
+
+def position_mask(pos: torch.Tensor, n: int, hq: int, lens: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """Bool [B, Hq, n] marking positions pos [B, H, m] (the first lens[b, h] of each row when
+    given); H = Hkv rows are shared by their group's Hq / Hkv query heads."""
+    import torch
+
+    b, h, m = pos.shape
+    valid = torch.ones_like(pos, dtype=torch.bool) if lens is None else (
+        torch.arange(m, device=pos.device) < lens[..., None])
+    mask = torch.zeros(b, h, n + 1, dtype=torch.bool, device=pos.device)
+    mask.scatter_(2, pos.masked_fill(~valid, n).long(), True)  # invalid: column n, dropped
+    return mask[:, :, :n].repeat_interleave(hq // h, dim=1)
 
 
 def column_scores(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *,

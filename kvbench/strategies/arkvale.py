@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvbench.errors import require
-from kvbench.strategies import STRATEGIES, Strategy
+from kvbench.strategies import STRATEGIES, Strategy, position_mask
 from kvbench.strategies._pages import Digests, check_layers, check_pages, page_scores
 
 if TYPE_CHECKING:
@@ -121,6 +121,21 @@ class ArkVale(Strategy):
             self.dig[i] = Digests(b, hkv, ctx.max_len, d, page, "cuboid-mean", ctx.accel,
                                   ctx.dtype)
         self.length = [0] * ctx.n_layers  # tokens cached
+
+    def attended(self, layer: int) -> torch.Tensor | None:
+        """Every resident page and the current one (all tokens while the pool holds all)."""
+        import torch
+
+        n, hq, size = self.length[layer], self.ctx.spec.n_heads, self.p.page_size
+        nf = n // size
+        if layer < self.p.dense_layers or nf <= self.c:
+            return torch.ones(self.ctx.batch, hq, n, dtype=torch.bool, device=self.ctx.accel)
+        sp = self.slot_page[layer]
+        off = torch.arange(size, device=sp.device)
+        pos = torch.cat([(sp[..., None] * size + off).flatten(2),
+                         torch.arange(nf * size, n, device=sp.device).expand(
+                             *sp.shape[:2], -1)], dim=2)
+        return position_mask(pos, n, hq)
 
     # --- pages of one sparse layer ---------------------------------------------------
 

@@ -26,7 +26,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvbench.errors import require
-from kvbench.strategies import STRATEGIES, Strategy, _budget, column_scores, decode_weights
+from kvbench.strategies import (
+    STRATEGIES,
+    Strategy,
+    _budget,
+    column_scores,
+    decode_weights,
+    position_mask,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -93,6 +100,12 @@ class H2O(Strategy):
         self.n = [0] * ctx.n_layers  # filled slots (same for every row)
         self.seen = [0] * ctx.n_layers  # tokens seen (next position)
         self.free: list[torch.Tensor | None] = [None] * ctx.n_layers  # [B, Hkv] slot
+
+    def attended(self, layer: int) -> torch.Tensor | None:
+        """The kept slots' positions (every slot was attended by the last decode)."""
+        n = self.n[layer]
+        return position_mask(self.pos[layer][:, :, :n], self.seen[layer],
+                             self.ctx.spec.n_heads)
 
     def _compact(self, layer: int) -> int:
         """Fill each row's free slot with its last slot: slots [0, n) are then all kept."""

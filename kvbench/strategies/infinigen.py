@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvbench.errors import require
-from kvbench.strategies import STRATEGIES, Strategy
+from kvbench.strategies import STRATEGIES, Strategy, position_mask
 from kvbench.strategies._pages import check_layers
 
 if TYPE_CHECKING:
@@ -120,6 +120,18 @@ class InfiniGen(Strategy):
         self.fetched: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.ready: dict[int, torch.cuda.Event] = {}
         self.stream = torch.cuda.Stream(ctx.accel) if pin else None
+        # layer -> token ids [B, Hq, n'] speculated for it (None once a dense step ran)
+        self.chosen: dict[int, torch.Tensor | None] = {}
+
+    def attended(self, layer: int) -> torch.Tensor | None:
+        import torch
+
+        n, b, hq = self.length[layer], self.ctx.batch, self.ctx.spec.n_heads
+        idx = self.chosen.get(layer)
+        if idx is None:
+            return torch.ones(b, hq, n, dtype=torch.bool, device=self.ctx.accel)
+        new = torch.full((b, hq, 1), n - 1, dtype=idx.dtype, device=idx.device)
+        return position_mask(torch.cat([idx, new], dim=2), n, hq)
 
     def _partial(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """Skewed partial channels of x [B, H, T, D] (H = Hkv, or Hq mapped to its group)."""
@@ -179,6 +191,7 @@ class InfiniGen(Strategy):
             cap = p.budget_tokens or max(1, int(0.2 * n))
             n_sel = max(1, min(int(count), cap, n))
             idx = logits.topk(n_sel, dim=-1).indices  # [B, Hq, n']
+            self.chosen[nxt] = idx
             counters.add("flops", "accel", 2.0 * b * hq * n * self.dp)
             counters.add("bytes_read", "accel", 1.0 * b * hkv * n * self.dp
                          * self.ctx.elem_bytes)
@@ -211,6 +224,7 @@ class InfiniGen(Strategy):
         counters = self.ctx.counters
         fetched = self.fetched.pop(layer, None)
         if fetched is None:  # a dense layer: the whole cache from the host
+            self.chosen[layer] = None
             kc = self.host_k[layer][:, :, :n].to(q.device, non_blocking=True)
             vc = self.host_v[layer][:, :, :n].to(q.device, non_blocking=True)
             counters.moved("h2d", 2.0 * kc.numel() * self.ctx.elem_bytes)

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvbench.strategies import STRATEGIES, Strategy
+from kvbench.strategies import STRATEGIES, Strategy, position_mask
 from kvbench.strategies._pages import (
     Digests,
     attend_selected,
@@ -92,6 +92,17 @@ class Quest(Strategy):
                             params.page_size, "minmax", ctx.accel, ctx.dtype)
                     for _ in range(ctx.n_layers)]
         self.length = [0] * ctx.n_layers
+        # layer -> (positions [B, H, K*S], lengths [B, H]) of its last sparse decode
+        self.last: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
+
+    def attended(self, layer: int) -> torch.Tensor | None:
+        import torch
+
+        n, hq = self.length[layer], self.ctx.spec.n_heads
+        sel = self.last.get(layer)
+        if sel is None:  # dense
+            return torch.ones(self.ctx.batch, hq, n, dtype=torch.bool, device=self.ctx.accel)
+        return position_mask(sel[0], n, hq, sel[1])
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
         n0 = self.length[layer]
@@ -124,6 +135,7 @@ class Quest(Strategy):
         n_pages, k_pages = -(-n // p.page_size), p.budget_tokens // p.page_size
         counters = self.ctx.counters
         if layer < p.dense_layers or k_pages >= n_pages:
+            self.last[layer] = None
             out, _ = dense_attention(q, kc, vc, causal=False)
             counters.attended("accel", q, n)
             return out
@@ -134,4 +146,5 @@ class Quest(Strategy):
             pages = select_pages(scores, n_pages, k_pages, p.sinks, p.window_pages)
             pos, lens = page_tokens(pages, p.page_size, n)
         counters.add("bytes_read", "accel", dig.nbytes(n))
+        self.last[layer] = pos, lens
         return attend_selected(q, kc, vc, pos, lens, counters)[0]

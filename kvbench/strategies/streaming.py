@@ -75,6 +75,17 @@ class Streaming(Strategy):
         self.v = [torch.empty_like(t) for t in self.k]
         self.seen = [0] * ctx.n_layers
 
+    def attended(self, layer: int) -> torch.Tensor | None:
+        """The sinks and the latest `ring` positions (all while the budget holds them)."""
+        import torch
+
+        n = self.seen[layer]
+        mask = torch.ones(self.ctx.batch, self.ctx.spec.n_heads, n, dtype=torch.bool,
+                          device=self.ctx.accel)
+        if n > self.budget:
+            mask[:, :, self.p.sinks:n - self.ring] = False
+        return mask
+
     def _slot(self, t: int) -> int:
         """Slot of the token at position t (t < budget: slot t)."""
         s = self.p.sinks
