@@ -81,7 +81,7 @@ def _fmt(value: float | None, unit: str) -> str:
     if value is None:
         return "-"
     if unit == "s":
-        return f"{value * 1e3:.3g} ms"
+        return f"{value:.3g} s" if value >= 1 else f"{value * 1e3:.3g} ms"
     if unit == "B":
         return format_bytes(value)
     if unit == "ratio":
@@ -100,10 +100,12 @@ def _eval_mark(r: dict[str, Any]) -> str:
     return " (eval mode)" if label(r).endswith("(eval mode)") else ""
 
 
-def _one(m: dict[str, list[dict[str, Any]]], metric: str) -> str:
-    """A run's value of `metric` ('-' when not measured), marked when in eval mode."""
+def _one(m: dict[str, list[dict[str, Any]]], metric: str, mark: bool) -> str:
+    """A run's value of `metric` ('-' when not measured), marked when in eval mode (unless
+    every run is: the caption says so)."""
     rec = m.get(metric, [None])[0]
-    return "-" if rec is None else _fmt(rec["value"], rec["unit"]) + _eval_mark(rec)
+    return "-" if rec is None else _fmt(rec["value"], rec["unit"]) + (
+        _eval_mark(rec) if mark else "")
 
 
 def _per_place(m: dict[str, list[dict[str, Any]]], metric: str, p: dict[str, Any]) -> str:
@@ -132,14 +134,18 @@ def compare_runs(ok: list[dict[str, Any]]) -> tuple[str, list[list[str]]]:
         change = "-" if base is None or name == REFERENCE else \
             f"{(ppl['value'] - base) / base:+.2%}"
         own = " ".join(f"{k}={v}" for k, v in p.items() if k not in common)
-        rows.append([name, own or "-", *(_one(m, x) for x in ("ttft", "tbt", "tbt_p90",
-                                                             "decode_tokens_per_s")),
+        mark = "mode" not in common
+        rows.append([name, own or "-", *(_one(m, x, mark) for x in (
+                         "ttft", "tbt", "tbt_p90", "decode_tokens_per_s")),
                      _per_place(m, "peak_memory", p),
                      "-" if ppl is None else f"{ppl['value']:.4g}", change,
                      _per_place(m, "tokens_attended_per_step", p),
-                     _per_place(m, "bytes_moved_per_step", p), _one(m, "accel_idle_share")])
+                     _per_place(m, "bytes_moved_per_step", p),
+                     _one(m, "accel_idle_share", mark)])
     shared = " ".join(f"{k}={v}" for k, v in common.items()
                       if k in RUN_OPTIONS and k != "accel")
+    if common.get("mode") == "eval":
+        shared += " (times in eval mode)"
     where = accel_label(common["accel"]) if "accel" in common else ""
     return f"{shared}; accelerator role: {where}" if where else shared, rows
 
@@ -224,5 +230,5 @@ def summarize(envs: dict[str, dict[str, Any]], records: list[dict[str, Any]],
               out_dir: Path) -> Summary:
     ok = [r for r in records if r["status"] == "ok"]
     common, runs = compare_runs(ok)
-    return Summary([machine_line(e) for e in envs.values()], headlines(ok), common, runs,
-                   trace_figure(ok, out_dir))
+    machines = list(dict.fromkeys(machine_line(e) for e in envs.values()))
+    return Summary(machines, headlines(ok), common, runs, trace_figure(ok, out_dir))
