@@ -6,6 +6,11 @@ a small CPU machine has. When `--layers` is left at 0 (all) on such a machine, t
 keeps the first layers whose weights fit a CPU budget (CPU_WEIGHT_BUDGET, at most
 CPU_MEMORY_SHARE of the available memory) and says so; records carry `layers` <
 `layers_total`. The user's explicit `--layers` is never changed.
+
+Defaults that keep a strategy in its paper's regime at the run's length are the strategy's
+own (`Strategy.for_run`, called by the run after this): e.g. hgca's automatic block keeps
+its accelerator window a ring of at least four blocks at the CPU default lengths, and a
+window under four blocks is warned about and recorded (`window_blocks`).
 """
 
 from __future__ import annotations
