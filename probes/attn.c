@@ -11,7 +11,8 @@
  * fewer than SPLIT_ROWS rows per thread (decode at batch 1: a few KV heads on all cores),
  * every row's keys are split into S chunks (split-K, as FlashDecoding) whose partial
  * (max, sum, accumulator) are merged exactly afterwards, so all threads stay busy. Threads
- * take tasks from a shared counter and write disjoint parts of one output buffer.
+ * take tasks from a shared counter and write disjoint parts of one output buffer; the call
+ * returns when the tasks are done, not when every helper thread has run (see kvb_attn).
  *
  * Inner loops (scores of 8 keys at a time, exp, P.V with the accumulator in registers,
  * bfloat16 -> float32 conversion) have an AVX2/FMA version chosen at run time on x86 CPUs
@@ -24,6 +25,7 @@
 #pragma GCC optimize("O3")
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -53,6 +55,8 @@ typedef struct {
     const void *isa;      /* the inner loops (isa_t) */
     int64_t next;         /* shared task counter */
     int failed;
+    int64_t done;         /* tasks finished */
+    int refs;             /* threads still holding the job (the last one frees it) */
 } job_t;
 
 /* The vectorisable inner loops, one set per instruction set and dtype. s/p rows hold BLK
@@ -493,45 +497,60 @@ static void finish_row(job_t *j, int64_t r, const float *m, const float *l, cons
     }
 }
 
-static void *worker(void *arg) {
-    job_t *j = (job_t *)arg;
+/* Take tasks from the shared counter until none is left, counting each one done (a thread
+ * that could not get its work buffers still counts the tasks it takes, as failed). */
+static void run_tasks(job_t *j) {
     const int64_t nr = (j->Hq / j->Hkv) * j->Lq, D = j->D;
     const isa_t *isa = (const isa_t *)j->isa;
     work_t w;
     float *mem = malloc(sizeof(float) * (2 * nr * D + 3 * nr + nr * BLK));
-    if (!mem) {
-        __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
-        return NULL;
+    if (mem) {
+        w.qf = mem;
+        w.acc = w.qf + nr * D;
+        w.m = w.acc + nr * D;
+        w.l = w.m + nr;
+        w.corr = w.l + nr;
+        w.s = w.corr + nr;
     }
-    w.qf = mem;
-    w.acc = w.qf + nr * D;
-    w.m = w.acc + nr * D;
-    w.l = w.m + nr;
-    w.corr = w.l + nr;
-    w.s = w.corr + nr;
     const int64_t rows = j->B * j->Hkv;
     for (;;) {
         const int64_t task = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
         if (task >= j->ntasks) break;
-        if (j->split == 1) {
+        if (!mem) {
+            __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
+        } else if (j->split == 1) {
             const int64_t r1 = (task + 1) * j->group < rows ? (task + 1) * j->group : rows;
             for (int64_t r = task * j->group; r < r1; r++) {
                 do_range(j, isa, &w, r, 0, j->idx ? j->lens[r] : j->Lk);
                 finish_row(j, r, w.m, w.l, w.acc, 1, D);
             }
-            continue;
+        } else {
+            const int64_t r = task / j->split, n = j->idx ? j->lens[r] : j->Lk;
+            const int64_t k0 = (task % j->split) * j->chunk;
+            do_range(j, isa, &w, r, k0 < n ? k0 : n, k0 + j->chunk < n ? k0 + j->chunk : n);
+            float *part = j->part + task * nr * (D + 2);
+            for (int64_t t = 0; t < nr; t++) {
+                part[t * (D + 2)] = w.m[t];
+                part[t * (D + 2) + 1] = w.l[t];
+                memcpy(part + t * (D + 2) + 2, w.acc + t * D, sizeof(float) * D);
+            }
         }
-        const int64_t r = task / j->split, n = j->idx ? j->lens[r] : j->Lk;
-        const int64_t k0 = (task % j->split) * j->chunk;
-        do_range(j, isa, &w, r, k0 < n ? k0 : n, k0 + j->chunk < n ? k0 + j->chunk : n);
-        float *part = j->part + task * nr * (D + 2);
-        for (int64_t t = 0; t < nr; t++) {
-            part[t * (D + 2)] = w.m[t];
-            part[t * (D + 2) + 1] = w.l[t];
-            memcpy(part + t * (D + 2) + 2, w.acc + t * D, sizeof(float) * D);
-        }
+        __atomic_add_fetch(&j->done, 1, __ATOMIC_RELEASE);
     }
     free(mem);
+}
+
+/* Drop one reference to the job; the last one frees it. */
+static void release(job_t *j) {
+    if (__atomic_sub_fetch(&j->refs, 1, __ATOMIC_ACQ_REL) == 0) {
+        free(j->part);
+        free(j);
+    }
+}
+
+static void *worker(void *arg) {
+    run_tasks((job_t *)arg);
+    release((job_t *)arg);
     return NULL;
 }
 
@@ -565,17 +584,24 @@ static void merge_row(job_t *j, int64_t r) {
     finish_row(j, r, p0, p0 + 1, p0 + 2, D + 2, D + 2);
 }
 
-/* Returns 0, or -1 when a buffer or a thread could not be had (outputs then undefined). */
+/* Returns 0, or -1 when a buffer could not be had (outputs then undefined).
+ *
+ * The calling thread works too and returns once every task is done, without joining the
+ * helper threads: they are detached and hold a reference to the job (on the heap), so a
+ * helper that the scheduler starts late (another process on its CPU) finds no task left and
+ * exits on its own instead of holding the call up until it gets a CPU. */
 int kvb_attn(int dtype, const void *q, const void *k, const void *v, void *out, float *lse,
              int64_t B, int64_t Hq, int64_t Hkv, int64_t Lq, int64_t Lk, int64_t D,
              const int64_t *kstrides, const int64_t *vstrides, const int32_t *idx,
              const int32_t *lens, int64_t nmax, float scale, int causal, int64_t q_start,
              int64_t group, int threads) {
-    job_t j = {dtype, q, k, v, out, lse, B, Hq, Hkv, Lq, Lk, D, kstrides, vstrides, idx, lens,
-               nmax, scale, causal, q_start, group < 1 ? 1 : group, 0, 1, 0, NULL,
-               dtype ? &GEN_BF16 : &GEN_F32, 0, 0};
+    job_t *j = malloc(sizeof *j);
+    if (!j) return -1;
+    *j = (job_t){dtype, q, k, v, out, lse, B, Hq, Hkv, Lq, Lk, D, kstrides, vstrides, idx, lens,
+                 nmax, scale, causal, q_start, group < 1 ? 1 : group, 0, 1, 0, NULL,
+                 dtype ? &GEN_BF16 : &GEN_F32, 0, 0, 0, 1};
 #ifdef KVB_X86
-    if (kvb_attn_isa(-1) == 1 && D % (dtype ? 16 : 8) == 0) j.isa = dtype ? &AVX2_BF16 : &AVX2_F32;
+    if (kvb_attn_isa(-1) == 1 && D % (dtype ? 16 : 8) == 0) j->isa = dtype ? &AVX2_BF16 : &AVX2_F32;
 #endif
     const int64_t rows = B * Hkv, n = idx ? nmax : Lk;
     int nt = threads < 1 ? 1 : threads > 256 ? 256 : threads;
@@ -583,29 +609,39 @@ int kvb_attn(int dtype, const void *q, const void *k, const void *v, void *out, 
         int64_t s = (SPLIT_ROWS * nt + rows - 1) / rows;
         while ((rows * s) % nt) s++; /* equal chunks per thread */
         const int64_t most = n / MIN_CHUNK;
-        j.split = s < most ? s : most;
-        j.chunk = (n + j.split - 1) / j.split;
-        j.chunk = (j.chunk + BLK - 1) / BLK * BLK;
-        j.split = (n + j.chunk - 1) / j.chunk;
+        j->split = s < most ? s : most;
+        j->chunk = (n + j->split - 1) / j->split;
+        j->chunk = (j->chunk + BLK - 1) / BLK * BLK;
+        j->split = (n + j->chunk - 1) / j->chunk;
     }
-    if (j.split > 1) {
-        j.ntasks = rows * j.split;
-        j.part = malloc(sizeof(float) * j.ntasks * (Hq / Hkv) * Lq * (D + 2));
-        if (!j.part) return -1;
+    if (j->split > 1) {
+        j->ntasks = rows * j->split;
+        j->part = malloc(sizeof(float) * j->ntasks * (Hq / Hkv) * Lq * (D + 2));
+        if (!j->part) {
+            free(j);
+            return -1;
+        }
     } else {
-        j.ntasks = (rows + j.group - 1) / j.group;
+        j->ntasks = (rows + j->group - 1) / j->group;
     }
-    if (nt > j.ntasks) nt = (int)j.ntasks;
-    pthread_t tid[256];
-    int started = 0;
+    if (nt > j->ntasks) nt = (int)j->ntasks;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
     for (int t = 1; t < nt; t++) {
-        if (pthread_create(&tid[started], NULL, worker, &j) != 0) break;
-        started++;
+        pthread_t tid;
+        __atomic_add_fetch(&j->refs, 1, __ATOMIC_RELAXED);
+        if (pthread_create(&tid, &attr, worker, j) != 0) {
+            __atomic_sub_fetch(&j->refs, 1, __ATOMIC_RELAXED);
+            break;
+        }
     }
-    worker(&j);
-    for (int t = 0; t < started; t++) pthread_join(tid[t], NULL);
-    if (j.split > 1 && !j.failed)
-        for (int64_t r = 0; r < rows; r++) merge_row(&j, r);
-    free(j.part);
-    return j.failed ? -1 : 0;
+    pthread_attr_destroy(&attr);
+    run_tasks(j);
+    while (__atomic_load_n(&j->done, __ATOMIC_ACQUIRE) < j->ntasks) sched_yield();
+    if (j->split > 1 && !j->failed)
+        for (int64_t r = 0; r < rows; r++) merge_row(j, r);
+    const int rc = j->failed ? -1 : 0;
+    release(j);
+    return rc;
 }

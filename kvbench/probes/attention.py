@@ -211,8 +211,9 @@ class AttentionProbe(Probe):
         """CPU dense decode, torch SDPA on the same tensors and a native read-only loop over as
         many bytes as the KV (K and V read once: decode's physical limit), timed in
         interleaved rounds so each round pairs the three under the same machine load.
-        Yields the read loop's GB/s, leaves the per-round ratios (SDPA time over dense time,
-        dense GB/s over read GB/s) in res and returns the dense timing."""
+        SDPA runs on as many torch threads as the kernel has. Yields the read loop's GB/s,
+        leaves the per-round ratios (SDPA time over dense time, dense GB/s over read GB/s)
+        in res and returns the dense timing."""
         import torch
 
         from kvbench.native import lib
@@ -227,10 +228,15 @@ class AttentionProbe(Probe):
         so = lib()
         nbytes = int(w.p.kv_bytes(w.p.host_tokens))
         buf = torch.ones(nbytes, dtype=torch.uint8)
-        dense, sdpa, read = time_rounds(
-            [clocked(w.cpu_dense), clocked(w.sdpa),
-             lambda: so.kvb_read_threads(buf.data_ptr(), nbytes, 1, w.threads) * 1e-9],
-            self.policy, timer="perf_counter_ns (attention), CLOCK_MONOTONIC (read loop)")
+        torch_threads = torch.get_num_threads()
+        torch.set_num_threads(w.threads)  # SDPA on as many threads as the kernel
+        try:
+            dense, sdpa, read = time_rounds(
+                [clocked(w.cpu_dense), clocked(w.sdpa),
+                 lambda: so.kvb_read_threads(buf.data_ptr(), nbytes, 1, w.threads) * 1e-9],
+                self.policy, timer="perf_counter_ns (attention), CLOCK_MONOTONIC (read loop)")
+        finally:
+            torch.set_num_threads(torch_threads)
         yield measured("probe", self.name, "host_read_gbps", "GB/s", "higher",
                        [gbps(nbytes, s) for s in read.seconds],
                        {**params, "how": "native read loop", "bytes": nbytes}, read.method())
