@@ -29,8 +29,10 @@ def chunk(gen: torch.Generator, t: int, batch: int = 2) -> tuple[torch.Tensor, .
             torch.randn(batch, SPEC.n_kv_heads, t, D, generator=gen))
 
 
-def turns(s: Hgca, gen: torch.Generator, plan: list[tuple[int, int]]) -> float:
-    """Feed (prompt, decode steps) turns to layer 0; max |out - full attention|."""
+def turns(s: Hgca, gen: torch.Generator, plan: list[tuple[int, int]]
+          ) -> tuple[float, torch.Tensor]:
+    """Feed (prompt, decode steps) turns to layer 0; (max |out - full attention|, every
+    key fed [B, Hkv, N, D] in token order)."""
     ks: list[torch.Tensor] = []
     vs: list[torch.Tensor] = []
     worst = 0.0
@@ -44,7 +46,7 @@ def turns(s: Hgca, gen: torch.Generator, plan: list[tuple[int, int]]) -> float:
             vs.append(v)
             ref, _ = dense_attention(q, torch.cat(ks, dim=2), torch.cat(vs, dim=2), q_start=n)
             worst = max(worst, float((out - ref).abs().max()))
-    return worst
+    return worst, torch.cat(ks, dim=2)
 
 
 def test_hgca_supports_append() -> None:
@@ -55,10 +57,16 @@ def test_beta0_multi_turn_equals_full_attention() -> None:
     """Appends before and after the ring wraps, with a host part on every append."""
     s = make(HgcaParams(gpu_tokens=16, block=8, beta=0.0))
     plan = [(20, 10), (12, 9), (5, 7), (30, 2)]
-    assert turns(s, torch.Generator().manual_seed(0), plan) < 2e-5
+    worst, keys = turns(s, torch.Generator().manual_seed(0), plan)
+    assert worst < 2e-5
     s._join(s.layers[0])
     L = s.layers[0]
-    assert L.n < 16 and L.n + L.n_host == 95 and L.n_host % 8 == 0
+    # a T-token append onto n resident evicts whole blocks until n + T < 16, a decode step
+    # that fills the ring evicts one: 20 -> 12 (+8 host), 10 steps -> 14 (+8); 12 -> 10
+    # (+16), 9 steps -> 11 (+8); 5 -> 8 (+8), 7 steps -> 15; 30 -> 13 (+32), 2 steps -> 15
+    assert (L.n, L.n_host) == (15, 80)
+    assert torch.equal(L.hk[:, :, :80], keys[:, :, :80])  # KV_cpu: oldest tokens, in order
+    assert torch.equal(torch.cat([p[0] for p in L.resident()], dim=2), keys[:, :, 80:])
     assert L.lens.tolist() == [L.n_host] * 6  # beta 0: every host entry selected
 
 
@@ -103,10 +111,23 @@ def test_ingest_maw_chunks_agree(monkeypatch) -> None:
     whole = _hgca_kv.ingest_maw(q, keys, lse, 5, old, **kw)
     monkeypatch.setattr(_hgca_kv, "_SCORES", 9 * 17 * 2)  # two queries per chunk
     assert torch.allclose(_hgca_kv.ingest_maw(q, keys, lse, 5, old, **kw), whole, atol=1e-7)
-    soft = (q @ keys.repeat_interleave(3, dim=1).transpose(-1, -2) * D ** -0.5)
-    soft = soft.masked_fill(torch.arange(17) > 5 + torch.arange(12)[:, None], float("-inf"))
-    p = soft.softmax(dim=-1)  # [1, 9, 12, 17]
-    maw = torch.cat([old, torch.zeros(1, 9, 12)], dim=2)
-    for i in range(12):
-        maw = 0.95 * maw + 0.05 * p[:, :, i] * (5 + i + 1) / 16
-    assert torch.allclose(whole, maw, atol=1e-6)
+
+
+def test_ingest_maw_of_uniform_attention_after_resident_entries() -> None:
+    """Appending T tokens onto n resident ones with uniform attention (q = 0): a resident
+    entry decays by (1 - alpha)^T and gains (1 - (1 - alpha)^T) / W, new token j gains
+    (1 - (1 - alpha)^(T - j)) / W (uniform attention is 1 / W on the window's scale)."""
+    from kvbench.strategies import _hgca_kv
+
+    gen = torch.Generator().manual_seed(4)
+    _, k, _ = chunk(gen, 12, batch=1)
+    keys = torch.cat([torch.randn(1, 3, 5, D, generator=gen), k], dim=2)
+    q = torch.zeros(1, 9, 12, D)
+    _, lse = dense_attention(q, keys, keys, q_start=5)
+    old = torch.rand(1, 9, 5, generator=gen)
+    got = _hgca_kv.ingest_maw(q, keys, lse, 5, old, alpha=0.05, w=16, scale=D ** -0.5)
+    decay = 0.95 ** 12
+    assert torch.allclose(got[:, :, :5], old * decay + (1 - decay) / 16, atol=1e-7)
+    j = torch.arange(12, dtype=torch.float64)
+    assert torch.allclose(got[0, :, 5:].double(), ((1 - 0.95 ** (12 - j)) / 16).expand(9, 12),
+                          atol=1e-7)

@@ -84,8 +84,18 @@ def test_hgca_ring_and_host_accounting() -> None:
     drive(s, steps)
     s._join(s.layers[0])
     L = s.layers[0]
-    assert L.n < 16 and L.n + L.n_host == 79 and L.n_host % 8 == 0
-    assert int(L.lens.max()) <= L.n_host and int(L.lens.min()) >= 0
+    # the prefill evicts 4 blocks (8 stay), then a block leaves whenever the ring fills:
+    # 39 steps = 4 blocks + 7 tokens
+    assert (L.n, L.n_host) == (15, 64)
+    allk = torch.cat([k for _, k, _ in steps], dim=2)  # [B, Hkv, 79, D], token order
+    assert torch.equal(L.hk[:, :, :64], allk[:, :, :64])  # KV_cpu: the oldest, in order
+    assert torch.equal(torch.cat([p[0] for p in L.resident()], dim=2), allk[:, :, 64:])
+    hv = L.hv[:, :, :64].reshape(-1, 64, 64)
+    for r in range(L.lens.numel()):  # KV_ctx[r]: host entries of row r, in host order
+        pos = _selected_positions(L, r, L.hk[:, :, :64])
+        assert pos == sorted(set(pos))
+        assert torch.equal(L.cv.view(-1, L.cv.shape[2], 64)[r, :len(pos)], hv[r, pos])
+    assert bool(((L.lens > 0) & (L.lens < 64)).any())  # beta 1: a partial selection
     c = s.ctx.counters
     b, hkv = 2, SPEC.n_kv_heads
     assert c.step_total("tokens", "host_resident", 39) == b * (L.n_host - 8 * (L.n == 8))
@@ -136,15 +146,20 @@ def test_hgca_prefill_weights_and_beta() -> None:
             assert all(3 in _selected_positions(L, r, k) for r in range(3))
     assert all(bool((a >= b).all()) for a, b in itertools.pairwise(lens))
     assert lens[0].tolist() == [32, 32, 32] and int(lens[-1].max()) < 32
-    # initial MAW: line 8 once per prompt query (alpha 0.1) on p_ij (i + 1) / W
-    kk = k.repeat_interleave(3, dim=1)
-    logits = (q @ kk.transpose(-1, -2)) / 8
-    logits.masked_fill_(torch.ones(40, 40, dtype=torch.bool).triu(1), float("-inf"))
-    prob = logits.softmax(dim=-1)  # [1, 9, 40 queries, 40 keys]
-    maw = torch.zeros(1, 9, 40)
-    for i in range(40):
-        maw = 0.9 * maw + 0.1 * prob[:, :, i] * (i + 1) / 16
-    assert torch.allclose(s.layers[0].maw[:, :, :8], maw[:, :, 32:], rtol=1e-4, atol=1e-7)
+
+
+def test_hgca_prefill_maw_of_uniform_attention() -> None:
+    """The initial MAW puts prefill weights on the window's scale, where uniform attention
+    is 1 / W: with every query attending uniformly (q = 0), key j of a T-token prompt
+    keeps sum over its T - j queries of alpha (1 - alpha)^age / W, in closed form
+    (1 - (1 - alpha)^(T - j)) / W, whatever the number of keys each query saw."""
+    (q, k, v), = inputs(40, 0, batch=1)
+    s = make("hgca", HgcaParams(gpu_tokens=16, block=8, beta=1.0, alpha=0.1), layers=1,
+             batch=1, max_len=41)
+    s.prefill(0, torch.zeros_like(q), k, v)
+    j = torch.arange(32, 40, dtype=torch.float64)  # the 8 tokens left resident
+    want = (1 - 0.9 ** (40 - j)) / 16
+    assert torch.allclose(s.layers[0].maw[0, :, :8].double(), want.expand(9, 8), atol=1e-7)
 
 
 def test_hgca_decode_moving_average() -> None:
@@ -292,3 +307,57 @@ def test_cuda_paths_equal_full(name, params) -> None:
     got = drive(on_gpu(name, params), steps)
     torch.cuda.synchronize()
     assert max_diff(got, ref) < 2e-5
+
+
+def test_hgca_maw_handed_to_selection_after_the_ring_wraps(monkeypatch) -> None:
+    """Alg. 1 lines 8-13 across a wrapped ring: the MAW of each evicted block, as the
+    selection receives it, equals the moving average of the plain window softmax of
+    every decode query that saw the entry (from 0 at its insertion), computed directly
+    over the tokens resident at each step; KV_ctx gets the entries above beta / W."""
+    alpha, w = 0.2, 16
+    s = make("hgca", HgcaParams(gpu_tokens=w, block=8, beta=1.0, alpha=alpha), layers=1,
+             batch=1, max_len=40)
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # (k, maw) of each eviction
+    select = s._select
+
+    def spy(L, k, v, maw, copied):
+        seen.append((k.clone(), maw.clone()))
+        return select(L, k, v, maw, copied)
+
+    monkeypatch.setattr(s, "_select", spy)
+    steps = inputs(4, 28, batch=1)  # 4 prompt tokens (no prefill eviction), 28 decode steps
+    resident = list(range(4))  # token ids on the accelerator, oldest first
+    keys = [steps[0][1][0, :, i] for i in range(4)]  # [Hkv, D] per token
+    maw: dict[int, torch.Tensor] = {}  # token id -> [Hq] moving average (decoded tokens)
+    evicted: list[list[int]] = []
+    s.prefill(0, *steps[0])
+    for t, (q, k, v) in enumerate(steps[1:], start=4):
+        s.begin_step(t - 3)
+        s.decode(0, q, k, v)
+        keys.append(k[0, :, 0])
+        resident.append(t)
+        maw[t] = torch.zeros(9)
+        kk = torch.stack([keys[i] for i in resident], dim=1).repeat_interleave(3, dim=0)
+        soft = (torch.einsum("hd,hnd->hn", q[0, :, 0], kk) / 8).softmax(dim=-1)  # [Hq, n]
+        for col, i in enumerate(resident):
+            if i in maw:
+                maw[i] = (1 - alpha) * maw[i] + alpha * soft[:, col]
+        if len(resident) == w:  # full: the oldest block leaves
+            evicted.append(resident[:8])
+            resident = resident[8:]
+    s._join(s.layers[0])
+    assert [b[0] for b in evicted] == [0, 8, 16] and len(seen) == 3
+    # block 0 holds prompt tokens (initial MAW from the prefill); blocks 1 and 2 are all
+    # decoded tokens, block 2 inserted into slots 0-7 after the ring wrapped
+    for (k_sel, maw_sel), block in zip(seen[1:], evicted[1:], strict=True):
+        assert torch.equal(k_sel[0], torch.stack([keys[i] for i in block], dim=1))
+        want = torch.stack([maw[i] for i in block], dim=1)  # [Hq, 8]
+        assert torch.allclose(maw_sel[0], want, atol=1e-6)
+    L = s.layers[0]
+    ref = torch.stack([maw[i] for b in evicted[1:] for i in b], dim=1)  # [Hq, 16]
+    keep = ref.view(3, 3, 16).amax(dim=1) > 1.0 / w  # [Hkv, 16]
+    margin = (ref.view(3, 3, 16).amax(dim=1) - 1.0 / w).abs().min()
+    assert margin > 1e-5 and keep.any() and not keep.all()
+    for r in range(3):  # KV_ctx[r] after block 0: the entries of blocks 1-2 above beta / W
+        got = [p - 8 for p in _selected_positions(L, r, L.hk[:, :, :24]) if p >= 8]
+        assert got == keep[r].nonzero().flatten().tolist()
