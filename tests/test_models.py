@@ -65,6 +65,13 @@ def _tiny(family: str) -> tuple[ModelSpec, object]:
                                num_attention_heads=4, intermediate_size=64,
                                max_position_embeddings=64, rotary_pct=0.25,
                                hidden_act="gelu_pytorch_tanh", use_parallel_residual=True)
+    elif family == "llama":  # SmolLM2's shape of model: GQA, tied head, no q/k norm
+        spec = ModelSpec("tiny-llama", "llama", 2, 4, 2, 32, 64, 100, 64, rope_theta=1e5,
+                         tied=True)
+        cfg = tf.LlamaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2,
+                             intermediate_size=64, max_position_embeddings=64,
+                             rope_theta=1e5, rms_norm_eps=1e-5, tie_word_embeddings=True)
     else:  # qwen3: GQA, q/k norm, untied head
         spec = ModelSpec("tiny-qwen3", "llama", 2, 4, 2, 32, 64, 100, 64, head_dim=16,
                          rope_theta=1e6, qk_norm=True, norm_eps=1e-6)
@@ -75,10 +82,17 @@ def _tiny(family: str) -> tuple[ModelSpec, object]:
     return spec, cfg
 
 
-@pytest.mark.parametrize("family", ["opt", "neox", "qwen3"])
-def test_decoder_family_matches_transformers(family: str, tmp_path: Path) -> None:
+def _tokenizer_config(path: Path) -> None:
+    """Llama's tokenizer needs a vocabulary file; these tests need none (Qwen2's does not)."""
+    (path / "tokenizer_config.json").write_text('{"tokenizer_class": "Qwen2TokenizerFast"}')
+
+
+@pytest.mark.parametrize("family", ["opt", "neox", "qwen3", "llama"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_decoder_family_matches_transformers(family: str, batch: int, tmp_path: Path) -> None:
     """A saved tiny checkpoint of each family loads through --weights DIR and gives the
-    same last-position logits as transformers, for the prefill and each decode step."""
+    same last-position logits as transformers, for the prefill and each decode step, at
+    batch 1 and 3 (the CPU weight layouts of each, kvbench.models.linear)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -89,15 +103,57 @@ def test_decoder_family_matches_transformers(family: str, tmp_path: Path) -> Non
     spec, cfg = _tiny(family)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    _tokenizer_config(tmp_path)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     model = load(spec, str(tmp_path), 2, torch.float32, torch.device("cpu")).model
-    tokens = torch.randint(0, 100, (2, 12))
+    tokens = torch.randint(0, 100, (batch, 12))
     cpu = torch.device("cpu")
     counters = Counters(spec.n_kv_heads, 4)
-    ctx = RunContext(spec, 2, 2, 12, torch.float32, cpu, cpu, counters, model)
+    ctx = RunContext(spec, 2, batch, 12, torch.float32, cpu, cpu, counters, model)
     model.setup(STRATEGIES.get("full")(None, ctx), counters, 12)
     with torch.no_grad():
         ref = hf(tokens).logits
     got = [model(tokens[:, :8], 0)] + [model(tokens[:, t:t + 1], t) for t in range(8, 12)]
     for i, logits in enumerate(got):
         torch.testing.assert_close(logits, ref[:, 7 + i], rtol=1e-4, atol=1e-4)
+
+
+def test_query_is_what_the_layer_hands_its_strategy(tmp_path: Path) -> None:
+    """Decoder.query(layer, x, start) on a layer's normed input equals the q that layer
+    gives its strategy (positions and q-norm applied), and query_weight is W_q's rows."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvbench.models.weights import load
+    from kvbench.runtime.context import Counters, RunContext
+    from kvbench.strategies.full import Full
+
+    seen: dict[tuple[str, int], torch.Tensor] = {}
+
+    class Recorder(Full):
+        def layer_input(self, layer, x):
+            seen[("x", layer)] = x.clone()
+
+        def decode(self, layer, q, k, v):
+            seen[("q", layer)] = q.clone()
+            return super().decode(layer, q, k, v)
+
+    for family in ("qwen3", "llama"):
+        spec, cfg = _tiny(family)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / family)
+        _tokenizer_config(tmp_path / family)
+        loaded = load(spec, str(tmp_path / family), 2, torch.float32, torch.device("cpu"))
+        model = loaded.model
+        cpu = torch.device("cpu")
+        counters = Counters(spec.n_kv_heads, 4)
+        ctx = RunContext(spec, 2, 1, 12, torch.float32, cpu, cpu, counters, model)
+        model.setup(Recorder(None, ctx), counters, 12)
+        tokens = torch.randint(0, 100, (1, 9))
+        model(tokens[:, :8], 0)
+        model(tokens[:, 8:], 8)
+        for layer in range(2):
+            torch.testing.assert_close(model.query(layer, seen[("x", layer)], 8),
+                                       seen[("q", layer)], rtol=1e-5, atol=1e-5)
+            hf_q = loaded.hf_model.model.layers[layer].self_attn.q_proj.weight
+            assert torch.equal(model.query_weight(layer), hf_q)

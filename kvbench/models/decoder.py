@@ -11,7 +11,9 @@ computes q [B, Hq, T, D] and k/v [B, Hkv, T, D] with positions applied and hands
 
 Only the last position's logits are computed ([B, vocab]): the run needs no others.
 Decode allocates nothing it can avoid: RoPE tables (positions up to the run's max length)
-are built once in `setup`, q and k are rotated by one set of ops, residual adds are in place.
+are built once in `setup`, q and k are rotated by one set of ops, residual adds are in place,
+and on the CPU the weights take the layout that decodes fastest at the run's batch size
+(kvbench.models.linear), chosen on the first forward of that batch size.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvbench.models import ModelSpec
+from kvbench.models.linear import Linear, Packed, matmul, packed
 
 if TYPE_CHECKING:
     from kvbench.runtime.context import Counters
@@ -95,6 +98,8 @@ class Decoder(nn.Module):
         self.strategy: Strategy | None = None
         self.counters: Counters | None = None
         self._rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._batch = 0  # the batch size the weights are laid out for (0: none yet)
+        self._head: Packed | None = None  # a tied head's weight in that layout
 
     def setup(self, strategy: Strategy, counters: Counters, max_len: int) -> None:
         """Attach the run's strategy and counters; build RoPE tables up to max_len."""
@@ -115,6 +120,7 @@ class Decoder(nn.Module):
         """Layer `layer`'s W_q [Hq * D, hidden] (a view of its fused projection; neox: a copy)."""
         return self.layers[layer].attn().q_weight()
 
+    @torch.inference_mode()
     def query(self, layer: int, x: torch.Tensor, start: int) -> torch.Tensor:
         """Layer `layer`'s query [B, Hq, T, D] from a normed hidden state x [B, T, hidden]
         at positions start..start+T-1, q-norm and positions applied as the layer applies them.
@@ -144,14 +150,35 @@ class Decoder(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    @torch.inference_mode()
+    def tied(self) -> torch.Tensor | None:
+        """The embedding [vocab, hidden] a tied head multiplies by, else None."""
+        return None
+
+    def tied_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, hidden] @ embedding^T [B, vocab], through the packed copy if any."""
+        return F.linear(x, self.tied()) if self._head is None else matmul(x, self._head, None)
+
+    @torch.no_grad()
+    def pack(self, batch: int) -> None:
+        """Lay every `Linear` out for `batch` rows, and a copy of a tied head's weight (the
+        embedding keeps its rows for lookups)."""
+        for mod in self.modules():
+            if isinstance(mod, Linear):
+                mod.pack(batch)
+        tied = self.tied()
+        self._head = None if tied is None else packed(tied, batch)
+        self._batch = batch
+
     def forward(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
         """tokens [B, T] at positions start..start+T-1 -> logits of the last one [B, vocab]."""
-        x = self.embed(tokens, start)
-        for i, layer in enumerate(self.layers):
-            self.counters.layer = i
-            x = layer(x, i, self, start)
-        return self.logits(x[:, -1]).float()
+        if tokens.shape[0] != self._batch:
+            self.pack(tokens.shape[0])
+        with torch.inference_mode():
+            x = self.embed(tokens, start)
+            for i, layer in enumerate(self.layers):
+                self.counters.layer = i
+                x = layer(x, i, self, start)
+            return self.logits(x[:, -1]).float()
 
 
 class FusedQKV(nn.Module):
@@ -161,7 +188,7 @@ class FusedQKV(nn.Module):
     def __init__(self, s: ModelSpec, bias: bool) -> None:
         super().__init__()
         self.hq, self.hkv, self.nq = s.n_heads, s.n_kv_heads, s.n_heads * s.head_dim
-        self.qkv_proj = nn.Linear(s.hidden, (s.n_heads + 2 * s.n_kv_heads) * s.head_dim,
+        self.qkv_proj = Linear(s.hidden, (s.n_heads + 2 * s.n_kv_heads) * s.head_dim,
                                   bias=bias)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
@@ -217,7 +244,7 @@ def fuse_checkpoint(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor
 class LlamaAttention(FusedQKV):
     def __init__(self, s: ModelSpec) -> None:
         super().__init__(s, bias=False)
-        self.o_proj = nn.Linear(s.n_heads * s.head_dim, s.hidden, bias=False)
+        self.o_proj = Linear(s.n_heads * s.head_dim, s.hidden, bias=False)
         if s.qk_norm:
             self.q_norm = RMSNorm(s.head_dim, s.norm_eps)
             self.k_norm = RMSNorm(s.head_dim, s.norm_eps)
@@ -231,8 +258,8 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, s: ModelSpec) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(s.hidden, 2 * s.ffn, bias=False)
-        self.down_proj = nn.Linear(s.ffn, s.hidden, bias=False)
+        self.gate_up_proj = Linear(s.hidden, 2 * s.ffn, bias=False)
+        self.down_proj = Linear(s.ffn, s.hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -263,14 +290,17 @@ class LlamaDecoder(Decoder):
         self.embed_tokens = nn.Embedding(s.vocab, s.hidden)
         self.layers = nn.ModuleList(LlamaLayer(s) for _ in range(n_layers))
         self.norm = RMSNorm(s.hidden, s.norm_eps)
-        self.lm_head = None if s.tied else nn.Linear(s.hidden, s.vocab, bias=False)
+        self.lm_head = None if s.tied else Linear(s.hidden, s.vocab, bias=False)
 
     def embed(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
         return self.embed_tokens(tokens)
 
+    def tied(self) -> torch.Tensor | None:
+        return self.embed_tokens.weight if self.lm_head is None else None
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(self.norm(x), w)
+        x = self.norm(x)
+        return self.tied_logits(x) if self.lm_head is None else self.lm_head(x)
 
 
 # --- OPT: learned positions (offset 2), pre-LayerNorm, ReLU, biases, tied head ----------
@@ -278,7 +308,7 @@ class LlamaDecoder(Decoder):
 class OPTAttention(FusedQKV):
     def __init__(self, s: ModelSpec) -> None:
         super().__init__(s, bias=True)
-        self.out_proj = nn.Linear(s.hidden, s.hidden)
+        self.out_proj = Linear(s.hidden, s.hidden)
 
     def forward(self, x: torch.Tensor, i: int, m: Decoder, start: int) -> torch.Tensor:
         return self.out_proj(m.attend(i, *self.qkv(x, m, start), start))
@@ -289,8 +319,8 @@ class OPTLayer(nn.Module):
         super().__init__()
         self.self_attn = OPTAttention(s)
         self.self_attn_layer_norm = nn.LayerNorm(s.hidden)
-        self.fc1 = nn.Linear(s.hidden, s.ffn)
-        self.fc2 = nn.Linear(s.ffn, s.hidden)
+        self.fc1 = Linear(s.hidden, s.ffn)
+        self.fc2 = Linear(s.ffn, s.hidden)
         self.final_layer_norm = nn.LayerNorm(s.hidden)
 
     def attn(self) -> FusedQKV:
@@ -315,8 +345,11 @@ class OPTDecoder(Decoder):
         pos = self.embed_positions.weight[start + 2:start + 2 + tokens.shape[1]]
         return self.embed_tokens(tokens) + pos
 
+    def tied(self) -> torch.Tensor | None:
+        return self.embed_tokens.weight
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.final_layer_norm(x), self.embed_tokens.weight)
+        return self.tied_logits(self.final_layer_norm(x))
 
 
 # --- GPT-NeoX: parallel residual, partial rotary, fused qkv, GELU -----------------------
@@ -326,8 +359,8 @@ class NeoXAttention(nn.Module):
 
     def __init__(self, s: ModelSpec) -> None:
         super().__init__()
-        self.query_key_value = nn.Linear(s.hidden, 3 * s.hidden)
-        self.dense = nn.Linear(s.hidden, s.hidden)
+        self.query_key_value = Linear(s.hidden, 3 * s.hidden)
+        self.dense = Linear(s.hidden, s.hidden)
         self.n = s.n_heads
 
     def q_weight(self) -> torch.Tensor:
@@ -360,8 +393,8 @@ class NeoXLayer(nn.Module):
         self.post_attention_layernorm = nn.LayerNorm(s.hidden, eps=s.norm_eps)
         self.attention = NeoXAttention(s)
         self.mlp = nn.Module()
-        self.mlp.dense_h_to_4h = nn.Linear(s.hidden, s.ffn)
-        self.mlp.dense_4h_to_h = nn.Linear(s.ffn, s.hidden)
+        self.mlp.dense_h_to_4h = Linear(s.hidden, s.ffn)
+        self.mlp.dense_4h_to_h = Linear(s.ffn, s.hidden)
 
     def attn(self) -> NeoXAttention:
         return self.attention
@@ -380,7 +413,7 @@ class NeoXDecoder(Decoder):
         self.embed_in = nn.Embedding(s.vocab, s.hidden)
         self.layers = nn.ModuleList(NeoXLayer(s) for _ in range(n_layers))
         self.final_layer_norm = nn.LayerNorm(s.hidden, eps=s.norm_eps)
-        self.lm_head = nn.Linear(s.hidden, s.vocab, bias=False)
+        self.lm_head = Linear(s.hidden, s.vocab, bias=False)
 
     def embed(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
         return self.embed_in(tokens)

@@ -1,0 +1,64 @@
+"""Weight layouts for the decoder's matmuls on the CPU, chosen per batch size (decode speed).
+
+Decode multiplies a few rows x [B, in] by every weight W [out, in]; on the CPU that is
+memory-bound and the layout of W decides how close it runs to the read bandwidth. Measured
+on the 2-core development box (SmolLM2-135M's 30 layers of weights, 425 MB fp32, and its
+49152 x 576 head, streamed as decode does, torch 2.13 with MKL and oneDNN):
+
+- batch 1: x @ W^T with W^T stored [in, out] contiguous ran the layers 1.7x and the head 2x
+  faster than `F.linear` on W [out, in];
+- batch > 1: oneDNN's weight packed for that batch (`torch.ops.mkldnn._reorder_linear_weight`,
+  what inductor's CPU freezing uses) ran the layers about 2x and the head 3x faster, while
+  the [in, out] layout gained nothing.
+
+`packed(w, batch)` makes that layout ("t" or "dnn"; None where neither applies: CUDA,
+dtypes other than float32, oneDNN missing) and `matmul` uses it. `Linear` is an nn.Linear
+that packs its own weight: for batch 1 it replaces the weight's storage (the parameter
+stays an [out, in] view of the [in, out] copy, so no memory is added); the oneDNN copy sits
+beside the weight, which strategies (`Decoder.query_weight`) still read.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Packed = tuple[torch.Tensor, str]  # (weight in its layout, "t" or "dnn")
+
+
+def packed(w: torch.Tensor, batch: int) -> Packed | None:
+    """W [out, in] laid out for x [batch, in] @ W^T on the CPU, or None (keep `F.linear`)."""
+    if w.device.type != "cpu" or w.dtype != torch.float32:
+        return None
+    w = w.detach()
+    if batch == 1:
+        return (w.t() if w.t().is_contiguous() else w.t().contiguous()), "t"
+    if torch.backends.mkldnn.is_available():
+        return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), batch), "dnn"
+    return None
+
+
+def matmul(x: torch.Tensor, p: Packed, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., in] @ W^T (+ bias) -> [..., out] with W in the layout `p`."""
+    w, kind = p
+    if kind == "dnn":
+        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+    out = torch.matmul(x, w)
+    return out if bias is None else out.add_(bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear with `pack(batch)`: the layout `packed` picks, used from then on."""
+
+    fast: Packed | None = None
+
+    def pack(self, batch: int) -> None:
+        self.fast = packed(self.weight, batch)
+        if self.fast is not None and self.fast[1] == "t":
+            self.weight.data = self.fast[0].t()  # one storage, [out, in] view
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fast is None:
+            return F.linear(x, self.weight, self.bias)
+        return matmul(x, self.fast, self.bias)
