@@ -34,11 +34,14 @@ _HELP = {
     "dtype": "auto (bfloat16 on cuda, float32 on cpu), float32/fp32, bfloat16/bf16 or "
              "float16/fp16.",
     "device": "Accelerator role: auto (cuda when present, else cpu), cpu or cuda.",
-    "mode": "generate (greedy) or eval (teacher-forced perplexity, HGCA Table 1 method).",
+    "mode": "generate (greedy), eval (teacher-forced perplexity, HGCA Table 1 method) or "
+            "passkey (retrieve a key hidden at --depth of a --prompt-len prompt, Quest "
+            "Table 1).",
     "text": "Text file for prompts and eval targets (default: /usr/share/common-licenses/*).",
     "threads": "Torch CPU threads (0: torch's default).",
     "seed": "Seed of random weights.",
     "compare_hf": "Also time transformers' generate on the same prompt, dtype and threads.",
+    "depth": "Passkey mode: where the key sits in the prompt, 0 (start) to 1 (end).",
     "turns": "Conversation turns: each later turn appends --prompt-len new prompt tokens to "
              "the cache, then decodes --gen-len more (strategies with append only).",
 }
@@ -96,8 +99,16 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
     with err_console.status(f"loading {spec.name} ({weights} weights, {layers} layers)"):
         loaded = load(spec, weights, layers, dtype, device, cfg.seed)
     p, g, turns, length = cfg.prompt_len, cfg.gen_len, cfg.turns, cfg.seq_len
-    rows = token_rows(loaded.encode(text), cfg.batch, length if cfg.mode == "eval" else
-                      turns * p, spec.vocab).to(device)
+    if cfg.mode == "passkey":
+        from kvbench.runtime import passkey
+
+        rows, answers, _ = passkey.build(loaded.encode, cfg.batch, p, cfg.depth, cfg.seed,
+                                         spec.vocab)
+        rows = rows.to(device)
+    else:
+        rows = token_rows(loaded.encode(text), cfg.batch, length if cfg.mode == "eval" else
+                          turns * p, spec.vocab).to(device)
+    mode = "generate" if cfg.mode == "passkey" else cfg.mode
     model = loaded.model
 
     def sync() -> None:
@@ -133,7 +144,7 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
         err_console.print(f"decoding {turns * g} steps (SIGTERM or Ctrl-C: stop after the "
                           "current step and store the records so far, marked partial)")
         task = bar.add_task(f"{cls.name}: decode", total=turns * g)
-        outcome = decode_run(model, strategy, rows, g, cfg.mode, sync,
+        outcome = decode_run(model, strategy, rows, g, mode, sync,
                              lambda: bar.advance(task) or stop.signum is not None, turns)
     backend = backend_use(reset=True)  # attention backend per phase of the timed run
     shadowed = isinstance(strategy, Shadow)
@@ -145,6 +156,8 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
     accuracy = "random weights: accuracy metrics are off" if weights == "random" else ""
     recs = list(records(cls.name, params, outcome, cfg.batch, accuracy, model.counters,
                         peak_memory(), shadowed))
+    if cfg.mode == "passkey":
+        recs += passkey.records(cls.name, params, outcome.tokens, answers, p, accuracy)
     if cfg.compare_hf and stop.signum is None:
         def again() -> list[float]:  # one more greedy decode of ours, for interleaving
             return decode_run(model, start(length), rows[:, :p], g, "generate", sync).steps

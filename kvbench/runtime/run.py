@@ -33,6 +33,7 @@ from kvbench.schema import ParamValue, Record, measured, not_measured
 from kvbench.strategies import Strategy
 from kvbench.units import dtype_name, format_bytes
 
+MODES = ("generate", "eval", "passkey")
 DEFAULT_TEXT_DIR = Path("/usr/share/common-licenses")
 
 
@@ -54,6 +55,7 @@ class RunConfig:
     seed: int = 0
     compare_hf: bool = False
     turns: int = 1
+    depth: float = 0.5  # passkey mode: where the key sits in the prompt (0 start, 1 end)
 
     @property
     def seq_len(self) -> int:
@@ -87,7 +89,10 @@ def resolve(cfg: RunConfig) -> tuple[ModelSpec, int, Any, Any, str]:
             f"tokens + 1){turns} exceeds {spec.name}'s context of {spec.ctx}")
     require(cfg.turns == 1 or not cfg.compare_hf,
             "--compare-hf times single-turn generation; pass --turns 1")
-    require(cfg.mode in ("generate", "eval"), f"--mode '{cfg.mode}': generate or eval")
+    require(cfg.mode in MODES, f"--mode '{cfg.mode}': one of {', '.join(MODES)}")
+    require(cfg.mode != "passkey" or (cfg.turns == 1 and not cfg.compare_hf),
+            "--mode passkey is single-turn, without --compare-hf")
+    require(0 <= cfg.depth <= 1, f"--depth {cfg.depth}: must be in [0, 1]")
     require(cfg.device in ("auto", "cpu", "cuda"), f"--device '{cfg.device}': auto, cpu, cuda")
     if cfg.device == "cuda":
         require(torch.cuda.is_available(), "--device cuda: no CUDA GPU on this machine")
@@ -291,7 +296,7 @@ def run_params(cfg: RunConfig, spec: ModelSpec, layers: int, device: Any, dtype:
         "model": spec.name, "weights": weights if weights in ("bundled", "random") else "dir",
         "layers": layers, "layers_total": spec.n_layers, "batch": cfg.batch,
         "prompt_len": cfg.prompt_len, "gen_len": cfg.gen_len, "turns": cfg.turns,
-        "mode": cfg.mode,
+        "mode": cfg.mode, **({"depth": cfg.depth} if cfg.mode == "passkey" else {}),
         "dtype": str(dtype).removeprefix("torch."), "accel": device.type,
         "threads": torch.get_num_threads(),
         "text": os.path.basename(cfg.text) if cfg.text else "common-licenses"}
