@@ -259,7 +259,9 @@ def _case(raw: dict[str, Any], i: int, lines: _Lines, default_reps: int,
         return config(**{k: _coerce(v, types_[k], k) for k, v in p.items()})
 
     def records(cfg: Any) -> Iterator[Record]:
-        return _run_strategy(name, cfg) if kind == "run" else cls().run(cfg)
+        from kvbench.probes import measure
+
+        return _run_strategy(name, cfg) if kind == "run" else measure(cls(), cfg)
 
     return Case(kind, name, dict(params), {k: list(v) for k, v in sweep.items()},
                 reps if isinstance(reps, int) else 1, requires, raw.get("id"),

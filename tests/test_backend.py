@@ -11,7 +11,7 @@ from kvbench.envinfo import collect_env
 from kvbench.errors import KvbenchError
 from kvbench.kernels import cpu
 from kvbench.kernels.attention import backend_use, dense_attention, native_status
-from kvbench.probes import Probe, run_and_store
+from kvbench.probes import Probe, measure, run_and_store
 from kvbench.schema import measured
 from kvbench.store import load
 
@@ -80,6 +80,9 @@ def test_probe_records_state_backend(tmp_path: Path) -> None:
     path = run_and_store(_AttnProbe(), None, tmp_path / "p.jsonl")
     x, y = load(path).records
     assert x["method"]["backend"] == {"decode": "native"} and "backend" not in y["method"]
+    # suites measure through the same function
+    x, y = measure(_AttnProbe(), None)
+    assert x.method["backend"] == {"decode": "native"} and "backend" not in y.method
 
 
 def test_env_says_whether_native_loaded(monkeypatch: pytest.MonkeyPatch,

@@ -46,28 +46,37 @@ class Probe(ABC):
 PROBES: Registry[type[Probe]] = Registry("probe", __name__)
 
 
-def run_and_store(probe: Probe, config: Any, out: Path | None,
-                  show: Callable[[Record], None] | None = None) -> Path:
-    """Run a probe, appending each record to `out` (default: a new file under results/).
-
-    A record measured with kvbench's attention kernels says which backend ran them since the
-    previous record (`method.backend`, kvbench.kernels.attention.backend_use)."""
-    from kvbench.envinfo import collect_env
+def measure(probe: Probe, config: Any) -> Iterator[Record]:
+    """probe.run(config) as every caller (CLI, suites) should see it: dtype spellings
+    (fp32, bf16, ...) turned into torch names first, so records carry those; each record
+    stamped with the probe's version and, when kvbench's attention kernels ran since the
+    previous record, which backend ran them per phase (`method.backend`: the native kernel
+    or the torch fallback, kvbench.kernels.attention.backend_use)."""
     from kvbench.kernels.attention import backend_use
-    from kvbench.store import ResultWriter, default_out_path
     from kvbench.units import dtype_name
 
-    if isinstance(getattr(config, "dtype", None), str):  # records carry torch names
+    if isinstance(getattr(config, "dtype", None), str):
         config = dataclasses.replace(config, dtype=",".join(
             dtype_name(t) for t in config.dtype.split(",")))
-    path = out or default_out_path(probe.name)
     backend_use(reset=True)
+    for rec in probe.run(config):
+        rec.version = probe.version
+        used = backend_use(reset=True)
+        if used:
+            rec.method.setdefault("backend", used)
+        yield rec
+
+
+def run_and_store(probe: Probe, config: Any, out: Path | None,
+                  show: Callable[[Record], None] | None = None) -> Path:
+    """Run a probe (`measure`), appending each record to `out` (default: a new file under
+    results/) as soon as it is measured."""
+    from kvbench.envinfo import collect_env
+    from kvbench.store import ResultWriter, default_out_path
+
+    path = out or default_out_path(probe.name)
     with ResultWriter(path, collect_env()) as w:
-        for rec in probe.run(config):
-            rec.version = probe.version
-            used = backend_use(reset=True)
-            if used:
-                rec.method.setdefault("backend", used)
+        for rec in measure(probe, config):
             w.write(rec)
             if show is not None:
                 show(rec)
