@@ -21,6 +21,7 @@ from typing import Any
 from kvbench.console import params_text, value_text
 from kvbench.errors import KvbenchError
 from kvbench.plots import pyplot, save
+from kvbench.plots.budget import budget_figures
 from kvbench.schema import RecordKey, record_key
 from kvbench.store import load
 from kvbench.summary import REFERENCE, Summary, reference_value, summarize
@@ -190,7 +191,9 @@ def build(files: list[Path], fig_dir: Path) -> Report:
     probes = set(PROBES.names())
     for g in groups:
         if g.kind == "run":
-            g.figures = run_figures(g.records, fig_dir)
+            g.figures = run_figures(g.records, fig_dir) + [
+                Figure(title, path, commands(g.records))
+                for title, path in budget_figures(g.records, fig_dir)]
         elif g.name in probes:
             paths = PROBES.get(g.name).plot(g.ok(), fig_dir)
             g.figures = [Figure(f"{g.title}: {p.stem}", p, commands(g.ok())) for p in paths]
