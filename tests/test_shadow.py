@@ -68,3 +68,17 @@ def test_eval_run_times_exclude_reference(tmp_path: Path,
         assert "outside the timed region" in recs[(metric, None)]["method"]["shadow"]
     assert recs[("peak_memory", "host")]["status"] == "waived"
     assert len(recs[("attention_rel_error", None)]["samples"]) == 2  # one per layer
+
+
+def test_report_labels_eval_mode_times() -> None:
+    """A report never shows an eval-mode time as a plain generate-mode one."""
+    from kvbench.report import label
+
+    def rec(metric: str, unit: str, mode: str) -> dict[str, Any]:
+        return {"kind": "run", "metric": metric, "unit": unit, "provenance": "measured",
+                "params": {"mode": mode}}
+
+    assert label(rec("tbt", "s", "eval")) == "tbt (eval mode)"
+    assert label(rec("decode_tokens_per_s", "tokens/s", "eval")).endswith("(eval mode)")
+    assert label(rec("tbt", "s", "generate")) == "tbt"
+    assert label(rec("perplexity", "ppl", "eval")) == "perplexity"
