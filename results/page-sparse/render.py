@@ -1,0 +1,161 @@
+"""Render issue 12's experiments from the suites' result files (suites/page-sparse-*.toml).
+
+Usage: .venv/bin/python results/page-sparse/render.py
+Reads ppl.jsonl, passkey.jsonl and speed.jsonl beside this file (the raw suite outputs,
+kept local: the per-layer traces of 511-step runs are ~1 MB a case), writes
+summary.jsonl (every record but the bulky traces; the per-layer page recalls and top-10
+recall traces are kept), table.md (the tables with the papers' figures beside ours) and
+report/report.html (`kvbench report summary.jsonl --format html`).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from kvbench.store import load
+
+HERE = Path(__file__).parent
+KEEP_TRACES = ("trace.pages", "trace.topk_recall")
+BUDGET = ("budget_tokens", "gpu_tokens")
+ORDER = ("full", "quest", "infinigen", "arkvale", "hgca", "h2o", "streaming", "offload")
+# Quest Table 1 (i): passkey, 10K tokens, LongChat-7B-v1.5-32K, token budgets 32..512
+QUEST_T1 = {"budgets": (32, 64, 128, 256, 512),
+            "quest": (65, 99, 99, 99, 100), "h2o": (0, 1, 1, 1, 3),
+            "streaming": (1, 1, 1, 3, 5)}
+
+
+def filtered(paths: list[Path], out: Path) -> list[dict]:
+    """Copy env lines and every record but per-layer traces (except KEEP_TRACES, decode)."""
+    kept = []
+    with out.open("w") as f:
+        for p in paths:
+            for line in p.read_text().splitlines():
+                r = json.loads(line)
+                m = r.get("metric", "")
+                if m.startswith("trace.") and not (m in KEEP_TRACES and
+                                                   r["params"].get("phase") == "decode"):
+                    continue
+                f.write(line + "\n")
+                if r.get("kind") == "run":
+                    kept.append(r)
+    return kept
+
+
+def budget(r: dict) -> int | None:
+    return next((r["params"][k] for k in BUDGET if k in r["params"]), None)
+
+
+def index(records: list[dict]) -> dict[tuple, dict[str, float]]:
+    """(strategy, budget, setting) -> {metric: value} for the non-trace metrics."""
+    out: dict[tuple, dict[str, float]] = defaultdict(dict)
+    for r in records:
+        if r["status"] != "ok" or r["metric"].startswith("trace."):
+            continue
+        p = r["params"]
+        setting = (p.get("mode"), p.get("prompt_len"), p.get("depth"))
+        key = (r["name"], budget(r), setting)
+        m = r["metric"] + (f".{p['where']}" if "where" in p and r["metric"] != "peak_memory"
+                           else "")
+        out[key][m] = r["value"]
+    return out
+
+
+def attended(v: dict[str, float]) -> float:
+    return v.get("tokens_attended_per_step.accel", 0) + v.get("tokens_attended_per_step.host", 0)
+
+
+def ppl_table(idx: dict) -> list[str]:
+    rows = [k for k in idx if k[2][0] == "eval"]
+    full = next((idx[k]["perplexity"] for k in rows if k[0] == "full"), None)
+    budgets = sorted({k[1] for k in rows if k[1] is not None})
+    lines = ["| strategy | " + " | ".join(f"budget {b}" for b in budgets) + " |",
+             "|---|" + "---|" * len(budgets)]
+    for name in ORDER:
+        cells = []
+        for b in budgets:
+            v = next((idx[k] for k in rows if k[0] == name and k[1] == b), None)
+            if v is None or "perplexity" not in v:
+                cells.append("-")
+                continue
+            d = f" ({v['perplexity'] / full - 1:+.1%})" if full else ""
+            rec = v.get("top10_recall")
+            cells.append(f"{v['perplexity']:.3f}{d}, {attended(v):.0f} tok"
+                         + (f", top-10 {rec:.2f}" if rec is not None else ""))
+        if any(c != "-" for c in cells):
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    head = [f"Full attention: {full:.3f}" if full else "Full attention: not run", ""]
+    return head + lines
+
+
+def passkey_table(idx: dict) -> list[str]:
+    rows = [k for k in idx if k[2][0] == "passkey" and "passkey_accuracy" in idx[k]]
+    out = ["Full attention, 4 keys per cell:", "",
+           "| prompt tokens | depth | accuracy |", "|---|---|---|"]
+    for k in sorted((k for k in rows if k[0] == "full"), key=lambda k: (k[2][1], k[2][2])):
+        out.append(f"| {k[2][1]} | {k[2][2]} | {idx[k]['passkey_accuracy']:.2f} |")
+    budgets = sorted({k[1] for k in rows if k[1] is not None})
+    out += ["", "Strategies at 2048 prompt tokens, depth 0.5, 4 keys per cell (accuracy, tokens "
+            "attended per step and layer):", "",
+            "| strategy | " + " | ".join(f"budget {b}" for b in budgets) + " |",
+            "|---|" + "---|" * len(budgets)]
+    for name in ORDER[1:]:
+        cells = []
+        for b in budgets:
+            v = next((idx[k] for k in rows if k[0] == name and k[1] == b), None)
+            cells.append("-" if v is None else
+                         f"{v['passkey_accuracy']:.2f} ({attended(v):.0f} tok)")
+        if any(c != "-" for c in cells):
+            out.append(f"| {name} | " + " | ".join(cells) + " |")
+    out += ["", "Quest Table 1 (i), the paper's figures (LongChat-7B-v1.5-32K, 10K tokens, "
+            "GPU; % of passkeys retrieved):", "",
+            "| strategy | " + " | ".join(f"budget {b}" for b in QUEST_T1["budgets"]) + " |",
+            "|---|" + "---|" * len(QUEST_T1["budgets"])]
+    for name in ("quest", "h2o", "streaming"):
+        out.append(f"| {name} (paper) | " + " | ".join(f"{x}%" for x in QUEST_T1[name]) + " |")
+    return out
+
+
+def recall_table(records: list[dict]) -> list[str]:
+    """Pages recalled per decode step by layer (arkvale), mean over steps."""
+    per: dict[tuple, dict[int, float]] = defaultdict(dict)
+    for r in records:
+        p = r["params"]
+        if r["metric"] == "trace.pages" and p.get("where") == "recalled":
+            s = r["samples"]
+            per[(r["name"], budget(r), p.get("mode"))][int(p["layer"])] = sum(s) / len(s)
+    out = ["| strategy | budget | mode | mean pages recalled per step, all layers | busiest "
+           "layer (mean per step) |", "|---|---|---|---|---|"]
+    for (name, b, mode), layers in sorted(per.items(), key=str):
+        top = max(layers, key=layers.__getitem__)
+        out.append(f"| {name} | {b} | {mode} | {sum(layers.values()):.2f} | {top} "
+                   f"({layers[top]:.2f}) |")
+    return out
+
+
+def main() -> None:
+    raw = [HERE / n for n in ("ppl.jsonl", "passkey.jsonl", "speed.jsonl")
+           if (HERE / n).exists()]
+    for p in raw:
+        for w in load(p).warnings:
+            print(f"{p.name}: {w}", file=sys.stderr)
+    records = filtered(raw, HERE / "summary.jsonl")
+    idx = index(records)
+    md = ["# Page-sparse strategies on the bundled SmolLM2-135M (issue 12)", "",
+          "Generated by `render.py` from `summary.jsonl`; commands in the suites "
+          "`suites/page-sparse-*.toml`.", "",
+          "## Perplexity vs budget (whole-text protocol, 512 tokens)", "",
+          "Each cell: perplexity (change vs full), measured tokens attended per step and "
+          "layer, share of full attention's top-10 keys attended (mean over layers).", "",
+          *ppl_table(idx), "", "## Passkey retrieval", "", *passkey_table(idx), "",
+          "## ArkVale page recalls", "", *recall_table(records), ""]
+    (HERE / "table.md").write_text("\n".join(md))
+    subprocess.run([sys.executable, "-m", "kvbench.cli", "report", str(HERE / "summary.jsonl"),
+                    "--format", "html", "--out", str(HERE / "report")], check=True)
+
+
+if __name__ == "__main__":
+    main()
