@@ -304,3 +304,32 @@ def test_shadow_counts_top10_recall() -> None:
     kept = (best < 4) | (best >= 51 - 20)
     got = c.counters.step_total("topk_recall", "attention", 1)
     assert abs(got - float(kept.float().mean())) < 1e-6 and 0 < got < 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["quest", "arkvale", "infinigen"])
+def test_cuda_exact_setting_equals_full(name: str) -> None:
+    """On a GPU (bfloat16 would hide small errors: float32): the exact setting's NLLs equal
+    full attention's, through the CUDA paths (pinned host KV, side-stream prefetch)."""
+    import dataclasses
+
+    from kvbench.models.weights import load
+    from kvbench.runtime.run import decode_run
+    from kvbench.strategies import STRATEGIES
+
+    cuda = torch.device("cuda")
+    spec = ModelSpec("tiny-gqa", "llama", 3, 6, 2, 48, 96, 100, 512, head_dim=8)
+    model = load(spec, "random", 3, torch.float32, cuda, seed=1).model
+    rows = torch.randint(0, 100, (2, 90), generator=torch.Generator().manual_seed(0)).to(cuda)
+    nll = {}
+    for n in ("full", name):
+        c = RunContext(spec, 3, 2, 90, torch.float32, cuda, CPU, Counters(2, 4, cuda=True),
+                       model)
+        cls = STRATEGIES.get(n)
+        params = dataclasses.replace(cls.params(), **dict(cls.exact)) if cls.exact else None
+        if n != "full" and "dense_layers" in {f.name for f in dataclasses.fields(cls.params)}:
+            params = dataclasses.replace(params, dense_layers=1)
+        s = cls(params, c)
+        model.setup(s, c.counters, 90)
+        nll[n] = decode_run(model, s, rows, 40, "eval", torch.cuda.synchronize).nll
+    assert max(abs(a - b) for a, b in zip(nll["full"], nll[name], strict=True)) < 1e-4
