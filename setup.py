@@ -9,6 +9,7 @@ setup(
         Extension(
             "kvbench._native",
             sources=sorted(glob("probes/*.c")),
+            depends=sorted(glob("probes/*.h")),
             extra_compile_args=["-O2", "-std=c11", "-pthread", "-fno-strict-aliasing"],
             extra_link_args=["-pthread"],
         )

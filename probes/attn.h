@@ -1,0 +1,53 @@
+/* Shared by the CPU attention kernel (attn.c) and its inner loops (attn_loops.c). */
+#ifndef KVB_ATTN_H
+#define KVB_ATTN_H
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define BLK 64 /* keys per block */
+
+/* The vectorisable inner loops, one set per instruction set and dtype. s/p rows hold BLK
+ * floats; kp/vp point at K/V rows in the call's dtype; q and acc rows are float32, in the
+ * order `perm` says (1: each 16 floats in the bfloat16 unpack order, see swap23). */
+typedef struct {
+    void (*scores)(float *s, const float *q, int64_t nr, int64_t D, const void *const *kp,
+                   int64_t nb);                                 /* s[t*BLK+j] = q_t . k_j */
+    float (*rowmax)(const float *s, int64_t n);
+    float (*expsum)(float *s, int64_t n, float m);              /* s = exp(s - m); sum */
+    void (*pv)(float *acc, const float *corr, const float *p, const void *const *vp,
+               int64_t nr, int64_t nb, int64_t D);  /* acc_t = acc_t*corr_t + p_t.V (t < nr;
+                                                       skipped where corr_t is NaN) */
+    int perm;
+} isa_t;
+
+/* Position of element i in the bfloat16 unpack order: unpacking 16 bfloat16 values (two
+ * 128-bit lanes) against zero gives float32 elements 0-3, 8-11 then 4-7, 12-15, i.e. bits 2
+ * and 3 of the index swapped (an involution). */
+static inline int64_t swap23(int64_t i) { return (i & ~(int64_t)12) | ((i & 4) << 1) | ((i & 8) >> 1); }
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                      /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+static inline float elem(const void *row, int64_t d, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)row)[d]) : ((const float *)row)[d];
+}
+
+/* The inner loops for dtype (0 float32, 1 bfloat16) and head dim D: AVX2/FMA when `avx2`
+ * and D suits them (a multiple of 8, of 16 for bfloat16), else the portable ones. */
+__attribute__((visibility("hidden"))) const isa_t *kvb_attn_loops(int dtype, int64_t D, int avx2);
+/* Whether this CPU has AVX2 and FMA. */
+__attribute__((visibility("hidden"))) int kvb_attn_have_avx2(void);
+#endif
