@@ -161,12 +161,17 @@ class Decoder(nn.Module):
     @torch.no_grad()
     def pack(self, batch: int) -> None:
         """Lay every `Linear` out for `batch` rows, and a copy of a tied head's weight (the
-        embedding keeps its rows for lookups)."""
+        embedding keeps its rows for lookups). Layouts that copy the weights are skipped
+        unless twice the weights' bytes are free (a large model keeps `F.linear`)."""
+        import psutil
+
+        size = sum(p.numel() * p.element_size() for p in self.parameters())
+        spare = psutil.virtual_memory().available > 2 * size
         for mod in self.modules():
             if isinstance(mod, Linear):
-                mod.pack(batch)
+                mod.pack(batch, spare)
         tied = self.tied()
-        self._head = None if tied is None else packed(tied, batch)
+        self._head = None if tied is None or not spare else packed(tied, batch, spare)
         self._batch = batch
 
     def forward(self, tokens: torch.Tensor, start: int) -> torch.Tensor:

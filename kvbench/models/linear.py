@@ -11,8 +11,9 @@ on the 2-core development box (SmolLM2-135M's 30 layers of weights, 425 MB fp32,
   what inductor's CPU freezing uses) ran the layers about 2x and the head 3x faster, while
   the [in, out] layout gained nothing.
 
-`packed(w, batch)` makes that layout ("t" or "dnn"; None where neither applies: CUDA,
-dtypes other than float32, oneDNN missing) and `matmul` uses it. `Linear` is an nn.Linear
+`packed(w, batch, spare)` makes that layout ("t" or "dnn"; None where neither applies: CUDA,
+dtypes other than float32, oneDNN missing, or no `spare` memory for the oneDNN copy) and
+`matmul` uses it. Weights changed after packing need `Decoder.pack` again. `Linear` is an nn.Linear
 that packs its own weight: for batch 1 it replaces the weight's storage (the parameter
 stays an [out, in] view of the [in, out] copy, so no memory is added); the oneDNN copy sits
 beside the weight, which strategies (`Decoder.query_weight`) still read.
@@ -27,14 +28,15 @@ from torch import nn
 Packed = tuple[torch.Tensor, str]  # (weight in its layout, "t" or "dnn")
 
 
-def packed(w: torch.Tensor, batch: int) -> Packed | None:
-    """W [out, in] laid out for x [batch, in] @ W^T on the CPU, or None (keep `F.linear`)."""
+def packed(w: torch.Tensor, batch: int, spare: bool) -> Packed | None:
+    """W [out, in] laid out for x [batch, in] @ W^T on the CPU, or None (keep `F.linear`);
+    `spare`: whether memory allows a copy beside W."""
     if w.device.type != "cpu" or w.dtype != torch.float32:
         return None
     w = w.detach()
     if batch == 1:
         return (w.t() if w.t().is_contiguous() else w.t().contiguous()), "t"
-    if torch.backends.mkldnn.is_available():
+    if spare and torch.backends.mkldnn.is_available():
         return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), batch), "dnn"
     return None
 
@@ -53,8 +55,8 @@ class Linear(nn.Linear):
 
     fast: Packed | None = None
 
-    def pack(self, batch: int) -> None:
-        self.fast = packed(self.weight, batch)
+    def pack(self, batch: int, spare: bool) -> None:
+        self.fast = packed(self.weight, batch, spare)
         if self.fast is not None and self.fast[1] == "t":
             self.weight.data = self.fast[0].t()  # one storage, [out, in] view
 
