@@ -209,7 +209,7 @@ class AttentionProbe(Probe):
 
     def _dense_rounds(self, w, params: dict, res: dict) -> Iterator[Record]:
         """CPU dense decode, torch SDPA on the same tensors and a native read-only loop over as
-        many bytes as the KV (K and V read once: decode's physical limit), timed in
+        many bytes as the KV (up to 256 MiB; K and V read once: decode's limit), timed in
         interleaved rounds so each round pairs the three under the same machine load.
         SDPA runs on as many torch threads as the kernel has. Yields the read loop's GB/s,
         leaves the per-round ratios (SDPA time over dense time, dense GB/s over read GB/s)
@@ -226,7 +226,8 @@ class AttentionProbe(Probe):
             return run
 
         so = lib()
-        nbytes = int(w.p.kv_bytes(w.p.host_tokens))
+        # the KV's bytes, up to COPY_BYTES (far past the LLC: a larger read runs as fast)
+        nbytes = int(min(w.p.kv_bytes(w.p.host_tokens), COPY_BYTES))
         buf = torch.ones(nbytes, dtype=torch.uint8)
         torch_threads = torch.get_num_threads()
         torch.set_num_threads(w.threads)  # SDPA on as many threads as the kernel
@@ -241,7 +242,9 @@ class AttentionProbe(Probe):
                        [gbps(nbytes, s) for s in read.seconds],
                        {**params, "how": "native read loop", "bytes": nbytes}, read.method())
         res["sdpa"] = [s / d for s, d in zip(sdpa.seconds, dense.seconds, strict=True)]
-        res["read"] = [r / d for r, d in zip(read.seconds, dense.seconds, strict=True)]
+        kv = w.p.kv_bytes(w.p.host_tokens)
+        res["read"] = [gbps(kv, d) / gbps(nbytes, r)
+                       for r, d in zip(read.seconds, dense.seconds, strict=True)]
         return dense
 
     def _bars(self, w, params: dict, res: dict, host_bw: float,
