@@ -51,7 +51,7 @@ class RMSNorm(nn.Module):
 
 def rope_tables(spec: ModelSpec, max_len: int, device: torch.device,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """cos, signed sin [max_len, D] and the rotate-half permutation [D] of `apply_rope`.
+    """cos, signed sin [max_len, 1, D] and the rotate-half permutation [D] of `apply_rope`.
 
     The rotated part is rot = head_dim * rotary_pct dims; the rest has cos 1 and sin 0.
     sin carries rotate-half's sign: [-sin, sin] over the two halves of the rotated part.
@@ -71,7 +71,7 @@ def rope_tables(spec: ModelSpec, max_len: int, device: torch.device,
     sin = torch.cat([-sin, sin, zeros], dim=-1)
     half = rot // 2
     perm = torch.cat([torch.arange(half, rot), torch.arange(half), torch.arange(rot, d)])
-    return cos.to(device, dtype), sin.to(device, dtype), perm.to(device)
+    return cos[:, None].to(device, dtype), sin[:, None].to(device, dtype), perm.to(device)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -98,6 +98,7 @@ class Decoder(nn.Module):
         self.strategy: Strategy | None = None
         self.counters: Counters | None = None
         self._rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._at: tuple[tuple[int, int], torch.Tensor, torch.Tensor] | None = None
         self._batch = 0  # the batch size the weights are laid out for (0: none yet)
         self._head: Packed | None = None  # a tied head's weight in that layout
 
@@ -107,6 +108,7 @@ class Decoder(nn.Module):
         if self.spec.family != "opt":
             w = next(self.parameters())
             self._rope = rope_tables(self.spec, max_len, w.device, w.dtype)
+            self._at = None
 
     def rope(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """Positions start.. on x [B, T, H, D] (unchanged for learned positions)."""
@@ -114,7 +116,9 @@ class Decoder(nn.Module):
             return x
         cos, sin, perm = self._rope
         t = x.shape[1]
-        return apply_rope(x, cos[start:start + t, None], sin[start:start + t, None], perm)
+        if self._at is None or self._at[0] != (start, t):  # one slice per step, not per layer
+            self._at = ((start, t), cos[start:start + t], sin[start:start + t])
+        return apply_rope(x, self._at[1], self._at[2], perm)
 
     def query_weight(self, layer: int) -> torch.Tensor:
         """Layer `layer`'s W_q [Hq * D, hidden] (a view of its fused projection; neox: a copy)."""
