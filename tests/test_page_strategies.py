@@ -186,7 +186,7 @@ def test_infinigen_speculation_matches_reference(max_per: str) -> None:
     c.model = _Model()
     alpha = 1.0
     s = InfiniGen(InfiniGenParams(alpha=alpha, partial_ratio=1.0, dense_layers=1,
-                                  max_per=max_per, budget_tokens=12), c)
+                                  max_per=max_per, budget_tokens=12, skew_tokens=40), c)
     n0 = 40
     k = torch.randn(2, 2, n0, 8, generator=g)
     v = torch.randn(2, 2, n0, 8, generator=g)
@@ -228,6 +228,9 @@ def test_infinigen_skew_is_orthogonal_and_keeps_the_heaviest_channels() -> None:
     for j in range(2):
         mass = (q[0, 3 * j:3 * j + 3].reshape(-1, 8) @ a[j]).abs().sum(0)
         assert set(ch[j].tolist()) == set(mass.topk(2).indices.tolist())
+    short = skew(q[:, :, :2], 2, 0.5)[0]  # 6 query rows per group < D = 8: still square
+    assert torch.allclose(short @ short.transpose(1, 2), torch.eye(8).expand(2, 8, 8),
+                          atol=1e-5)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -333,3 +336,26 @@ def test_cuda_exact_setting_equals_full(name: str) -> None:
         model.setup(s, c.counters, 90)
         nll[n] = decode_run(model, s, rows, 40, "eval", torch.cuda.synchronize).nll
     assert max(abs(a - b) for a, b in zip(nll["full"], nll[name], strict=True)) < 1e-4
+
+
+def test_infinigen_attends_densely_until_its_skew_warm_up() -> None:
+    """Skewing from the first --skew-tokens queries: before them the layer attends every
+    token; after them it speculates, its partial keys covering every cached token."""
+    g = torch.Generator().manual_seed(7)
+    c = ctx(64, layers=2)
+    c.model = _Model()
+    s = InfiniGen(InfiniGenParams(dense_layers=1, skew_tokens=22, budget_tokens=4), c)
+    k = torch.randn(2, 2, 20, 8, generator=g)
+    s.prefill(1, torch.randn(2, 6, 20, 8, generator=g), k, k.clone())
+    for step in (1, 2, 3):
+        c.model.q = torch.randn(2, 6, 1, 8, generator=g)
+        s.layer_input(0, torch.zeros(2, 1, 48))
+        c.counters.step = step
+        c.counters.layer = 1
+        s.decode(1, c.model.q, k[:, :, :1], k[:, :, :1])
+        mask = s.attended(1)
+        # steps 1-2: 21, 22 queries seen, skewed at the end of step 2; step 3 speculates
+        assert bool(mask.all()) == (step < 3), step
+    assert s.skew[1] is not None
+    assert torch.allclose(s.part[1][:, :, :22].float(),
+                          s._partial(1, s.host_k[1][:, :, :22]), atol=1e-6)

@@ -17,11 +17,15 @@ Skewing (section "offline skewing"): per layer and KV head, an orthogonal A from
 the prompt's queries (after RoPE, the group's query heads stacked; A = right singular
 vectors, largest first) is applied to q and k, so q.k is unchanged while the score mass
 concentrates in few channels; d' channels with the largest sum |q A| are kept. InfiniGen
-computes A once per model on a warm-up text (pg19); kvbench computes it from each run's
-first prompt (params: skew_source = prompt). Per-head maxima by default; `--max-per head0`
+computes A once per model on a warm-up text (pg19); kvbench computes it per run from the
+first `--skew-tokens` (default 256) queries each layer sees, prompt first, then decode
+steps: until a layer has them it attends densely (as InfiniGen's accuracy harness runs its
+first rows dense), then its partial keys are built for every cached token. Per-head
+maxima by default; `--max-per head0`
 reproduces the public Llama accuracy code, which thresholds every head with head 0's max.
 
 Exact setting: `--alpha inf` and a budget covering the context (every token prefetched).
+The per-layer skew warm-up is then irrelevant (dense or speculated, every token is read).
 Multi-turn appends are not defined by InfiniGen: `--turns` > 1 is refused.
 Layout per layer: host k/v [B, Hkv, max_len, D] (pinned when CUDA), partial keys
 [B, Hkv, max_len, d'], A [Hkv, D, D] and channel ids [Hkv, d'] on the accelerator.
@@ -57,8 +61,9 @@ class InfiniGenParams:
         "help": "Leading layers that read their whole cache (by real layer index)."})
     max_per: str = field(default="head", metadata={
         "help": "Threshold against each 'head''s max or 'head0''s (public Llama code)."})
-    skew_source: str = field(default="prompt", metadata={
-        "help": "Skewing matrices from the run's first prompt (the only source)."})
+    skew_tokens: int = field(default=256, metadata={
+        "help": "Queries per layer (the run's first: prompt, then decode steps) the skewing "
+                "matrices come from; the layer attends densely until it has them."})
 
     def __post_init__(self) -> None:
         require(self.budget_tokens >= 0, f"--budget-tokens {self.budget_tokens}: must be >= 0")
@@ -67,7 +72,7 @@ class InfiniGenParams:
                 f"--partial-ratio {self.partial_ratio}: must be in (0, 1]")
         require(self.dense_layers >= 0, f"--dense-layers {self.dense_layers}: must be >= 0")
         require(self.max_per in ("head", "head0"), f"--max-per '{self.max_per}': head, head0")
-        require(self.skew_source == "prompt", f"--skew-source '{self.skew_source}': prompt")
+        require(self.skew_tokens >= 1, f"--skew-tokens {self.skew_tokens}: must be >= 1")
 
 
 def skew(q: torch.Tensor, hkv: int, ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,7 +83,9 @@ def skew(q: torch.Tensor, hkv: int, ratio: float) -> tuple[torch.Tensor, torch.T
     b, hq, p, d = q.shape
     g = hq // hkv
     qs = q.float().view(b, hkv, g, p, d).transpose(0, 1).reshape(hkv, b * g * p, d)
-    a = torch.linalg.svd(qs, full_matrices=False).Vh.transpose(1, 2)  # [Hkv, D, D]
+    # full_matrices: a prompt shorter than D (G * P < D rows) still gets a square, orthogonal
+    # A (the singular vectors past the rank complete it)
+    a = torch.linalg.svd(qs, full_matrices=True).Vh.transpose(1, 2)  # [Hkv, D, D]
     mass = torch.bmm(qs, a).abs().sum(dim=1)  # [Hkv, D]
     keep = max(1, int(ratio * d))
     return a, mass.topk(keep, dim=-1).indices.sort(dim=-1).values
@@ -91,7 +98,8 @@ class InfiniGen(Strategy):
     name = "infinigen"
     version = "1"
     params = InfiniGenParams
-    exact = (("alpha", float("inf")), ("budget_tokens", 1 << 20),)  # every token fetched
+    # every token fetched, skewed from the prompt on (so the speculation path runs)
+    exact = (("alpha", float("inf")), ("budget_tokens", 1 << 20), ("skew_tokens", 1))
 
     @classmethod
     def kv_placement(cls, params: InfiniGenParams, kv_bytes: int) -> dict[str, int]:
@@ -115,6 +123,7 @@ class InfiniGen(Strategy):
         self.part = [torch.empty(b, hkv, ctx.max_len, self.dp, dtype=ctx.dtype,
                                  device=ctx.accel) for _ in range(ctx.n_layers)]
         self.skew: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * ctx.n_layers
+        self.warm: dict[int, list[torch.Tensor]] = {}  # layer -> queries not yet skewed
         self.length = [0] * ctx.n_layers
         # layer -> prefetched (k, v) [B, Hq, n', D] on the accelerator, and its CUDA event
         self.fetched: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -150,9 +159,32 @@ class InfiniGen(Strategy):
         self.host_k[layer][:, :, n0:n1].copy_(k, non_blocking=True)
         self.host_v[layer][:, :, n0:n1].copy_(v, non_blocking=True)
         self.ctx.counters.moved("d2h", 2.0 * k.numel() * self.ctx.elem_bytes)
-        self.part[layer][:, :, n0:n1] = self._partial(layer, k).to(k.dtype)
+        if self.skew[layer] is not None:
+            self.part[layer][:, :, n0:n1] = self._partial(layer, k).to(k.dtype)
         self.length[layer] = n1
         return n1
+
+    def _warm(self, layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Collect queries q [B, Hq, T, D] until `skew_tokens`; then skew and build the
+        partial keys of every cached token: from the new keys k [B, Hkv, T, D] when they are
+        all of them (a prompt), else read back from the host (counted)."""
+        import torch
+
+        if self.skew[layer] is not None:
+            return
+        seen = self.warm.setdefault(layer, [])
+        seen.append(q.float())
+        if sum(t.shape[2] for t in seen) < self.p.skew_tokens:
+            return
+        self.skew[layer] = skew(torch.cat(seen, dim=2), self.ctx.spec.n_kv_heads,
+                                self.p.partial_ratio)
+        del self.warm[layer]
+        n = self.length[layer]
+        keys = k
+        if n > k.shape[2]:
+            keys = self.host_k[layer][:, :, :n].to(q.device)
+            self.ctx.counters.moved("h2d", 1.0 * keys.numel() * self.ctx.elem_bytes)
+        self.part[layer][:, :, :n] = self._partial(layer, keys).to(keys.dtype)
 
     def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> torch.Tensor:
@@ -161,9 +193,8 @@ class InfiniGen(Strategy):
 
         out, _ = dense_attention(q, k, v)
         self.ctx.counters.attended("accel", q, k.shape[2])
-        if self.skew[layer] is None:
-            self.skew[layer] = skew(q, k.shape[1], self.p.partial_ratio)
         self._store(layer, k, v)
+        self._warm(layer, q, k)
         return out
 
     def layer_input(self, layer: int, x: torch.Tensor) -> None:
@@ -221,9 +252,10 @@ class InfiniGen(Strategy):
         from kvbench.kernels.attention import dense_attention
 
         n = self._store(layer, k, v)
+        self._warm(layer, q, k)
         counters = self.ctx.counters
         fetched = self.fetched.pop(layer, None)
-        if fetched is None:  # a dense layer: the whole cache from the host
+        if fetched is None:  # a dense layer, or one still warming: the whole cache
             self.chosen[layer] = None
             kc = self.host_k[layer][:, :, :n].to(q.device, non_blocking=True)
             vc = self.host_v[layer][:, :, :n].to(q.device, non_blocking=True)
