@@ -67,7 +67,7 @@ def test_heatmap_from_records(tmp_path: Path):
     (["--heads", "6", "--kv-heads", "4"], "multiple of kv heads"),
     (["--keep", "1.5"], "keep fraction"),
     (["--keep", "0"], "keep fraction"),
-    (["--dtype", "int8"], "unknown dtype"),
+    (["--dtype", "int8"], "--dtype 'int8': one of float32"),
     (["--modes", "cpu-dense,warp"], "unknown mode"),
 ])
 def test_attention_bad_input(args, msg, capsys, tmp_path):
