@@ -138,22 +138,22 @@ uint64_t kvb_memcpy_threads(void *dst, const void *src, size_t n, size_t iters, 
     return kvb_now_ns() - t0;
 }
 
-/* Read-only bandwidth (the roof of decode attention, which reads K and V once): `nthreads`
- * threads sum the 64-bit words of src, `iters` times over, taking READ_CHUNK-byte pieces
- * from a shared counter (as the attention kernel takes its tasks), with AVX2 loads where the
- * CPU has them. Threads are created before the clock starts and released together; returns
- * ns from the first piece's start to the last piece's end (a thread that got no piece, one
- * the scheduler started late, does not count), or 0 when a thread could not be created. */
+/* Read-only bandwidth (the roof of decode attention, which reads K and V once): the calling
+ * thread and nthreads - 1 helpers sum the 64-bit words of src, `iters` times over, taking
+ * READ_CHUNK-byte pieces from a shared counter, with AVX2 loads where the CPU has them.
+ * Threaded like the attention kernel (probes/attn.c): detached helpers holding a reference
+ * to a heap job, the call returning once every piece is read; timed the same way, around
+ * the whole call with thread creation, so the two compare like with like. Returns elapsed
+ * ns, or 0 when the job could not be allocated. */
 #define READ_CHUNK ((size_t)1 << 20)
 
 typedef struct {
     const char *p;
     size_t n, pieces;
-    size_t next; /* shared piece counter */
-    int go;      /* 0: wait, 1: run, 2: abort */
+    size_t next, done; /* pieces taken, pieces read */
+    int refs;          /* threads still holding the job (the last one frees it) */
+    uint64_t sum;
 } read_job;
-
-typedef struct { read_job *job; uint64_t t0, t1, sum; } read_arg;
 
 static uint64_t read_generic(const char *p, size_t n) {
     uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
@@ -182,50 +182,58 @@ __attribute__((target("avx2"))) static uint64_t read_avx2(const char *p, size_t 
 }
 #endif
 
-static void *read_worker(void *p) {
-    read_arg *a = p;
-    read_job *j = a->job;
+static void read_pieces(read_job *j) {
     uint64_t (*fn)(const char *, size_t) = read_generic;
 #if defined(__x86_64__)
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2")) fn = read_avx2;
 #endif
-    int go;
-    while ((go = __atomic_load_n(&j->go, __ATOMIC_ACQUIRE)) == 0) sched_yield();
-    if (go != 1) return NULL;
     const size_t per = (j->n + READ_CHUNK - 1) / READ_CHUNK;
+    uint64_t sum = 0;
     for (;;) {
         const size_t k = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
         if (k >= j->pieces) break;
-        if (!a->t0) a->t0 = kvb_now_ns();
         const size_t off = (k % per) * READ_CHUNK;
-        a->sum += fn(j->p + off, j->n - off < READ_CHUNK ? j->n - off : READ_CHUNK);
+        sum += fn(j->p + off, j->n - off < READ_CHUNK ? j->n - off : READ_CHUNK);
+        __atomic_add_fetch(&j->done, 1, __ATOMIC_RELEASE);
     }
-    if (a->t0) a->t1 = kvb_now_ns();
+    __atomic_add_fetch(&j->sum, sum, __ATOMIC_RELAXED);
+}
+
+static void read_release(read_job *j) {
+    if (__atomic_sub_fetch(&j->refs, 1, __ATOMIC_ACQ_REL) == 0) free(j);
+}
+
+static void *read_worker(void *p) {
+    read_pieces(p);
+    read_release(p);
     return NULL;
 }
 
 uint64_t kvb_read_threads(const void *src, size_t n, size_t iters, int nthreads) {
     if (nthreads < 1 || nthreads > 1024 || n == 0) return 0;
-    pthread_t tid[1024];
-    read_arg args[1024];
-    read_job job = {src, n, iters * ((n + READ_CHUNK - 1) / READ_CHUNK), 0, 0};
-    int started = 0;
-    for (int k = 0; k < nthreads; k++) {
-        args[k] = (read_arg){&job, 0, 0, 0};
-        if (pthread_create(&tid[k], NULL, read_worker, &args[k]) != 0) break;
-        started++;
+    const uint64_t t0 = kvb_now_ns();
+    read_job *j = malloc(sizeof *j);
+    if (!j) return 0;
+    *j = (read_job){src, n, iters * ((n + READ_CHUNK - 1) / READ_CHUNK), 0, 0, 1, 0};
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    for (int k = 1; k < nthreads; k++) {
+        pthread_t tid;
+        __atomic_add_fetch(&j->refs, 1, __ATOMIC_RELAXED);
+        if (pthread_create(&tid, &attr, read_worker, j) != 0) {
+            __atomic_sub_fetch(&j->refs, 1, __ATOMIC_RELAXED);
+            break;
+        }
     }
-    __atomic_store_n(&job.go, started == nthreads ? 1 : 2, __ATOMIC_RELEASE);
-    uint64_t first = UINT64_MAX, last = 0, sum = 0;
-    for (int k = 0; k < started; k++) {
-        pthread_join(tid[k], NULL);
-        sum += args[k].sum;
-        if (args[k].t0 && args[k].t0 < first) first = args[k].t0;
-        if (args[k].t1 > last) last = args[k].t1;
-    }
-    __asm__ volatile("" : : "r"(sum));
-    return started < nthreads || last < first ? 0 : last - first;
+    pthread_attr_destroy(&attr);
+    read_pieces(j);
+    while (__atomic_load_n(&j->done, __ATOMIC_ACQUIRE) < j->pieces) sched_yield();
+    const uint64_t ns = kvb_now_ns() - t0;
+    __asm__ volatile("" : : "r"(__atomic_load_n(&j->sum, __ATOMIC_RELAXED)));
+    read_release(j);
+    return ns;
 }
 
 /* Pointer chase: make the `nlines` lines of `line` bytes at buf one random cycle (Sattolo's
