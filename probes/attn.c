@@ -28,6 +28,8 @@
 
 #include "attn.h"
 
+void kvb_wait_done(const int64_t *done, int64_t target); /* probes/copy.c */
+
 #define SPLIT_ROWS 8  /* below this many rows per thread, rows are split along the keys */
 #define MIN_CHUNK 256 /* fewest keys per split chunk */
 
@@ -296,7 +298,7 @@ int kvb_attn(int dtype, const void *q, const void *k, const void *v, void *out, 
     }
     pthread_attr_destroy(&attr);
     run_tasks(j);
-    while (__atomic_load_n(&j->done, __ATOMIC_ACQUIRE) < j->ntasks) sched_yield();
+    kvb_wait_done(&j->done, j->ntasks);
     if (j->split > 1 && !j->failed)
         for (int64_t r = 0; r < rows; r++) merge_row(j, r);
     const int rc = j->failed ? -1 : 0;

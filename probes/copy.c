@@ -138,6 +138,27 @@ uint64_t kvb_memcpy_threads(void *dst, const void *src, size_t n, size_t iters, 
     return kvb_now_ns() - t0;
 }
 
+/* Wait until *done reaches target (the attention kernel's and the read loop's calling
+ * thread, once no task is left to take): spin for up to SPIN_NS, as the other threads' last
+ * tasks are short, then yield the CPU between checks. Yielding at once would hand the CPU
+ * to whatever else is runnable for a whole time slice on a loaded machine. */
+#define SPIN_NS 200000
+
+void kvb_wait_done(const int64_t *done, int64_t target) {
+    const uint64_t t0 = kvb_now_ns();
+    while (__atomic_load_n(done, __ATOMIC_ACQUIRE) < target) {
+        if (kvb_now_ns() - t0 > SPIN_NS) {
+            sched_yield();
+            continue;
+        }
+        for (int i = 0; i < 64; i++) {
+#if defined(__x86_64__) || defined(__i386__)
+            __builtin_ia32_pause();
+#endif
+        }
+    }
+}
+
 /* Read-only bandwidth (the roof of decode attention, which reads K and V once): the calling
  * thread and nthreads - 1 helpers sum the 64-bit words of src, `iters` times over, taking
  * READ_CHUNK-byte pieces from a shared counter, with AVX2 loads where the CPU has them.
@@ -150,7 +171,7 @@ uint64_t kvb_memcpy_threads(void *dst, const void *src, size_t n, size_t iters, 
 typedef struct {
     const char *p;
     size_t n, pieces;
-    size_t next, done; /* pieces taken, pieces read */
+    int64_t next, done; /* pieces taken, pieces read */
     int refs;          /* threads still holding the job (the last one frees it) */
     uint64_t sum;
 } read_job;
@@ -191,7 +212,7 @@ static void read_pieces(read_job *j) {
     const size_t per = (j->n + READ_CHUNK - 1) / READ_CHUNK;
     uint64_t sum = 0;
     for (;;) {
-        const size_t k = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+        const size_t k = (size_t)__atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
         if (k >= j->pieces) break;
         const size_t off = (k % per) * READ_CHUNK;
         sum += fn(j->p + off, j->n - off < READ_CHUNK ? j->n - off : READ_CHUNK);
@@ -229,7 +250,7 @@ uint64_t kvb_read_threads(const void *src, size_t n, size_t iters, int nthreads)
     }
     pthread_attr_destroy(&attr);
     read_pieces(j);
-    while (__atomic_load_n(&j->done, __ATOMIC_ACQUIRE) < j->pieces) sched_yield();
+    kvb_wait_done(&j->done, (int64_t)j->pieces);
     const uint64_t ns = kvb_now_ns() - t0;
     __asm__ volatile("" : : "r"(__atomic_load_n(&j->sum, __ATOMIC_RELAXED)));
     read_release(j);
