@@ -28,7 +28,9 @@
 
 #include "attn.h"
 
-void kvb_wait_done(const int64_t *done, int64_t target); /* probes/copy.c */
+/* probes/copy.c */
+int kvb_spawn_detached(void *(*fn)(void *), void *arg, int *refs, int n);
+void kvb_wait_done(const int64_t *done, int64_t target);
 
 #define SPLIT_ROWS 8  /* below this many rows per thread, rows are split along the keys */
 #define MIN_CHUNK 256 /* fewest keys per split chunk */
@@ -285,18 +287,7 @@ int kvb_attn(int dtype, const void *q, const void *k, const void *v, void *out, 
         j->ntasks = (rows + j->group - 1) / j->group;
     }
     if (nt > j->ntasks) nt = (int)j->ntasks;
-    pthread_attr_t attr;
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    for (int t = 1; t < nt; t++) {
-        pthread_t tid;
-        __atomic_add_fetch(&j->refs, 1, __ATOMIC_RELAXED);
-        if (pthread_create(&tid, &attr, worker, j) != 0) {
-            __atomic_sub_fetch(&j->refs, 1, __ATOMIC_RELAXED);
-            break;
-        }
-    }
-    pthread_attr_destroy(&attr);
+    kvb_spawn_detached(worker, j, &j->refs, nt - 1);
     run_tasks(j);
     kvb_wait_done(&j->done, j->ntasks);
     if (j->split > 1 && !j->failed)

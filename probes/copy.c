@@ -138,6 +138,27 @@ uint64_t kvb_memcpy_threads(void *dst, const void *src, size_t n, size_t iters, 
     return kvb_now_ns() - t0;
 }
 
+/* Start n detached threads running fn(arg), adding one to *refs for each (the thread drops
+ * it when done, the last holder frees the job); returns how many started. The attention
+ * kernel and the read loop hand work to helpers this way, so a call never waits for a
+ * helper the scheduler has not started yet. */
+int kvb_spawn_detached(void *(*fn)(void *), void *arg, int *refs, int n) {
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    int started = 0;
+    for (; started < n; started++) {
+        pthread_t tid;
+        __atomic_add_fetch(refs, 1, __ATOMIC_RELAXED);
+        if (pthread_create(&tid, &attr, fn, arg) != 0) {
+            __atomic_sub_fetch(refs, 1, __ATOMIC_RELAXED);
+            break;
+        }
+    }
+    pthread_attr_destroy(&attr);
+    return started;
+}
+
 /* Wait until *done reaches target (the attention kernel's and the read loop's calling
  * thread, once no task is left to take): spin for up to SPIN_NS, as the other threads' last
  * tasks are short, then yield the CPU between checks. Yielding at once would hand the CPU
@@ -237,18 +258,7 @@ uint64_t kvb_read_threads(const void *src, size_t n, size_t iters, int nthreads)
     read_job *j = malloc(sizeof *j);
     if (!j) return 0;
     *j = (read_job){src, n, iters * ((n + READ_CHUNK - 1) / READ_CHUNK), 0, 0, 1, 0};
-    pthread_attr_t attr;
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    for (int k = 1; k < nthreads; k++) {
-        pthread_t tid;
-        __atomic_add_fetch(&j->refs, 1, __ATOMIC_RELAXED);
-        if (pthread_create(&tid, &attr, read_worker, j) != 0) {
-            __atomic_sub_fetch(&j->refs, 1, __ATOMIC_RELAXED);
-            break;
-        }
-    }
-    pthread_attr_destroy(&attr);
+    kvb_spawn_detached(read_worker, j, &j->refs, nthreads - 1);
     read_pieces(j);
     kvb_wait_done(&j->done, (int64_t)j->pieces);
     const uint64_t ns = kvb_now_ns() - t0;
