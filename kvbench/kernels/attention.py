@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from kvbench.errors import require
+from kvbench.errors import KvbenchError, require
 
 if TYPE_CHECKING:
     import torch
@@ -65,20 +65,27 @@ def native_status() -> str:
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
-    """Validate shapes, dtypes and devices; returns (B, Hq, Hkv, D). KvbenchError if bad."""
-    require(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
-            f"attention needs 4-D q/k/v [B, H, L, D], got {q.dim()}-D/{k.dim()}-D/{v.dim()}-D")
-    require(k.shape == v.shape, f"k {tuple(k.shape)} and v {tuple(v.shape)} differ in shape")
+    """Validate shapes, dtypes and devices; returns (B, Hq, Hkv, D). KvbenchError if bad.
+
+    This runs on every attention call: the messages are built only when a check fails."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise KvbenchError(f"attention needs 4-D q/k/v [B, H, L, D], got {q.dim()}-D/"
+                           f"{k.dim()}-D/{v.dim()}-D")
+    if k.shape != v.shape:
+        raise KvbenchError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ in shape")
     b, hq, _, d = q.shape
-    require(k.shape[0] == b and k.shape[3] == d,
-            f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch or head dimension")
     hkv = k.shape[1]
-    require(hkv > 0 and hq % hkv == 0,
-            f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
-    require(q.dtype == k.dtype == v.dtype and q.dtype.is_floating_point,
-            f"q/k/v must share one float dtype, got {q.dtype}/{k.dtype}/{v.dtype}")
-    require(q.device == k.device == v.device,
-            f"q/k/v must be on one device, got {q.device}/{k.device}/{v.device}")
+    if k.shape[0] != b or k.shape[3] != d:
+        raise KvbenchError(f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch or "
+                           "head dimension")
+    if hkv <= 0 or hq % hkv:
+        raise KvbenchError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    if not (q.dtype == k.dtype == v.dtype and q.dtype.is_floating_point):
+        raise KvbenchError(f"q/k/v must share one float dtype, got {q.dtype}/{k.dtype}/"
+                           f"{v.dtype}")
+    if not q.device == k.device == v.device:
+        raise KvbenchError(f"q/k/v must be on one device, got {q.device}/{k.device}/"
+                           f"{v.device}")
     return b, hq, hkv, d
 
 
