@@ -31,7 +31,13 @@ from typing import TYPE_CHECKING
 
 from kvbench.errors import require
 from kvbench.strategies import STRATEGIES, Strategy, position_mask
-from kvbench.strategies._pages import Digests, check_layers, check_pages, page_scores
+from kvbench.strategies._pages import (
+    Digests,
+    check_layers,
+    check_pages,
+    page_scores,
+    select_pages,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -140,14 +146,11 @@ class ArkVale(Strategy):
     # --- pages of one sparse layer ---------------------------------------------------
 
     def _target(self, scores: torch.Tensor, n_full: int, k: int) -> torch.Tensor:
-        """Pages kept [B, Hkv, n_full] (bool): sinks, the window's full pages, top of the rest
-        by score (Alg. 1 line 2, S[:K]); k pages in all, or every page when k >= n_full."""
-        p = self.p
-        s = scores.clone()
-        s[:, :, :p.sinks] = float("inf")
-        s[:, :, max(n_full - (p.window_pages - 1), 0):] = float("inf")
-        keep = s.topk(min(k, n_full), dim=-1).indices
-        return s.new_zeros(s.shape).bool().scatter_(2, keep, True)
+        """Pages kept [B, Hkv, n_full] (bool): sinks, the window's full pages (the current
+        page is the window's last, outside the pool), top of the rest by score (Alg. 1 line
+        2, S[:K]); k pages in all, or every page when k >= n_full (`select_pages`)."""
+        keep = select_pages(scores, n_full, k, self.p.sinks, self.p.window_pages - 1)
+        return scores.new_zeros(scores.shape).bool().scatter_(2, keep, True)
 
     def _place(self, layer: int, scores: torch.Tensor, target: torch.Tensor, fresh_first: int,
                fresh_k: torch.Tensor, fresh_v: torch.Tensor) -> None:
@@ -182,8 +185,8 @@ class ArkVale(Strategy):
                 dev = self.ctx.accel
                 self.pool_k[layer][bo, ho, so] = self.host_k[layer][hb, hh, hp].to(dev)
                 self.pool_v[layer][bo, ho, so] = self.host_v[layer][hb, hh, hp].to(dev)
-                counters.moved("h2d", 2.0 * po.numel() * fresh_k[0, 0, 0].numel()
-                               * self.ctx.elem_bytes)
+                page_elems = self.p.page_size * fresh_k.shape[-1]  # S * D per K or V
+                counters.moved("h2d", 2.0 * po.numel() * page_elems * self.ctx.elem_bytes)
             counters.add("pages", "recalled", float(po.numel()))
             bf, hf, pf, sf = b[~old], h[~old], pg[~old] - fresh_first, slot[~old]
             self.pool_k[layer][bf, hf, sf] = fresh_k[bf, hf, pf]
