@@ -73,6 +73,9 @@ def test_random_run_writes_labelled_records(tmp_path: Path) -> None:
            and r["params"]["layer"] == 1]
     # batch 2, step s attends to the prompt plus s tokens
     assert tok[0]["samples"] == [2.0 * (24 + s) for s in range(1, 7)]
+    # full attention allocates k and v [2, 12 heads, 31 tokens, 64] float32 in 2 layers
+    alloc = {r["params"]["where"]: r["value"] for r in recs if r["metric"] == "kv_alloc_bytes"}
+    assert alloc == {"accel": 2 * 2 * 2 * 12 * 31 * 64 * 4, "host": 0}
 
 
 @pytest.mark.parametrize("args, message", [

@@ -15,8 +15,10 @@ from kvbench.models import get_spec
 from kvbench.runtime.breakdown import derived
 from kvbench.runtime.context import Counters, RunContext
 from kvbench.strategies import STRATEGIES, NoParams
+from kvbench.strategies.arkvale import ArkValeParams
 from kvbench.strategies.h2o import H2OParams
 from kvbench.strategies.hgca import HgcaParams
+from kvbench.strategies.quest import QuestParams
 from kvbench.strategies.streaming import StreamingParams
 
 SPEC = get_spec("smollm2-135m")  # 9 query heads, 3 KV heads, head dim 64
@@ -62,6 +64,8 @@ def held_bytes(obj, seen: set[int] | None = None) -> int:
         return st.nbytes()
     if isinstance(obj, (list, tuple)):
         return sum(held_bytes(x, seen) for x in obj)
+    if isinstance(obj, dict):
+        return sum(held_bytes(x, seen) for x in obj.values())
     if hasattr(obj, "__dict__") and not isinstance(obj, (RunContext, type)):
         return sum(held_bytes(v, seen) for k, v in vars(obj).items() if k != "ctx")
     return 0
@@ -108,12 +112,20 @@ def test_gpu_tokens_and_share_mean_the_same(name: str, params, tokens: int) -> N
     ("hgca", HgcaParams(gpu_share=0.25, alpha=0.1), torch.float32),
     ("hgca", HgcaParams(gpu_tokens=16, block=8, alpha=0.1), torch.float32),
     ("hgca", HgcaParams(gpu_tokens=16, block=8, alpha=0.1), torch.float16),
+    ("quest", QuestParams(budget_tokens=32, page_size=8, dense_layers=1), torch.float32),
+    ("quest", QuestParams(budget_tokens=24, page_size=16, dense_layers=0, topk_per="kv"),
+     torch.float16),
+    ("arkvale", ArkValeParams(budget_tokens=32, page_size=8, sinks=1, window_pages=1,
+                              dense_layers=1), torch.float32),
+    ("arkvale", ArkValeParams(budget_tokens=1 << 20, page_size=8, dense_layers=1),
+     torch.float16),
 ])
 def test_fit_check_counts_what_the_strategy_allocates(name: str, params, dtype) -> None:
     """`placement` (what the fit check refuses a run by) equals the bytes the strategy
     holds after a prefill and decode steps: hgca's host KV_cpu + KV_ctx in float32 for a
     float16 model, its MAW, its window (not the whole cache) with --gpu-tokens, offload's
-    staging buffers."""
+    staging buffers, arkvale's page pool (at most the cache's pages, whatever the budget),
+    digests and host backup."""
     cls = STRATEGIES.get(name)
     ctx = context(80, dtype=dtype)
     s = cls(params, ctx)

@@ -156,6 +156,11 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
     accuracy = "random weights: accuracy metrics are off" if weights == "random" else ""
     recs = list(records(cls.name, params, outcome, cfg.batch, accuracy, model.counters,
                         peak_memory(), shadowed))
+    recs += [measured("run", cls.name, "kv_alloc_bytes", "B", "lower", [fit[f"{w}_bytes"]],
+                      {**params, "where": w}, {"statistic": "exact", "per": "run", "source":
+                      "Strategy.placement: the KV and state the strategy allocates per "
+                      "device (its allocation plan, counted, not sampled)"})
+             for w in ("accel", "host")]
     if cfg.mode == "passkey":
         recs += passkey.records(cls.name, params, outcome.tokens, answers, p, accuracy)
     if cfg.compare_hf and stop.signum is None:

@@ -87,10 +87,25 @@ class ArkVale(Strategy):
     exact = (("budget_tokens", 1 << 20),)  # no page leaves the accelerator
 
     @classmethod
-    def kv_placement(cls, params: ArkValeParams, kv_bytes: int) -> dict[str, int]:
-        # upper bound: the host backs every page up; the accelerator may hold all of it
-        # (dense layers, or a budget covering the context) plus the digests (1/S of K+V)
-        return {"accel": kv_bytes + -(-kv_bytes // params.page_size), "host": kv_bytes}
+    def slots(cls, params: ArkValeParams, max_len: int) -> int:
+        """Pool slots for full pages besides the current page's: the budget's pages less
+        one, at most the pages of the cache (a budget covering it allocates no more)."""
+        return min(params.budget_tokens // params.page_size - 1, -(-max_len // params.page_size))
+
+    @classmethod
+    def placement(cls, params: ArkValeParams, ctx: RunContext) -> dict[str, int]:
+        """Dense layers: k/v [B, Hkv, max_len, D] on the accelerator. Other layers: the pool
+        k/v [B, Hkv, C + 1, S, D], digests lo/hi [B, Hkv, P_max, D] and slot_page int64
+        [B, Hkv, C] on the accelerator; the host backup k/v [B, Hkv, P_max, S, D]."""
+        s, e, page = ctx.spec, ctx.elem_bytes, params.page_size
+        heads = ctx.batch * s.n_kv_heads
+        p_max, c = -(-ctx.max_len // page), cls.slots(params, ctx.max_len)
+        dense = min(params.dense_layers, ctx.n_layers)
+        sparse = ctx.n_layers - dense
+        accel = (dense * 2 * heads * ctx.max_len * s.head_dim * e
+                 + sparse * heads * (2 * (c + 1) * page * s.head_dim * e
+                                     + 2 * p_max * s.head_dim * e + 8 * c))
+        return {"accel": accel, "host": sparse * 2 * heads * p_max * page * s.head_dim * e}
 
     def __init__(self, params: ArkValeParams, ctx: RunContext) -> None:
         import torch
@@ -99,7 +114,7 @@ class ArkVale(Strategy):
         check_layers(params.dense_layers, ctx.n_layers)
         s, b, page = ctx.spec, ctx.batch, params.page_size
         hkv, d = s.n_kv_heads, s.head_dim
-        self.c = params.budget_tokens // page - 1  # pool slots besides the current page
+        self.c = self.slots(params, ctx.max_len)  # pool slots besides the current page
         p_max = -(-ctx.max_len // page)
         pin = ctx.accel.type == "cuda"
         self.k: dict[int, torch.Tensor] = {}  # dense layers: [B, Hkv, max_len, D]

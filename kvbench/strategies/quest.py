@@ -74,9 +74,19 @@ class Quest(Strategy):
     exact = (("budget_tokens", 1 << 20),)  # every page selected
 
     @classmethod
-    def kv_placement(cls, params: QuestParams, kv_bytes: int) -> dict[str, int]:
-        # the digests: one lo/hi pair per page of keys, i.e. 1/S of the K+V bytes
-        return {"accel": kv_bytes + -(-kv_bytes // params.page_size), "host": 0}
+    def placement(cls, params: QuestParams, ctx: RunContext) -> dict[str, int]:
+        """Every layer's k/v [B, Hkv, max_len, D] and digests lo/hi [B, Hkv, P_max, D] (1/S
+        of the K+V bytes) on the accelerator; per sparse layer, the last step's selection:
+        int64 positions [B, H, K * S] and lengths [B, H] (H: query or KV heads, K: the
+        budget's pages, fewer than the cache's)."""
+        s, page = ctx.spec, params.page_size
+        kv = ctx.batch * ctx.max_len * s.kv_bytes_per_token(ctx.elem_bytes, ctx.n_layers)
+        heads = ctx.batch * (s.n_heads if params.topk_per == "query" else s.n_kv_heads)
+        k_pages = min(params.budget_tokens // page, -(-ctx.max_len // page) - 1)
+        sparse = ctx.n_layers - min(params.dense_layers, ctx.n_layers)
+        digests = (ctx.n_layers * 2 * ctx.batch * s.n_kv_heads * -(-ctx.max_len // page)
+                   * s.head_dim * ctx.elem_bytes)
+        return {"accel": kv + digests + sparse * heads * (k_pages * page + 1) * 8, "host": 0}
 
     def __init__(self, params: QuestParams, ctx: RunContext) -> None:
         import torch
