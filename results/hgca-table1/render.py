@@ -76,6 +76,20 @@ def summarize(path: Path) -> dict[str, dict]:
     return runs
 
 
+def earlier() -> dict[str, dict]:
+    """The grid as the run of 2026-11-22 recorded it (summary-2026-11-22.json: same protocol,
+    hgca version and text; tokens attended per step were not recorded then)."""
+    path = HERE / "summary-2026-11-22.json"
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    return {k.replace("-b0", "-b0.0") if k.endswith("-b0") else k:
+            {"ppl": v["perplexity"], "n": v["scored_tokens"], "params": v["params"],
+             "attended": None, "earlier": True,
+             "err": [(int(a), e) for a, e in v["rel_error_per_layer"].items()],
+             "sel": {tuple(k2.removeprefix("layer").split(".")): f
+                     for k2, f in v["selected_fraction"].items()}}
+            for k, v in old.items() if k != "full"}
+
+
 def paper_rows() -> list[str]:
     lines = ["## The paper's Table 1 beside ours", "",
              "The paper: OPT-6.7B/13B/30B on 2048-token texts and GPT-NeoX-12B on 4096 "
@@ -85,7 +99,7 @@ def paper_rows() -> list[str]:
              "a CPU as the accelerator role; accuracy does not depend on the hardware, but "
              "model, text and precision differ, so compare the change relative to full "
              "attention, not the perplexity itself.", "",
-             "| model | GPU ratio | full | β=0.25 | β=0.5 | β=0.75 | β=1.0 | worst vs full |",
+             "| model | GPU ratio | full | β=0.25 | β=0.5 | β=0.75 | β=1.0 | largest vs full |",
              "|---|---|---|---|---|---|---|---|"]
     for model, (full, grid) in PAPER.items():
         for share, row in grid.items():
@@ -99,7 +113,7 @@ def main() -> None:
     src = HERE / "table1.jsonl"
     if not src.is_file():
         sys.exit(f"{src} not found: run `kvbench suite run suites/hgca-table1.toml` first")
-    runs = summarize(src)
+    runs = {**earlier(), **summarize(src)}
     full = runs.get("full-s")
     if full is None:
         sys.exit("no finished full-attention case in table1.jsonl yet")
@@ -110,7 +124,7 @@ def main() -> None:
         r = runs.get(key)
         if r is None:
             return "-"
-        v = f"{r['ppl']:.3f} ({r['attended']:.0f})"
+        v = f"{r['ppl']:.3f} " + ("†" if r.get("earlier") else f"({r['attended']:.0f})")
         return f"**{v}**" if r["ppl"] <= ref else v
 
     some = next((r["params"] for k, r in runs.items() if k.startswith("hgca")), {})
@@ -127,8 +141,12 @@ def main() -> None:
         "dense ring window, plus the host entries it selects; h2o and streaming: all they "
         f"keep). hgca: alpha {some.get('alpha', '?')}, block {some.get('block', '?')}. In "
         "brackets: tokens attended per decode step (per layer and sequence, mean over the "
-        "run's steps; accelerator plus host), measured. Bold: at or below full attention. "
-        "Produced by `kvbench suite run suites/hgca-table1.toml --jobs 2`, rendered by "
+        "run's steps; accelerator plus host), measured. †: from the run of 2026-11-22 "
+        "(summary-2026-11-22.json: same protocol, text and hgca version, full attention "
+        "13.507 then as now; it did not record tokens attended), not re-run this session. "
+        "Bold: at or below full attention. "
+        "Produced by `kvbench suite run suites/hgca-table1.toml` (`--jobs N`: N cases at a "
+        "time), rendered by "
         "render.py; earlier sections (alpha choice, multi-turn, breakdown) are in "
         "extras.md, the earlier protocol's table in earlier-protocol.md.",
         "",
@@ -173,7 +191,8 @@ def main() -> None:
                    f"{worst[1]:.4f} (layer {worst[0]})")
         else:
             err = "- | -"
-        lines.append(f"| {name} | {r['ppl']:.3f} | {r['attended']:.0f} | {sel} | {err} |")
+        att = "†" if r.get("earlier") else f"{r['attended']:.0f}"
+        lines.append(f"| {name} | {r['ppl']:.3f} | {att} | {sel} | {err} |")
     e = runs.get("hgca-s0.25-b0.0")
     if e:
         lines += ["", f"Exactness: hgca, GPU share 0.25, beta 0 (every host entry selected): "
@@ -193,7 +212,9 @@ def main() -> None:
                 "rel_error_per_layer": dict(v["err"]),
                 "selected_fraction": {f"layer{a}.{h}": f for (a, h), f in v["sel"].items()},
                 "params": v["params"]} for k, v in runs.items()}
-    (HERE / "summary.json").write_text(json.dumps(slim, indent=1, sort_keys=True) + "\n")
+    (HERE / "summary.json").write_text(json.dumps(
+        {k: v for k, v in slim.items() if not runs[k].get("earlier")}, indent=1,
+        sort_keys=True) + "\n")
     print("\n".join(lines))
 
 
