@@ -65,7 +65,34 @@ def index(records: list[dict]) -> dict[tuple, dict[str, float]]:
         m = r["metric"] + (f".{p['where']}" if "where" in p and r["metric"] != "peak_memory"
                            else "")
         out[key][m] = r["value"]
+        if r["metric"] == "perplexity" or r["metric"] == "passkey_accuracy":
+            out[key]["accel_kv_tokens"] = accel_kv_tokens(r)
     return out
+
+
+def accel_kv_tokens(r: dict) -> float:
+    """Accelerator bytes the run's strategy allocates (its `kv_alloc_bytes` record, or, for
+    runs recorded before that record existed, the same `Strategy.placement` computed for
+    the run's parameters), in tokens' worth of the model's full KV (all layers)."""
+    import dataclasses
+
+    import torch
+
+    from kvbench.models import get_spec
+    from kvbench.runtime.context import Counters, RunContext
+    from kvbench.strategies import STRATEGIES
+
+    p = r["params"]
+    spec = get_spec(p["model"])
+    dtype = getattr(torch, p["dtype"])
+    cls = STRATEGIES.get(r["name"])
+    names = {f.name for f in dataclasses.fields(cls.params)}
+    sp = cls.params(**{k: v for k, v in p.items() if k in names})
+    length = p["prompt_len"] + p["gen_len"] + 1
+    ctx = RunContext(spec, p["layers"], p["batch"], length, dtype, torch.device("cpu"),
+                     torch.device("cpu"), Counters(spec.n_kv_heads, dtype.itemsize))
+    per_token = p["batch"] * spec.kv_bytes_per_token(dtype.itemsize, p["layers"])
+    return cls.placement(sp, ctx)["accel"] / per_token
 
 
 def attended(v: dict[str, float]) -> float:
@@ -88,11 +115,18 @@ def ppl_table(idx: dict) -> list[str]:
             d = f" ({v['perplexity'] / full - 1:+.1%})" if full else ""
             rec = v.get("top10_recall")
             cells.append(f"{v['perplexity']:.3f}{d}, {attended(v):.0f} tok"
-                         + (f", top-10 {rec:.2f}" if rec is not None else ""))
+                         + (f", top-10 {rec:.2f}" if rec is not None else "")
+                         + f", mem {v['accel_kv_tokens']:.0f}")
         if any(c != "-" for c in cells):
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     head = [f"Full attention: {full:.3f}" if full else "Full attention: not run", ""]
-    return head + lines
+    rank = ["", "Ranking by perplexity at each budget (equal budget; tokens attended and "
+            "accelerator memory in the cells):", ""]
+    for b in budgets:
+        got = sorted((idx[k]["perplexity"], k[0]) for k in rows
+                     if k[1] == b and "perplexity" in idx[k])
+        rank.append(f"- budget {b}: " + " < ".join(f"{n} {v:.2f}" for v, n in got))
+    return head + lines + rank
 
 
 def passkey_table(idx: dict) -> list[str]:
@@ -172,7 +206,11 @@ def main() -> None:
           "`suites/page-sparse-*.toml`.", "",
           "## Perplexity vs budget (whole-text protocol, 512 tokens)", "",
           "Each cell: perplexity (change vs full), measured tokens attended per step and "
-          "layer, share of full attention's top-10 keys attended (mean over layers).", "",
+          "layer, share of full attention's top-10 keys attended (mean over layers), and "
+          "`mem`: the accelerator memory the strategy allocates (`kv_alloc_bytes`, its "
+          "allocation plan) in tokens' worth of the full KV of all layers, for comparing at "
+          "equal accelerator memory (the context is 512 tokens; quest keeps all of it "
+          "there, the others a budget).", "",
           *ppl_table(idx), "", "## Passkey retrieval", "", *passkey_table(idx), "",
           "## ArkVale page recalls", "", *recall_table(records), "",
           "## Decode speed (prompt 1024, 16 steps, budget 256; accel role on the CPU)", "",
