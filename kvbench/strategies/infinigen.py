@@ -83,9 +83,11 @@ def skew(q: torch.Tensor, hkv: int, ratio: float) -> tuple[torch.Tensor, torch.T
     b, hq, p, d = q.shape
     g = hq // hkv
     qs = q.float().view(b, hkv, g, p, d).transpose(0, 1).reshape(hkv, b * g * p, d)
-    # full_matrices: a prompt shorter than D (G * P < D rows) still gets a square, orthogonal
-    # A (the singular vectors past the rank complete it)
-    a = torch.linalg.svd(qs, full_matrices=True).Vh.transpose(1, 2)  # [Hkv, D, D]
+    # fewer rows than D (a prompt with G * P < D): full_matrices completes A to a square,
+    # orthogonal one past the rank; otherwise not, since U [Hkv, rows, rows] would be
+    # rows^2 floats (7 GB for batch 4 x 3 queries per KV head x 2048 tokens)
+    rows = qs.shape[1]
+    a = torch.linalg.svd(qs, full_matrices=rows < d).Vh.transpose(1, 2)  # [Hkv, D, D]
     mass = torch.bmm(qs, a).abs().sum(dim=1)  # [Hkv, D]
     keep = max(1, int(ratio * d))
     return a, mass.topk(keep, dim=-1).indices.sort(dim=-1).values
