@@ -27,7 +27,9 @@ Each (case, sweep point, repetition) is one unit of work with a stable id (a has
 name, explicit parameters and repetition) kept in every record's `method["suite_case"]`.
 A unit's records are written as one batch (one write, one fsync) once it finishes, so a
 unit is either wholly in the output file or absent: `--resume` skips exactly the units
-present, and an interrupt loses only the unit that was running.
+present, and an interrupt loses only the unit that was running. A unit that errored or was
+cut short (records marked `method.partial`) is not done: `--resume` runs it again, and the
+loader then drops the failed attempt's records (store.unit_key, store.failed_attempt).
 """
 
 from __future__ import annotations
@@ -63,8 +65,9 @@ class Unit:
 
     @property
     def case_id(self) -> str:
-        key = json.dumps([self.case.kind, self.case.name, self.params, self.rep], sort_keys=True,
-                         default=str)
+        where = [self.case.requires] if self.case.requires else []  # same params, other place
+        key = json.dumps([self.case.kind, self.case.name, self.params, self.rep, *where],
+                         sort_keys=True, default=str)
         return hashlib.sha1(key.encode()).hexdigest()[:12]
 
     def command(self) -> str:
@@ -139,13 +142,14 @@ def _execute(unit: Unit, gpu: bool) -> list[Record]:
 
 
 def recorded_units(path: Path) -> set[str]:
-    """Ids of the units recorded in result file `path` (a unit's records are one batch)."""
-    from kvbench.store import load
+    """Keys of the units finished in result file `path` (store.unit_key: the case id, with
+    '@machine' for a fleet fan-out). A unit whose records are its error or are marked
+    partial (interrupted) is not finished: `--resume` runs it again."""
+    from kvbench.store import finished_units, load
 
     if not path.exists() or not path.stat().st_size:
         return set()
-    return {r["method"]["suite_case"] for r in load(path).records
-            if "suite_case" in (r.get("method") or {})}
+    return finished_units(load(path).records)
 
 
 def derive_ratio(spec: RatioSpec, records: list[dict[str, Any]]) -> Iterator[Record]:

@@ -179,3 +179,42 @@ def test_shipped_suites_validate():
     smoke = load_suite(REPO / "suites" / "smoke.toml")
     assert smoke.guard and smoke.threshold > 0
     assert os.path.exists(REPO / "results" / "baselines" / "cpu-2c-x86_64" / "smoke.jsonl")
+
+
+def test_resume_reruns_errored_and_partial_units_only(tmp_path, monkeypatch):
+    """A unit whose records are an error or marked partial (interrupted) is not done: resume
+    runs it again; finished and waived units are skipped."""
+    from kvbench.probes.timer import TimerProbe
+
+    path = write(tmp_path, TIMER + "sweep = { reps = [3, 4, 5] }\n\n" + TIMER
+                 + 'requires = "gpu"\n')
+    monkeypatch.setattr("kvbench.suite._has_gpu", lambda: False)
+    suite = load_suite(path)
+    out = tmp_path / "out.jsonl"
+    ran = []
+
+    def first(self, config):  # reps 3 errors, reps 4 is cut short (partial), reps 5 finishes
+        ran.append(config.reps)
+        if config.reps == 3:
+            raise RuntimeError("boom")
+        method = {"partial": "interrupted by SIGTERM"} if config.reps == 4 else {}
+        yield measured("probe", "timer", "x", "ns", "lower", [1.0], {"reps": config.reps},
+                       method)
+
+    monkeypatch.setattr(TimerProbe, "run", first)
+    assert run_suite(suite, out) == 1
+    assert ran == [3, 4, 5]
+    ids = {u.params["reps"]: u.case_id for u in units(suite) if u.case.requires is None}
+    assert recorded_units(out) == {ids[5], next(u.case_id for u in units(suite)
+                                               if u.case.requires)}
+    ran.clear()
+
+    def second(self, config):
+        ran.append(config.reps)
+        yield measured("probe", "timer", "x", "ns", "lower", [2.0], {"reps": config.reps})
+
+    monkeypatch.setattr(TimerProbe, "run", second)
+    assert run_suite(suite, out, resume=True) == 0
+    assert ran == [3, 4]  # the finished unit and the waived one are not run again
+    assert len(recorded_units(out)) == 4
+    assert run_suite(suite, out, resume=True) == 0 and ran == [3, 4]
