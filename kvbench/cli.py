@@ -83,6 +83,13 @@ def suite_run_cmd(
     resume: bool = typer.Option(False, help="Skip cases already recorded in the output file."),
     only: str | None = typer.Option(None, help="Only cases whose label matches this glob."),
     out: Path | None = typer.Option(None, help="Result file (default: the suite's output)."),
+    jobs: int = typer.Option(1, min=1, help="Run non-exclusive cases in this many local "
+                             "processes (speed cases still run alone)."),
+    ray: str | None = typer.Option(None, "--ray", help="Run each case as "
+                                   "a Ray task: ADDRESS of a cluster, 'auto' to join the "
+                                   "running one, no value for a local cluster."),
+    on: str | None = typer.Option(None, help="With --ray: run every case once on each node "
+                                  "of: all-nodes, all-gpu-nodes or CLASS[,CLASS...]."),
 ) -> None:
     """Run every case of a suite into one result file; exit 1 when a case errored."""
     from kvbench.console import wrote
@@ -90,7 +97,15 @@ def suite_run_cmd(
 
     suite = load_suite(file)
     path = out or suite.output
-    errors = run_suite(suite, path, resume, only)
+    if on is not None and ray is None:
+        raise KvbenchError("--on fans cases out over a Ray cluster: add --ray [ADDRESS]")
+    if ray is None:
+        errors = run_suite(suite, path, resume, only, jobs)
+    else:
+        from kvbench.fleet import connect
+
+        with connect(None if ray == "local" else ray, on or suite.machines) as fleet:
+            errors = run_suite(suite, path, resume, only, fleet=fleet)
     wrote(path)
     if errors:
         raise typer.Exit(1)
@@ -173,6 +188,11 @@ def main(argv: list[str] | None = None) -> None:
     """
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for i, arg in enumerate(argv):  # `--ray` without an address: a local cluster
+        if arg == "--ray" and (i + 1 == len(argv) or argv[i + 1].startswith("-")):
+            argv.insert(i + 1, "local")
+            break
     try:
         _add_registered_commands()
         code = app(args=argv, prog_name="kvbench", standalone_mode=False)

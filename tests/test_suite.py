@@ -218,3 +218,37 @@ def test_resume_reruns_errored_and_partial_units_only(tmp_path, monkeypatch):
     assert ran == [3, 4]  # the finished unit and the waived one are not run again
     assert len(recorded_units(out)) == 4
     assert run_suite(suite, out, resume=True) == 0 and ran == [3, 4]
+
+
+def test_jobs_run_shared_cases_in_workers_and_speed_cases_alone(tmp_path):
+    """--jobs 2: non-exclusive cases run in worker processes and are marked concurrent; an
+    exclusive case runs alone (unmarked); each unit's records land whole, exactly once, and
+    a resume of the finished file adds nothing."""
+    shared = '[[case]]\nprobe = "timer"\nparams = { calls = 200, reps = 3 }\n' \
+             'sweep = { reps = [3, 4, 5, 6] }\nexclusive = false\n\n'
+    path = write(tmp_path, shared + TIMER.replace("reps = 3", "reps = 7") + "repetitions = 2\n")
+    suite = load_suite(path)
+    assert [u.case.exclusive for u in units(suite)] == [False] * 4 + [True] * 2
+    out = tmp_path / "out.jsonl"
+    assert run_cli(["suite", "run", str(path), "--jobs", "2"]) == 0
+    recs = load(out).records
+    per_unit = Counter(r["method"]["suite_case"] for r in recs)
+    assert set(per_unit) == {u.case_id for u in units(suite)} and len(set(per_unit.values())) == 1
+    shared_ids = {u.case_id for u in units(suite) if not u.case.exclusive}
+    assert all(r["method"].get("concurrent_jobs") == 2 for r in recs
+               if r["method"]["suite_case"] in shared_ids)
+    assert not any("concurrent_jobs" in r["method"] for r in recs
+                   if r["method"]["suite_case"] not in shared_ids)
+    assert run_suite(suite, out, resume=True, jobs=2) == 0
+    assert len(load(out).records) == len(recs)
+
+
+def test_case_keys_exclusive_and_resources_validated(tmp_path, capsys):
+    path = write(tmp_path, TIMER + 'exclusive = "yes"\nresources = { cxl = -1 }\n')
+    assert run_cli(["suite", "run", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "exclusive must be true or false" in err and "resources must be a table" in err
+    eval_case = '[[case]]\nstrategy = "full"\nparams = { mode = "eval" }\n'
+    suite = load_suite(write(tmp_path, TIMER + "\n" + eval_case + "\n" + eval_case.replace(
+        "eval", "generate")))
+    assert [c.exclusive for c in suite.cases] == [True, False, True]
