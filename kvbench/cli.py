@@ -51,15 +51,19 @@ def list_cmd(as_json: bool = typer.Option(False, "--json", help="Print as JSON."
 @app.command("compare")
 def compare_cmd(
     base: Path = typer.Argument(..., help="Baseline result file (JSONL)."),
-    new: Path = typer.Argument(..., help="New result file (JSONL)."),
+    new: Path | None = typer.Argument(None, help="New result file (default: BASE, to compare "
+                                      "two machines of one fleet file)."),
     threshold: str = typer.Option("5%", help="Smallest relative change that counts."),
     alpha: float = typer.Option(0.05, min=1e-6, max=0.5, help="Significance level of the test."),
     metric: list[str] | None = typer.Option(None, help="Only metrics matching this glob "
                                             "(against 'metric' or 'name.metric'); repeatable."),
     fmt: str = typer.Option("table", "--format", help="table, markdown or json."),
+    base_env: str | None = typer.Option(None, help="Only BASE's records of this machine: "
+                                        "env id, fleet machine name or class, host name."),
+    new_env: str | None = typer.Option(None, help="Only NEW's records of this machine."),
 ) -> None:
-    """Compare two result files; exit 1 when anything regressed."""
-    from kvbench.compare import compare_sets, regressed
+    """Compare two result files (or two machines of one); exit 1 when anything regressed."""
+    from kvbench.compare import compare_sets, regressed, select_env
     from kvbench.render import compare_output
     from kvbench.store import load
     from kvbench.units import parse_fraction
@@ -67,7 +71,13 @@ def compare_cmd(
     if fmt not in ("table", "markdown", "json"):
         raise KvbenchError(f"unknown format '{fmt}' (table, markdown or json)")
     frac = parse_fraction(threshold, "threshold")
-    rows = compare_sets(load(base), load(new), frac, alpha, metric)
+    if new is None and not (base_env and new_env):
+        raise KvbenchError("give a NEW result file, or --base-env and --new-env to compare "
+                           "two machines within BASE")
+    old, cur = load(base), load(new or base)
+    old = select_env(old, base_env) if base_env else old
+    cur = select_env(cur, new_env) if new_env else cur
+    rows = compare_sets(old, cur, frac, alpha, metric)
     compare_output(rows, fmt, frac, alpha)
     if regressed(rows):
         raise typer.Exit(1)
