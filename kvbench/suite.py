@@ -5,6 +5,7 @@
     output = "results/smoke.jsonl"    # relative to the current directory
     repetitions = 1                   # default for every case
     threshold = "10%"                 # default smallest relative change that counts
+    machines = ["a100", "cxl"]        # --ray: run every case on each node of these classes
 
     [suite.guard]                     # 'name.metric' globs `kvbench suite check` compares,
     "attention.bar.*" = "45%"         # each with its threshold (or: guard = ["glob", ...])
@@ -15,6 +16,9 @@
     sweep = { reps = [5, 9] }         # cartesian product over these fields
     repetitions = 3
     requires = "gpu"                  # recorded as waived where there is no CUDA GPU
+    resources = { cxl = 1 }           # --ray: custom resources of the nodes it may run on
+    exclusive = false                 # may share the machine under --jobs (default: only
+                                      # strategy cases in eval/passkey mode may)
 
     [[ratio]]                         # derived after the cases, from records of this run
     name = "native_over_host_clock"
@@ -30,6 +34,8 @@ unit is either wholly in the output file or absent: `--resume` skips exactly the
 present, and an interrupt loses only the unit that was running. A unit that errored or was
 cut short (records marked `method.partial`) is not done: `--resume` runs it again, and the
 loader then drops the failed attempt's records (store.unit_key, store.failed_attempt).
+`--jobs N` (kvbench.suite_jobs) and `--ray` (kvbench.fleet) run units elsewhere; this
+process stays the one writer of the file.
 """
 
 from __future__ import annotations

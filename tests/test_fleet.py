@@ -212,12 +212,6 @@ def test_bad_input_exits_2(cluster, tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "out.jsonl").exists()
 
 
-def test_without_ray_the_flag_exits_2_with_the_install_hint(tmp_path, capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
-    assert run_cli(["suite", "run", str(write(tmp_path, timer(3))), "--ray"]) == 2
-    assert "pip install -e '.[cluster]'" in capsys.readouterr().err
-
-
 def test_local_cluster_without_address(tmp_path):
     """`--ray` alone starts a local one-CPU cluster for the run (in a fresh process: this
     session's driver is connected to the test cluster)."""

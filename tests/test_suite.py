@@ -252,3 +252,9 @@ def test_case_keys_exclusive_and_resources_validated(tmp_path, capsys):
     suite = load_suite(write(tmp_path, TIMER + "\n" + eval_case + "\n" + eval_case.replace(
         "eval", "generate")))
     assert [c.exclusive for c in suite.cases] == [True, False, True]
+
+
+def test_without_ray_the_flag_exits_2_with_the_install_hint(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    assert run_cli(["suite", "run", str(write(tmp_path, TIMER)), "--ray"]) == 2
+    assert "pip install -e '.[cluster]'" in capsys.readouterr().err
