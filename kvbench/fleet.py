@@ -272,11 +272,13 @@ def connect(address: str | None, on: str | list[str] | None) -> Iterator[Fleet]:
     if address not in (None, "auto"):
         _check_reachable(address)
     local = {"num_cpus": 1, "include_dashboard": False} if address is None else {}
-    try:
-        ray.init(address=address, log_to_driver=False, logging_level="ERROR", **local)
+    try:  # "local": a new cluster even where one is running
+        ray.init(address=address or "local", log_to_driver=False, logging_level="ERROR",
+                 **local)
     except (ConnectionError, RuntimeError, ValueError) as e:
         first = (str(e).strip().splitlines() or [""])[0]
-        raise KvbenchError(f"cannot join the Ray cluster at '{address}': {first}") from None
+        where = f"join the Ray cluster at '{address}'" if address else "start a local Ray cluster"
+        raise KvbenchError(f"cannot {where}: {first}") from None
     try:
         fleet = Fleet(ray, on)
         yield fleet
