@@ -109,6 +109,9 @@ def suite_run_cmd(
     path = out or suite.output
     if on is not None and ray is None:
         raise KvbenchError("--on fans cases out over a Ray cluster: add --ray [ADDRESS]")
+    if jobs > 1 and ray is not None:
+        raise KvbenchError("--jobs is for one machine; with --ray each node runs as many "
+                           "cases at once as it has CPU slots (ray start --num-cpus)")
     if ray is None:
         errors = run_suite(suite, path, resume, only, jobs)
     else:

@@ -245,12 +245,18 @@ class Fleet:
             yield unit, records, env, False
 
     def _lost(self, unit: Unit, e: Exception) -> tuple[dict[str, Any] | None, list[Record]]:
-        """The error record of a unit whose task failed on every attempt."""
+        """The error record of a unit whose task failed: raised outside the case (not
+        retried: it would raise again), or its worker or node lost on both attempts."""
         nodes = self.ray.get(self.tracker.where.remote(unit.key)) or ([unit.machine]
                                                                      if unit.machine else [])
-        first = (str(e).strip().splitlines() or [""])[0]
-        why = (f"failed on both attempts (Ray retried it once), on node(s) "
-               f"{', '.join(nodes) or 'unknown'}: {type(e).__name__}: {first}")
+        where = f"on node(s) {', '.join(nodes) or 'unknown'}"
+        cause = getattr(e, "cause", None)
+        if isinstance(e, self.ray.exceptions.RayTaskError) and cause is not None:
+            why = f"task raised {where}: {type(cause).__name__}: {cause}"
+        else:
+            first = (str(e).strip().splitlines() or [""])[0]
+            why = (f"failed on both attempts (Ray retried it once), {where}: "
+                   f"{type(e).__name__}: {first}")
         c = unit.case
         env = self.machines.get(nodes[-1]) if nodes else None
         return env, [not_measured(c.kind, c.name, "case", "error", why, unit.params)]

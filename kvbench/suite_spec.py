@@ -329,9 +329,9 @@ def load_suite(path: Path | str, text: str | None = None) -> Suite:
     if isinstance(guard, list):
         guard = dict.fromkeys(guard, str(head.get("threshold", "5%")))
     guards = {}
-    for glob, text in guard.items() if isinstance(guard, dict) else []:
+    for glob, limit in guard.items() if isinstance(guard, dict) else []:
         try:
-            guards[glob] = parse_fraction(str(text), "threshold")
+            guards[glob] = parse_fraction(str(limit), "threshold")
         except KvbenchError as e:
             problems.append((lines.key("suite.guard", 0, glob), f"guard '{glob}': {e}"))
     machines = head.get("machines", [])

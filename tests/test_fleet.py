@@ -203,6 +203,8 @@ def test_bad_input_exits_2(cluster, tmp_path, capsys, monkeypatch):
     assert len(err.splitlines()) == 1
     assert run_cli(["suite", "run", str(path), "--on", "all-nodes"]) == 2
     assert "add --ray" in capsys.readouterr().err
+    assert run_cli(["suite", "run", str(path), "--ray", "--jobs", "2"]) == 2
+    assert "--jobs is for one machine" in capsys.readouterr().err
     assert run_cli(["suite", "run", str(path), "--ray", cluster.address, "--on", "tiny"]) == 2
     assert "no node of machine class tiny" in capsys.readouterr().err
     monkeypatch.setattr("kvbench.fleet.__version__", "9.9.9")

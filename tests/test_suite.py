@@ -258,3 +258,13 @@ def test_without_ray_the_flag_exits_2_with_the_install_hint(tmp_path, capsys, mo
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
     assert run_cli(["suite", "run", str(write(tmp_path, TIMER)), "--ray"]) == 2
     assert "pip install -e '.[cluster]'" in capsys.readouterr().err
+
+
+def test_workers_parse_the_suite_from_its_text(tmp_path):
+    """--jobs workers and fleet nodes get the suite as text: it is the whole file."""
+    from kvbench.suite_jobs import unit_in
+
+    suite = load_suite(REPO / "suites" / "smoke.toml")
+    assert suite.text == (REPO / "suites" / "smoke.toml").read_text()
+    first = units(suite)[0]
+    assert unit_in("elsewhere/smoke.toml", suite.text, first.case_id).label == first.label
