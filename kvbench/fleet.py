@@ -121,7 +121,8 @@ def _task(path: str, text: str, case_id: str, key: str, tracker: Any
     _use_all_cores()
     env = node_env()
     ray = _ray()
-    ray.get(tracker.started.remote(key, env["node"]["name"]))  # delivered before the case
+    with contextlib.suppress(ray.exceptions.RayError):  # best effort: it names lost nodes
+        ray.get(tracker.started.remote(key, env["node"]["name"]))  # delivered before the case
     return env, _execute(unit_in(path, text, case_id), _has_gpu())
 
 
@@ -169,8 +170,9 @@ class Fleet:
                                    "kvbench on every node")
         self.machines = {env["node"]["name"]: env for _, env in info}
         here = ray.get_runtime_context().get_node_id()
-        self.tracker = ray.remote(num_cpus=0)(_Tracker).options(
-            scheduling_strategy=Pin(here, soft=True)).remote()
+        self.tracker = ray.remote(num_cpus=0)(_Tracker).options(  # restarted if killed
+            scheduling_strategy=Pin(here, soft=True), max_restarts=-1,
+            max_task_retries=-1).remote()
         ray.get(self.tracker.where.remote(""))  # started before any unit reports to it
         self.run_unit = ray.remote(max_retries=1, retry_exceptions=False)(_task)
 
@@ -247,8 +249,10 @@ class Fleet:
     def _lost(self, unit: Unit, e: Exception) -> tuple[dict[str, Any] | None, list[Record]]:
         """The error record of a unit whose task failed: raised outside the case (not
         retried: it would raise again), or its worker or node lost on both attempts."""
-        nodes = self.ray.get(self.tracker.where.remote(unit.key)) or ([unit.machine]
-                                                                     if unit.machine else [])
+        nodes = []
+        with contextlib.suppress(self.ray.exceptions.RayError):
+            nodes = self.ray.get(self.tracker.where.remote(unit.key))
+        nodes = nodes or ([unit.machine] if unit.machine else [])
         where = f"on node(s) {', '.join(nodes) or 'unknown'}"
         cause = getattr(e, "cause", None)
         if isinstance(e, self.ray.exceptions.RayTaskError) and cause is not None:

@@ -38,6 +38,9 @@ def cluster():
     from ray.cluster_utils import Cluster
 
     small = 80 * 1024 * 1024  # object store per node: records are small
+    # Ray kills its workers when the whole machine's memory is 95% used, whoever uses it:
+    # on a shared test machine other processes' memory would fail these tests
+    os.environ["RAY_memory_monitor_refresh_ms"] = "0"  # noqa: SIM112 (Ray reads this case)
     c = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "include_dashboard": False, "object_store_memory": small})
     c.add_node(num_cpus=1, resources={"class:small": 1, "cxl": 1}, node_name=SMALL,
