@@ -99,8 +99,9 @@ def node_env(node_id: str | None = None) -> dict[str, Any]:
 
 
 def _use_all_cores() -> None:
-    """Ray sets OMP_NUM_THREADS to the task's one CPU; a case measures the whole machine."""
-    if "OMP_NUM_THREADS" in os.environ:
+    """Ray sets OMP_NUM_THREADS to the task's one CPU; a case measures the whole machine:
+    torch here and the `kvbench run` child of a strategy case get the machine's default."""
+    if os.environ.pop("OMP_NUM_THREADS", None) is not None:
         import psutil
         import torch
 

@@ -238,6 +238,20 @@ def machine_label(env: dict[str, Any]) -> str:
     return f"{machine_class(env)} ({env.get('hostname', '?')})"
 
 
+def _pooled(ok: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Repetitions of one quantity as one record: samples pooled, value their median."""
+    from kvbench.schema import record_key
+
+    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for r in ok:
+        groups[record_key(r)].append(r)
+    out = []
+    for recs in groups.values():
+        samples = [x for r in recs for x in (r.get("samples") or [r["value"]])]
+        out.append({**recs[0], "samples": samples, "value": statistics.median(samples)})
+    return out
+
+
 def by_machine(envs: dict[str, dict[str, Any]], ok: list[dict[str, Any]]) -> list[list[str]]:
     """The headline figures of each machine side by side, machines ordered by class: a
     header row ['headline', machine...] then one row per headline; [] for one machine."""
@@ -247,7 +261,8 @@ def by_machine(envs: dict[str, dict[str, Any]], ok: list[dict[str, Any]]) -> lis
         return []
     cells: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
     for col in cols:
-        for what, figure, _ in headlines([r for r in ok if labels.get(r["env_id"]) == col]):
+        mine = _pooled([r for r in ok if labels.get(r["env_id"]) == col])
+        for what, figure, _ in headlines(mine):
             cells[what][col].append(figure)
     return [["headline", *cols]] + [[what, *("; ".join(c.get(col, [])) or "-" for col in cols)]
                                     for what, c in cells.items()]
