@@ -79,6 +79,10 @@ def test_fan_out_streams_every_machine_into_one_file_and_reports_side_by_side(
     # one env line per machine, each the node's own, and every record under its machine's
     assert sorted(e["node"]["name"] for e in rs.envs.values()) == [BIG, SMALL]
     assert {e["node"]["class"] for e in rs.envs.values()} == {"big", "small"}
+    import torch  # a case times the whole machine, not the one CPU Ray's task asked for
+
+    assert {e["versions"]["torch_threads"] for e in rs.envs.values()} == \
+        {torch.get_num_threads()}
     assert all(machine_of(rs, r) == r["method"]["machine"] for r in rs.records)
     suite = load_suite(path)
     assert recorded_units(tmp_path / "out.jsonl") == {f"{u.case_id}@{m}" for u in units(suite)
