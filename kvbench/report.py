@@ -215,7 +215,9 @@ def env_summary(env: dict[str, Any]) -> dict[str, str]:
     numa = ", ".join(f"node {n['id']}: {len(n['cpus'])} CPUs {format_bytes(n['mem_total_bytes'])}"
                      + (" memory-only" if n.get("memory_only") else "") for n in nodes)
     gpus = ", ".join(f"{g['name']} {g['memory_bytes'] / 1e9:.0f} GB" for g in env.get("gpus", []))
+    node = env.get("node")  # a fleet machine (kvbench.fleet)
     return {
+        **({"machine": f"{node['name']}, class {node['class']}"} if node else {}),
         "host": env.get("hostname", "?"),
         "CPU": f"{cpu.get('model', '?')} ({cpu.get('arch', '?')}), {cpu.get('logical_cpus', '?')} "
                f"logical CPUs, governor {cpu.get('governor') or '?'}",
@@ -249,6 +251,9 @@ def _markdown(rep: Report, fig_rel: Path | None) -> str:
     for env_id, env in rep.envs.items():
         lines += [f"**Environment {env_id}**", ""]
         lines += table(["", ""], [[k, v] for k, v in env_summary(env).items()])
+    if rep.summary.by_machine:
+        lines += ["## Machines side by side", ""]
+        lines += table(rep.summary.by_machine[0], rep.summary.by_machine[1:])
     for g in rep.groups:
         lines += [f"## {g.title}", ""]
         if g.ok():
@@ -277,6 +282,13 @@ def _table(rep: Report) -> None:
         console.print(f"[bold]environment {env_id}[/]")
         for k, v in env_summary(env).items():
             console.print(f"  [bold]{k}[/] {v}")
+    if rep.summary.by_machine:
+        t = Table(title="machines side by side (headline figures)")
+        for col in rep.summary.by_machine[0]:
+            t.add_column(col)
+        for row in rep.summary.by_machine[1:]:
+            t.add_row(*row)
+        console.print(t)
     for g in rep.groups:
         t = Table(title=g.title)
         for col in ("name", "metric", "params", "value", "status"):

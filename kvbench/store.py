@@ -131,6 +131,39 @@ class ResultSet:
 _REQUIRED = ("kind", "name", "metric", "unit", "direction", "value", "status", "provenance")
 
 
+def unit_key(rec: dict[str, Any]) -> str | None:
+    """The suite unit a record belongs to: its case id, '@machine' when a fleet fanned it out
+    to one machine; None outside suites."""
+    method = rec.get("method") or {}
+    case = method.get("suite_case")
+    if case is None:
+        return None
+    return f"{case}@{method['machine']}" if method.get("machine") else case
+
+
+def failed_attempt(rec: dict[str, Any]) -> bool:
+    """A record of a unit that did not finish: the unit's own error record (metric "case":
+    it raised, or its node was lost) or one cut short by an interrupt (method.partial)."""
+    return (rec["status"] == "error" and rec["metric"] == "case") or \
+        bool((rec.get("method") or {}).get("partial"))
+
+
+def finished_units(records: Iterable[dict[str, Any]]) -> set[str]:
+    """Units with at least one record of a finished attempt (measured, or waived)."""
+    return {k for r in records if (k := unit_key(r)) is not None and not failed_attempt(r)}
+
+
+def _drop_superseded(rs: ResultSet) -> None:
+    """Records of failed attempts of a unit that a later resume finished are history: drop
+    them (with a warning) so that reports and comparisons see the finished attempt only."""
+    done = finished_units(rs.records)
+    keep = [r for r in rs.records if not (failed_attempt(r) and unit_key(r) in done)]
+    if len(keep) < len(rs.records):
+        rs.warnings.append(f"{rs.path}: {len(rs.records) - len(keep)} record(s) of failed or "
+                           "interrupted attempts superseded by a resumed run of the same unit")
+        rs.records = keep
+
+
 def load(path: Path | str) -> ResultSet:
     """Read a kvbench JSONL file; a torn last line is reported in warnings and skipped.
 
@@ -175,6 +208,7 @@ def load(path: Path | str) -> ResultSet:
             raise KvbenchError(f"'{path}' line {i + 1}: unknown record kind '{obj['kind']}'")
     if not rs.envs and not rs.records:
         raise KvbenchError(f"'{path}' holds no kvbench records")
+    _drop_superseded(rs)
     return rs
 
 

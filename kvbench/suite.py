@@ -5,6 +5,7 @@
     output = "results/smoke.jsonl"    # relative to the current directory
     repetitions = 1                   # default for every case
     threshold = "10%"                 # default smallest relative change that counts
+    machines = ["a100", "cxl"]        # --ray: run every case on each node of these classes
 
     [suite.guard]                     # 'name.metric' globs `kvbench suite check` compares,
     "attention.bar.*" = "45%"         # each with its threshold (or: guard = ["glob", ...])
@@ -15,6 +16,9 @@
     sweep = { reps = [5, 9] }         # cartesian product over these fields
     repetitions = 3
     requires = "gpu"                  # recorded as waived where there is no CUDA GPU
+    resources = { cxl = 1 }           # --ray: custom resources of the nodes it may run on
+    exclusive = false                 # may share the machine under --jobs (default: only
+                                      # strategy cases in eval/passkey mode may)
 
     [[ratio]]                         # derived after the cases, from records of this run
     name = "native_over_host_clock"
@@ -27,7 +31,11 @@ Each (case, sweep point, repetition) is one unit of work with a stable id (a has
 name, explicit parameters and repetition) kept in every record's `method["suite_case"]`.
 A unit's records are written as one batch (one write, one fsync) once it finishes, so a
 unit is either wholly in the output file or absent: `--resume` skips exactly the units
-present, and an interrupt loses only the unit that was running.
+present, and an interrupt loses only the unit that was running. A unit that errored or was
+cut short (records marked `method.partial`) is not done: `--resume` runs it again, and the
+loader then drops the failed attempt's records (store.unit_key, store.failed_attempt).
+`--jobs N` (kvbench.suite_jobs) and `--ray` (kvbench.fleet) run units elsewhere; this
+process stays the one writer of the file.
 """
 
 from __future__ import annotations
@@ -54,17 +62,25 @@ __all__ = ["Case", "Suite", "Unit", "baseline_path", "load_suite", "machine_clas
 
 @dataclass(frozen=True)
 class Unit:
-    """One thing to run: a case at one sweep point and repetition."""
+    """One thing to run: a case at one sweep point and repetition (on one fleet machine
+    when a fleet fans the case out)."""
 
     case: Case
     params: dict[str, Any]
     rep: int
     label: str = field(compare=False)
+    machine: str | None = None
+
+    @property
+    def key(self) -> str:
+        """What resume matches (store.unit_key): the case id, '@machine' when fanned out."""
+        return f"{self.case_id}@{self.machine}" if self.machine else self.case_id
 
     @property
     def case_id(self) -> str:
-        key = json.dumps([self.case.kind, self.case.name, self.params, self.rep], sort_keys=True,
-                         default=str)
+        where = [self.case.requires] if self.case.requires else []  # same params, other place
+        key = json.dumps([self.case.kind, self.case.name, self.params, self.rep, *where],
+                         sort_keys=True, default=str)
         return hashlib.sha1(key.encode()).hexdigest()[:12]
 
     def command(self) -> str:
@@ -139,13 +155,14 @@ def _execute(unit: Unit, gpu: bool) -> list[Record]:
 
 
 def recorded_units(path: Path) -> set[str]:
-    """Ids of the units recorded in result file `path` (a unit's records are one batch)."""
-    from kvbench.store import load
+    """Keys of the units finished in result file `path` (store.unit_key: the case id, with
+    '@machine' for a fleet fan-out). A unit whose records are its error or are marked
+    partial (interrupted) is not finished: `--resume` runs it again."""
+    from kvbench.store import finished_units, load
 
     if not path.exists() or not path.stat().st_size:
         return set()
-    return {r["method"]["suite_case"] for r in load(path).records
-            if "suite_case" in (r.get("method") or {})}
+    return finished_units(load(path).records)
 
 
 def derive_ratio(spec: RatioSpec, records: list[dict[str, Any]]) -> Iterator[Record]:
@@ -180,48 +197,98 @@ def derive_ratio(spec: RatioSpec, records: list[dict[str, Any]]) -> Iterator[Rec
                            f"{spec.numerator} or {spec.denominator} not measured in this run")
 
 
-def run_suite(suite: Suite, out: Path, resume: bool = False, only: str | None = None) -> int:
-    """Run the suite into `out`; returns the number of units that ended in an error."""
+class _Sink:
+    """The one writer of the result file: each unit's records as one batch, stamped with the
+    suite, unit and (fleet) machine, under the environment of the machine that ran them."""
+
+    def __init__(self, out: Path, suite: Suite, env: dict[str, Any], jobs: int) -> None:
+        self.out, self.suite, self.env, self.jobs = out, suite, env, jobs
+        self.writers: dict[str, Any] = {}
+
+    def write(self, unit: Unit, records: list[Record], env: dict[str, Any] | None,
+              concurrent: bool) -> None:
+        env = env or self.env
+        for rec in records:
+            rec.version = unit.case.version
+            rec.command = unit.command()
+            rec.method.update({"suite": str(self.suite.path), "suite_case": unit.case_id})
+            if unit.machine:
+                rec.method["machine"] = unit.machine
+            if concurrent:  # its machine ran other cases meanwhile (a non-exclusive case)
+                rec.method["concurrent_jobs"] = self.jobs
+        self._writer(env).write_batch(records)
+
+    def _writer(self, env: dict[str, Any]) -> Any:
+        from kvbench.store import ResultWriter
+
+        cmd = shlex.join(["kvbench", "suite", "run", str(self.suite.path)])
+        if env["env_id"] not in self.writers:
+            self.writers[env["env_id"]] = ResultWriter(self.out, env, command=cmd)
+        return self.writers[env["env_id"]]
+
+    def ratios(self, results: ResultSet) -> None:
+        """The suite's ratios not yet in the file, from each machine's own records."""
+        for env_id, env in results.envs.items():
+            have = [r for r in results.records if r["env_id"] == env_id]
+            derived = {r["metric"] for r in have if r["name"] == "ratio"}
+            if not any(r["name"] != "ratio" for r in have):
+                continue
+            for spec in self.suite.ratios:
+                if spec.name not in derived:
+                    self._writer({**env, "env_id": env_id}).write_batch(
+                        list(derive_ratio(spec, have)))
+
+    def close(self) -> None:
+        for w in self.writers.values():
+            w.close()
+
+
+def run_suite(suite: Suite, out: Path, resume: bool = False, only: str | None = None,
+              jobs: int = 1, fleet: Any = None) -> int:
+    """Run the suite into `out`; returns the number of units that ended in an error.
+
+    jobs > 1 runs non-exclusive cases in that many local worker processes (exclusive ones
+    alone); `fleet` (kvbench.fleet.Fleet) runs every unit as a Ray task instead. Either way
+    the records of each unit are appended here as the unit finishes, in any order."""
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from kvbench.console import err_console
     from kvbench.envinfo import collect_env
-    from kvbench.store import ResultWriter, load
+    from kvbench.store import load
+    from kvbench.suite_jobs import run_local
 
     if out.exists() and out.stat().st_size and not resume:
         raise KvbenchError(f"'{out}' already holds results: pass --resume to continue it, "
                            "or --out a new file")
     todo = units(suite, only)
+    if fleet is not None:
+        todo = fleet.plan(todo)
     done = recorded_units(out) if resume else set()
-    pending = [u for u in todo if u.case_id not in done]
+    pending = [u for u in todo if u.key not in done]
     if resume:
         err_console.print(f"resume: {len(todo) - len(pending)} of {len(todo)} cases already "
                           f"in {out}")
-    gpu = any(u.case.requires == "gpu" for u in pending) and _has_gpu()
     errors = 0
-    cmd = shlex.join(["kvbench", "suite", "run", str(suite.path)])
-    with ResultWriter(out, collect_env(), command=cmd) as w, Progress(
-            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TimeElapsedColumn(), console=err_console) as bar:
-        task = bar.add_task(suite.name, total=len(pending))
-        for unit in pending:
-            bar.update(task, description=escape(f"{suite.name}: {unit.label}"))
-            records = _execute(unit, gpu)
-            for rec in records:
-                rec.version = unit.case.version
-                rec.command = unit.command()
-                rec.method.update({"suite": str(suite.path), "suite_case": unit.case_id})
-            w.write_batch(records)
-            status = records[0].status if len(records) == 1 else "ok"
-            if status != "ok":
-                errors += status == "error"
-                bar.console.print(escape(f"{unit.label}: {status} {records[0].reason}"))
-            bar.advance(task)
-        if suite.ratios and only is None:
-            have = load(out).records
-            derived = {r["metric"] for r in have if r["name"] == "ratio"}
-            for spec in suite.ratios:
-                if spec.name not in derived:
-                    w.write_batch(list(derive_ratio(spec, have)))
+    sink = _Sink(out, suite, fleet.env if fleet is not None else collect_env(), jobs)
+    try:
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=err_console) as bar:
+            task = bar.add_task(suite.name, total=len(pending))
+            results = fleet.run(suite, pending) if fleet is not None else \
+                run_local(suite, pending, jobs)
+            for unit, records, env, concurrent in results:
+                sink.write(unit, records, env, concurrent)
+                status = records[0].status if len(records) == 1 else "ok"
+                where = f" on {unit.machine}" if unit.machine else ""
+                if status != "ok":
+                    errors += status == "error"
+                    bar.console.print(escape(f"{unit.label}{where}: {status} "
+                                             f"{records[0].reason}"))
+                bar.update(task, advance=1, description=escape(f"{suite.name}: {unit.label}"
+                                                                 f"{where}"))
+            if suite.ratios and only is None:
+                sink.ratios(load(out))
+    finally:
+        sink.close()
     return errors

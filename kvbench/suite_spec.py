@@ -28,8 +28,10 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-_SUITE_KEYS = {"name", "description", "output", "repetitions", "guard", "threshold"}
-_CASE_KEYS = {"probe", "strategy", "id", "params", "sweep", "repetitions", "requires", "note"}
+_SUITE_KEYS = {"name", "description", "output", "repetitions", "guard", "threshold", "machines"}
+_CASE_KEYS = {"probe", "strategy", "id", "params", "sweep", "repetitions", "requires", "note",
+              "exclusive", "resources"}
+_ACCURACY_MODES = ("eval", "passkey")  # strategy modes whose headline is not a speed
 _RATIO_KEYS = {"name", "numerator", "denominator", "direction", "match"}
 _REQUIRES = {"gpu"}
 
@@ -48,6 +50,8 @@ class Case:
     version: str
     build: Callable[[dict[str, Any]], Any] = field(repr=False)
     records: Callable[[Any], Iterator[Record]] = field(repr=False)
+    exclusive: bool = True  # runs alone on its machine (`--jobs`, fleet nodes)
+    resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,8 @@ class Suite:
     guard: dict[str, float]  # metric glob -> threshold
     threshold: float
     description: str = ""
+    machines: list[str] = field(default_factory=list)  # fleet: machine classes to fan out to
+    text: str = ""  # the TOML, shipped to `--jobs` workers and fleet nodes
 
 
 class _Lines:
@@ -237,6 +243,18 @@ def _case(raw: dict[str, Any], i: int, lines: _Lines, default_reps: int,
         bad("repetitions", f"repetitions must be a positive integer, got {reps!r}")
     if requires is not None and requires not in _REQUIRES:
         bad("requires", f"requires must be one of {', '.join(sorted(_REQUIRES))}")
+    resources = raw.get("resources", {})
+    if not isinstance(resources, dict) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+            for v in resources.values()):
+        bad("resources", "resources must be a table of resource name = positive amount")
+        resources = {}
+    # speed is measured alone by default: every probe, every strategy case outside the
+    # accuracy modes; a case says `exclusive = false` to share its machine under --jobs
+    exclusive = raw.get("exclusive", kind == "probe" or
+                        raw.get("params", {}).get("mode") not in _ACCURACY_MODES)
+    if not isinstance(exclusive, bool):
+        bad("exclusive", f"exclusive must be true or false, got {exclusive!r}")
     entries = [("params", k, [v]) for k, v in params.items()]
     entries += [("sweep", k, v) for k, v in sweep.items()]
     for within, key, values in entries:
@@ -265,14 +283,16 @@ def _case(raw: dict[str, Any], i: int, lines: _Lines, default_reps: int,
 
     return Case(kind, name, dict(params), {k: list(v) for k, v in sweep.items()},
                 reps if isinstance(reps, int) else 1, requires, raw.get("id"),
-                getattr(cls, "version", "1"), build, records)
+                getattr(cls, "version", "1"), build, records, exclusive is not False,
+                {str(k): float(v) for k, v in resources.items()})
 
 
-def load_suite(path: Path | str) -> Suite:
-    """Parse and validate a suite file; every problem is reported at once (KvbenchError)."""
+def load_suite(path: Path | str, text: str | None = None) -> Suite:
+    """Parse and validate a suite file (or its `text`, as a worker receives it); every
+    problem is reported at once (KvbenchError)."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8") if text is None else text
     except OSError as e:
         raise KvbenchError(f"cannot read suite '{path}': {e.strerror}") from None
     try:
@@ -309,11 +329,16 @@ def load_suite(path: Path | str) -> Suite:
     if isinstance(guard, list):
         guard = dict.fromkeys(guard, str(head.get("threshold", "5%")))
     guards = {}
-    for glob, text in guard.items() if isinstance(guard, dict) else []:
+    for glob, limit in guard.items() if isinstance(guard, dict) else []:
         try:
-            guards[glob] = parse_fraction(str(text), "threshold")
+            guards[glob] = parse_fraction(str(limit), "threshold")
         except KvbenchError as e:
             problems.append((lines.key("suite.guard", 0, glob), f"guard '{glob}': {e}"))
+    machines = head.get("machines", [])
+    if not isinstance(machines, list) or not all(isinstance(m, str) for m in machines):
+        problems.append((lines.key("suite", 0, "machines"), "machines must be a list of "
+                         "machine class names"))
+        machines = []
     if not doc.get("case"):
         problems.append((1, "the suite has no [[case]]"))
     if problems:
@@ -321,4 +346,4 @@ def load_suite(path: Path | str) -> Suite:
         raise KvbenchError(f"{path}: {len(problems)} problem(s), nothing was run\n{detail}")
     return Suite(path, head.get("name", path.stem), Path(head.get("output",
                  f"results/{path.stem}.jsonl")), [c for c in cases if c], ratios,
-                 guards, threshold, head.get("description", ""))
+                 guards, threshold, head.get("description", ""), machines, text)

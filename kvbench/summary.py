@@ -40,6 +40,7 @@ class Summary:
     common: str = ""  # the settings every compared run shares
     runs: list[list[str]] = field(default_factory=list)  # rows under COLUMNS
     traces: Path | None = None
+    by_machine: list[list[str]] = field(default_factory=list)  # header row, then headlines
 
 
 def accel_label(accel: Any) -> str:
@@ -226,9 +227,51 @@ def trace_figure(ok: list[dict[str, Any]], out_dir: Path) -> Path | None:
     return save(fig, out_dir / "run-traces-per-layer.png")
 
 
+def machine_label(env: dict[str, Any]) -> str:
+    """'class (name)': a fleet node's class and Ray node name, else the hardware class and
+    host name (kvbench.suite.machine_class)."""
+    from kvbench.suite import machine_class
+
+    node = env.get("node")
+    if node:
+        return f"{node['class']} ({node['name']})"
+    return f"{machine_class(env)} ({env.get('hostname', '?')})"
+
+
+def _pooled(ok: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Repetitions of one quantity as one record: samples pooled, value their median."""
+    from kvbench.schema import record_key
+
+    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for r in ok:
+        groups[record_key(r)].append(r)
+    out = []
+    for recs in groups.values():
+        samples = [x for r in recs for x in (r.get("samples") or [r["value"]])]
+        out.append({**recs[0], "samples": samples, "value": statistics.median(samples)})
+    return out
+
+
+def by_machine(envs: dict[str, dict[str, Any]], ok: list[dict[str, Any]]) -> list[list[str]]:
+    """The headline figures of each machine side by side, machines ordered by class: a
+    header row ['headline', machine...] then one row per headline; [] for one machine."""
+    labels = {env_id: machine_label(env) for env_id, env in envs.items()}
+    cols = sorted({labels[r["env_id"]] for r in ok if r.get("env_id") in labels})
+    if len(cols) < 2:
+        return []
+    cells: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for col in cols:
+        mine = _pooled([r for r in ok if labels.get(r["env_id"]) == col])
+        for what, figure, _ in headlines(mine):
+            cells[what][col].append(figure)
+    return [["headline", *cols]] + [[what, *("; ".join(c.get(col, [])) or "-" for col in cols)]
+                                    for what, c in cells.items()]
+
+
 def summarize(envs: dict[str, dict[str, Any]], records: list[dict[str, Any]],
               out_dir: Path) -> Summary:
     ok = [r for r in records if r["status"] == "ok"]
     common, runs = compare_runs(ok)
     machines = list(dict.fromkeys(machine_line(e) for e in envs.values()))
-    return Summary(machines, headlines(ok), common, runs, trace_figure(ok, out_dir))
+    return Summary(machines, headlines(ok), common, runs, trace_figure(ok, out_dir),
+                   by_machine(envs, ok))

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from kvbench.cli import main
-from kvbench.compare import compare_sets, mann_whitney_p, min_p_value, regressed
+from kvbench.compare import compare_sets, mann_whitney_p, min_p_value, regressed, select_env
+from kvbench.errors import KvbenchError
 from kvbench.schema import measured, not_measured
 from kvbench.store import ResultSet, ResultWriter, load
 
@@ -202,3 +203,31 @@ def test_attention_backend_change_is_marked() -> None:
 
     assert compare_sets(rs("native"), rs("native"))[0].marks == []
     assert compare_sets(rs("native"), rs("torch"))[0].marks == ["attention backend differs"]
+
+
+def test_two_machines_of_one_fleet_file(tmp_path, capsys):
+    """A fleet file: compare picks each machine's records by name or class, the report puts
+    their headline figures side by side (no Ray needed: the envs are written by hand)."""
+    from kvbench.envinfo import collect_env
+    from kvbench.summary import by_machine
+
+    path = tmp_path / "fleet.jsonl"
+    peak = {"src": "host:0", "dst": "host:0", "memory": "pageable", "threads": 1}
+    base = collect_env()
+    for name, cls, gbps in [("n1", "a100", 10.0), ("n2", "h100", 20.0)]:
+        env = {**base, "env_id": f"id-{name}", "node": {"name": name, "class": cls}}
+        with ResultWriter(path, env) as w:
+            w.write(measured("probe", "bandwidth", "peak_bandwidth", "GB/s", "higher",
+                             [gbps * (1 + 0.01 * i) for i in range(9)], peak))
+    rs = load(path)
+    rows = compare_sets(select_env(rs, "a100"), select_env(rs, "n2"), 0.05, 0.05)
+    assert len(rows) == 1 and rows[0].verdict == "improved" and "env differs" in rows[0].marks
+    table = by_machine(rs.envs, rs.records)
+    assert table[0] == ["headline", "a100 (n1)", "h100 (n2)"]
+    assert table[1][1:] == ["10.4 GB/s", "20.8 GB/s"]  # medians of each machine's samples
+    with pytest.raises(SystemExit) as e:
+        main(["compare", str(path), "--base-env", "a100", "--new-env", "h100"])
+    assert e.value.code == 0
+    assert "improved" in capsys.readouterr().out
+    with pytest.raises(KvbenchError, match=r"no environment 'tpu'.*id-n1 = a100 \(n1\)"):
+        select_env(rs, "tpu")

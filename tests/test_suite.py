@@ -179,3 +179,92 @@ def test_shipped_suites_validate():
     smoke = load_suite(REPO / "suites" / "smoke.toml")
     assert smoke.guard and smoke.threshold > 0
     assert os.path.exists(REPO / "results" / "baselines" / "cpu-2c-x86_64" / "smoke.jsonl")
+
+
+def test_resume_reruns_errored_and_partial_units_only(tmp_path, monkeypatch):
+    """A unit whose records are an error or marked partial (interrupted) is not done: resume
+    runs it again; finished and waived units are skipped."""
+    from kvbench.probes.timer import TimerProbe
+
+    path = write(tmp_path, TIMER + "sweep = { reps = [3, 4, 5] }\n\n" + TIMER
+                 + 'requires = "gpu"\n')
+    monkeypatch.setattr("kvbench.suite._has_gpu", lambda: False)
+    suite = load_suite(path)
+    out = tmp_path / "out.jsonl"
+    ran = []
+
+    def first(self, config):  # reps 3 errors, reps 4 is cut short (partial), reps 5 finishes
+        ran.append(config.reps)
+        if config.reps == 3:
+            raise RuntimeError("boom")
+        method = {"partial": "interrupted by SIGTERM"} if config.reps == 4 else {}
+        yield measured("probe", "timer", "x", "ns", "lower", [1.0], {"reps": config.reps},
+                       method)
+
+    monkeypatch.setattr(TimerProbe, "run", first)
+    assert run_suite(suite, out) == 1
+    assert ran == [3, 4, 5]
+    ids = {u.params["reps"]: u.case_id for u in units(suite) if u.case.requires is None}
+    assert recorded_units(out) == {ids[5], next(u.case_id for u in units(suite)
+                                               if u.case.requires)}
+    ran.clear()
+
+    def second(self, config):
+        ran.append(config.reps)
+        yield measured("probe", "timer", "x", "ns", "lower", [2.0], {"reps": config.reps})
+
+    monkeypatch.setattr(TimerProbe, "run", second)
+    assert run_suite(suite, out, resume=True) == 0
+    assert ran == [3, 4]  # the finished unit and the waived one are not run again
+    assert len(recorded_units(out)) == 4
+    assert run_suite(suite, out, resume=True) == 0 and ran == [3, 4]
+
+
+def test_jobs_run_shared_cases_in_workers_and_speed_cases_alone(tmp_path):
+    """--jobs 2: non-exclusive cases run in worker processes and are marked concurrent; an
+    exclusive case runs alone (unmarked); each unit's records land whole, exactly once, and
+    a resume of the finished file adds nothing."""
+    shared = '[[case]]\nprobe = "timer"\nparams = { calls = 200, reps = 3 }\n' \
+             'sweep = { reps = [3, 4, 5, 6] }\nexclusive = false\n\n'
+    path = write(tmp_path, shared + TIMER.replace("reps = 3", "reps = 7") + "repetitions = 2\n")
+    suite = load_suite(path)
+    assert [u.case.exclusive for u in units(suite)] == [False] * 4 + [True] * 2
+    out = tmp_path / "out.jsonl"
+    assert run_cli(["suite", "run", str(path), "--jobs", "2"]) == 0
+    recs = load(out).records
+    per_unit = Counter(r["method"]["suite_case"] for r in recs)
+    assert set(per_unit) == {u.case_id for u in units(suite)} and len(set(per_unit.values())) == 1
+    shared_ids = {u.case_id for u in units(suite) if not u.case.exclusive}
+    assert all(r["method"].get("concurrent_jobs") == 2 for r in recs
+               if r["method"]["suite_case"] in shared_ids)
+    assert not any("concurrent_jobs" in r["method"] for r in recs
+                   if r["method"]["suite_case"] not in shared_ids)
+    assert run_suite(suite, out, resume=True, jobs=2) == 0
+    assert len(load(out).records) == len(recs)
+
+
+def test_case_keys_exclusive_and_resources_validated(tmp_path, capsys):
+    path = write(tmp_path, TIMER + 'exclusive = "yes"\nresources = { cxl = -1 }\n')
+    assert run_cli(["suite", "run", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "exclusive must be true or false" in err and "resources must be a table" in err
+    eval_case = '[[case]]\nstrategy = "full"\nparams = { mode = "eval" }\n'
+    suite = load_suite(write(tmp_path, TIMER + "\n" + eval_case + "\n" + eval_case.replace(
+        "eval", "generate")))
+    assert [c.exclusive for c in suite.cases] == [True, False, True]
+
+
+def test_without_ray_the_flag_exits_2_with_the_install_hint(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    assert run_cli(["suite", "run", str(write(tmp_path, TIMER)), "--ray"]) == 2
+    assert "pip install -e '.[cluster]'" in capsys.readouterr().err
+
+
+def test_workers_parse_the_suite_from_its_text(tmp_path):
+    """--jobs workers and fleet nodes get the suite as text: it is the whole file."""
+    from kvbench.suite_jobs import unit_in
+
+    suite = load_suite(REPO / "suites" / "smoke.toml")
+    assert suite.text == (REPO / "suites" / "smoke.toml").read_text()
+    first = units(suite)[0]
+    assert unit_in("elsewhere/smoke.toml", suite.text, first.case_id).label == first.label

@@ -1,0 +1,236 @@
+"""Fleet sweeps on a local Ray cluster (issue 17): two worker nodes stand in for two machine
+classes (custom resources class:small + cxl, class:big + a fake GPU). The cluster starts once
+per test session; cases are tiny probes. Skipped where Ray is not installed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import psutil
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from kvbench.cli import main  # noqa: E402
+from kvbench.compare import compare_sets, select_env  # noqa: E402
+from kvbench.fleet import connect  # noqa: E402
+from kvbench.store import load  # noqa: E402
+from kvbench.suite import load_suite, recorded_units, run_suite, units  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+SMALL, BIG = "m-small", "m-big"
+BANDWIDTH = '[[case]]\nprobe = "bandwidth"\nparams = { sizes = "64K", quick = true }\n\n'
+
+
+def timer(reps: int, calls: int = 200, extra: str = "") -> str:
+    return f'[[case]]\nprobe = "timer"\nparams = {{ calls = {calls}, reps = {reps} }}\n{extra}\n'
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    small = 80 * 1024 * 1024  # object store per node: records are small
+    # Ray kills its workers when the whole machine's memory is 95% used, whoever uses it:
+    # on a shared test machine other processes' memory would fail these tests
+    os.environ["RAY_memory_monitor_refresh_ms"] = "0"  # noqa: SIM112 (Ray reads this case)
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "include_dashboard": False, "object_store_memory": small})
+    c.add_node(num_cpus=1, resources={"class:small": 1, "cxl": 1}, node_name=SMALL,
+               object_store_memory=small)
+    c.add_node(num_cpus=1, num_gpus=1, resources={"class:big": 1}, node_name=BIG,
+               object_store_memory=small)
+    c.wait_for_nodes()
+    ray.init(address=c.address, log_to_driver=False, logging_level="ERROR")
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+def write(tmp_path: Path, text: str, head: str = "") -> Path:
+    path = tmp_path / "s.toml"
+    path.write_text(f'[suite]\nname = "f"\noutput = "{tmp_path / "out.jsonl"}"\n{head}\n{text}')
+    return path
+
+
+def run_cli(argv: list[str]) -> int:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    return e.value.code
+
+
+def machine_of(rs, rec) -> str:
+    return rs.envs[rec["env_id"]]["node"]["name"]
+
+
+def test_fan_out_streams_every_machine_into_one_file_and_reports_side_by_side(
+        cluster, tmp_path, capsys):
+    path = write(tmp_path, BANDWIDTH + timer(3, extra="resources = { cxl = 1 }")
+                 + timer(4, extra='requires = "gpu"'), head='machines = ["small", "big"]')
+    assert run_cli(["suite", "run", str(path), "--ray", cluster.address]) == 0
+    rs = load(tmp_path / "out.jsonl")
+    # one env line per machine, each the node's own, and every record under its machine's
+    assert sorted(e["node"]["name"] for e in rs.envs.values()) == [BIG, SMALL]
+    assert {e["node"]["class"] for e in rs.envs.values()} == {"big", "small"}
+    import torch  # a case times the whole machine, not the one CPU Ray's task asked for
+
+    assert {e["versions"]["torch_threads"] for e in rs.envs.values()} == \
+        {torch.get_num_threads()}
+    assert all(machine_of(rs, r) == r["method"]["machine"] for r in rs.records)
+    suite = load_suite(path)
+    assert recorded_units(tmp_path / "out.jsonl") == {f"{u.case_id}@{m}" for u in units(suite)
+                                                      for m in (SMALL, BIG)}
+    cases = {(r["params"].get("reps"), r["method"]["machine"]): r for r in rs.records
+             if r["metric"] == "case"}
+    assert "lacks resources" in cases[(3, BIG)]["reason"]  # cxl is on the small machine only
+    assert "lacks resources" in cases[(4, SMALL)]["reason"]
+    # the fake GPU routes the GPU case to the big machine, where torch finds no CUDA GPU
+    assert "requires a CUDA GPU; none on this machine" in cases[(4, BIG)]["reason"]
+    assert any(r["metric"] == "native_clock_overhead" and r["status"] == "ok"
+               and r["method"]["machine"] == SMALL for r in rs.records)
+    peaks = {r["method"]["machine"]: r["value"] for r in rs.records
+             if r["metric"] == "peak_bandwidth"}
+    assert set(peaks) == {SMALL, BIG} and all(v > 0 for v in peaks.values())
+
+    capsys.readouterr()
+    assert run_cli(["report", str(tmp_path / "out.jsonl"), "--format", "markdown"]) == 0
+    md = capsys.readouterr().out.split("## Machines side by side\n\n", 1)[1].splitlines()
+    assert md[0] == f"| headline | big ({BIG}) | small ({SMALL}) |"
+    copy = next(ln for ln in md if ln.startswith("| peak copy"))
+    assert copy.endswith(f"| {peaks[BIG]:.3g} GB/s | {peaks[SMALL]:.3g} GB/s |")
+
+    # two machines of one file compared: only each machine's own records, marked
+    rows = compare_sets(select_env(rs, "small"), select_env(rs, BIG), 0.05, 0.05,
+                        "peak_bandwidth")
+    assert len(rows) == 1 and rows[0].base == peaks[SMALL] and rows[0].new == peaks[BIG]
+    assert "env differs" in rows[0].marks
+    assert run_cli(["compare", str(tmp_path / "out.jsonl"), "--base-env", "small",
+                    "--new-env", "big", "--metric", "peak_bandwidth"]) in (0, 1)
+    assert run_cli(["compare", str(tmp_path / "out.jsonl"), "--base-env", "tiny",
+                    "--new-env", "big"]) == 2
+    assert "no environment 'tiny'" in capsys.readouterr().err
+
+
+def test_cases_routed_by_resources_once_each(cluster, tmp_path):
+    path = write(tmp_path, timer(3, extra="resources = { cxl = 1 }")
+                 + timer(4, extra='requires = "gpu"') + timer(5, extra="resources = { tpu = 1 }"))
+    with connect(cluster.address, None) as fleet:
+        assert run_suite(load_suite(path), tmp_path / "out.jsonl", fleet=fleet) == 0
+    rs = load(tmp_path / "out.jsonl")
+    reps = {u.case_id: u.params["reps"] for u in units(load_suite(path))}
+    where = {reps[r["method"]["suite_case"]]: rs.envs[r["env_id"]].get("node", {}).get("name")
+             for r in rs.records}
+    assert where == {3: SMALL, 4: BIG, 5: None}  # 5: waived by the driver, on no node
+    tpu = next(r for r in rs.records if reps[r["method"]["suite_case"]] == 5)
+    assert tpu["status"] == "waived" and "no node of the Ray cluster has resources" in \
+        tpu["reason"]
+    assert Counter(reps[r["method"]["suite_case"]] for r in rs.records
+                   if r["metric"] == "case") == {4: 1, 5: 1}  # once each, not per machine
+
+
+def test_resume_after_the_driver_is_killed(cluster, tmp_path):
+    path = write(tmp_path, timer(6, calls=100000, extra="repetitions = 12"))
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "kvbench.cli", "suite", "run", str(path),
+                             "--ray", cluster.address, "--on", "all-nodes"], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(recorded_units(out)) < 3 and proc.poll() is None:
+        time.sleep(0.05)
+    proc.kill()
+    _, err = proc.communicate(timeout=30)
+    before = recorded_units(out)
+    assert 3 <= len(before) < 24, err.decode()[-2000:]
+    with connect(cluster.address, "all-nodes") as fleet:
+        assert run_suite(load_suite(path), out, resume=True, fleet=fleet) == 0
+    rs = load(out)
+    per_pair = Counter((r["method"]["suite_case"], machine_of(rs, r)) for r in rs.records)
+    assert len(per_pair) == 24 and set(per_pair.values()) == {3}  # whole, exactly once
+
+
+def _kill_task_workers(times: int, killed: list[int], stop: threading.Event) -> None:
+    """SIGKILL the worker process running a kvbench unit (a child of this test's cluster),
+    `times` times, each time once the retry has started."""
+    me = os.getpid()
+    while len(killed) < times and not stop.is_set():
+        for p in psutil.process_iter(["pid", "cmdline"]):
+            try:
+                if "ray::_task" in " ".join(p.info["cmdline"] or []) and p.pid not in killed \
+                        and any(q.pid == me for q in p.parents()):
+                    time.sleep(1.0)  # mid-case: the unit has started measuring
+                    p.kill()
+                    killed.append(p.pid)
+                    break
+            except psutil.Error:
+                continue
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("kills", [1, 2])
+def test_worker_killed_mid_case(cluster, tmp_path, kills):
+    """Killed once: Ray runs the unit again and its records arrive whole. Killed twice: the
+    unit's error record names the machine and the reason, and resume runs it again."""
+    path = write(tmp_path, timer(20, calls=400000, extra="resources = { cxl = 1 }"))
+    out = tmp_path / "out.jsonl"
+    killed: list[int] = []
+    stop = threading.Event()
+    killer = threading.Thread(target=_kill_task_workers, args=(kills, killed, stop))
+    killer.start()
+    try:
+        with connect(cluster.address, None) as fleet:
+            errors = run_suite(load_suite(path), out, fleet=fleet)
+    finally:
+        stop.set()
+        killer.join()
+    assert len(killed) == kills
+    recs = load(out).records
+    if kills == 1:
+        assert errors == 0 and {r["status"] for r in recs} <= {"ok", "waived"}
+        assert Counter(r["metric"] for r in recs)["native_clock_overhead"] == 1
+        return
+    assert errors == 1 and [r["status"] for r in recs] == ["error"]
+    assert SMALL in recs[0]["reason"] and "both attempts" in recs[0]["reason"]
+    assert recorded_units(out) == set()
+
+
+def test_bad_input_exits_2(cluster, tmp_path, capsys, monkeypatch):
+    path = write(tmp_path, timer(3))
+    start = time.monotonic()
+    assert run_cli(["suite", "run", str(path), "--ray", "127.0.0.1:9"]) == 2
+    assert time.monotonic() - start < 10
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kvbench: error: no Ray cluster answers at '127.0.0.1:9'")
+    assert len(err.splitlines()) == 1
+    assert run_cli(["suite", "run", str(path), "--on", "all-nodes"]) == 2
+    assert "add --ray" in capsys.readouterr().err
+    assert run_cli(["suite", "run", str(path), "--ray", "--jobs", "2"]) == 2
+    assert "--jobs is for one machine" in capsys.readouterr().err
+    assert run_cli(["suite", "run", str(path), "--ray", cluster.address, "--on", "tiny"]) == 2
+    assert "no node of machine class tiny" in capsys.readouterr().err
+    monkeypatch.setattr("kvbench.fleet.__version__", "9.9.9")
+    assert run_cli(["suite", "run", str(path), "--ray", cluster.address]) == 2
+    err = capsys.readouterr().err
+    assert "runs kvbench 0.1.0 but this driver runs kvbench 9.9.9" in err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_local_cluster_without_address(tmp_path):
+    """`--ray` alone starts a local one-CPU cluster for the run (in a fresh process: this
+    session's driver is connected to the test cluster)."""
+    path = write(tmp_path, timer(3))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-m", "kvbench.cli", "suite", "run", str(path),
+                           "--ray"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [json.loads(ln) for ln in (tmp_path / "out.jsonl").read_text().splitlines()]
+    envs = [ln["env"] for ln in lines if ln["kind"] == "env"]
+    assert len(envs) == 1 and envs[0]["node"]["resources"]["CPU"] == 1
+    assert {ln["env_id"] for ln in lines if ln["kind"] == "probe"} == {envs[0]["env_id"]}
