@@ -185,8 +185,10 @@ def _is_abort(e: BaseException) -> bool:
     return type(e).__name__ == "Abort"
 
 
-class Terminated(Exception):
-    """SIGTERM (what schedulers send) outside a run's decode loop, which handles its own."""
+class Terminated(BaseException):
+    """SIGTERM (what schedulers send) outside a run's decode loop, which handles its own.
+    A BaseException, as KeyboardInterrupt: a suite's per-case `except Exception` must not
+    record it as the case's error and go on to the next case."""
 
 
 def _terminate(signum: int, frame: object) -> None:

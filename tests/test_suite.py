@@ -93,7 +93,7 @@ def test_failing_case_is_recorded_and_suite_goes_on(tmp_path, monkeypatch, capsy
     assert run_cli(["suite", "run", str(path)]) == 2
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_resume_after_kill_loses_and_repeats_nothing(tmp_path, sig):
     # ~0.15 s a unit: the signal lands mid-suite even on an idle machine (at 20000 calls all
     # 24 units could finish between the poll that saw 3 and the signal)
@@ -116,6 +116,9 @@ def test_resume_after_kill_loses_and_repeats_nothing(tmp_path, sig):
     assert 3 <= len(before) < 24, "the suite finished before it could be interrupted"
     if sig == signal.SIGINT:
         assert proc.returncode == 130 and b"interrupted" in err
+    if sig == signal.SIGTERM:  # stops the suite: not the unit's error, then the next unit
+        assert proc.returncode == 143 and b"terminated" in err
+        assert not any(r["status"] == "error" for r in load(out).records)
     suite = load_suite(path)
     assert run_suite(suite, out, resume=True) == 0
     recs = load(out).records
