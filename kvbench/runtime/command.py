@@ -116,7 +116,7 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
             torch.cuda.synchronize()
 
     def start(max_len: int) -> Strategy:
-        counters = Counters(spec.n_kv_heads, dtype.itemsize, cuda)
+        counters = Counters(spec.n_kv_heads, dtype.itemsize, cuda, layers)
         ctx = RunContext(spec, layers, cfg.batch, max_len, dtype, device,
                          torch.device("cpu"), counters, model)
         strategy = cls(sparams, ctx)
