@@ -8,7 +8,8 @@ as "accel" when the profile says `accel.shares_host`, as on a CPU-only machine),
 link and a PNM device.
 
 Durations (kvbench.hwmodel.profile fields):
-    accel dense      max(flops / (peak * eff), bytes read + written / (memory_gbps * eff))
+    accel dense      max(flops / (peak * eff), bytes read + written / (dense_gbps(rows) *
+                     eff)); dense_gbps (over rows) defaults to memory_gbps
     accel attention  max(flops / (peak * eff), bytes read / attention_gbps(bytes read))
     host attention   bytes read / host.attention_gbps(bytes read)
     copies           bytes / curve(bytes per copy), pinned or pageable curve
@@ -65,6 +66,13 @@ class Timer:
         self.launch = float(prof.need("accel", "launch_us", "task launches")) * 1e-6
         self.host_launch = float(prof.need("host", "launch_us", "host task launches")) * 1e-6
 
+    def dense(self, rows: float) -> float:
+        """B/s of dense layers at `rows` rows: accel.dense_gbps (a curve over rows, from the
+        roofline probe's linear points) when given, else memory_gbps."""
+        if self.p.get("accel", "dense_gbps") is None:
+            return self.mem
+        return self.p.rate("accel", "dense_gbps", rows, "dense tasks") * 1e9 * self.eff
+
     def resource(self, res: str) -> str:
         return "accel" if res == "host" and self.p.get("accel", "shares_host") else res
 
@@ -76,7 +84,8 @@ class Timer:
         wr, launches = w.get("bytes_written", 0.0), w.get("launches", 0.0)
         if t.resource == "accel":
             if t.op in DENSE:
-                return max(flops / self.flops, (rd + wr) / self.mem) + launches * self.launch
+                return max(flops / self.flops, (rd + wr) / self.dense(w.get("rows", 1.0))) \
+                    + launches * self.launch
             gbps = self.p.rate("accel", "attention_gbps", rd, "accelerator attention tasks")
             return max(flops / self.flops, rd / (gbps * 1e9 * self.eff)) \
                 + launches * self.launch

@@ -1,7 +1,8 @@
 """`--hardware this`: a profile built from this machine's probe results.
 
 Reads the records of `kvbench probe roofline` (peak FLOP/s and memory GB/s of the
-accelerator role: cuda:0 when the probe saw one, else the CPU), `attention` (KV-read GB/s
+accelerator role: cuda:0 when the probe saw one, else the CPU; its linear points give the
+dense layers' GB/s over rows), `attention` (KV-read GB/s
 against KV bytes: the accelerator's mode "gpu" or "cpu-dense", the host's "cpu-sparse"
 then "cpu-dense"), `bandwidth` (the h2d and d2h curves: host:0 -> gpu:0 and back, pinned
 and pageable; host:0 -> host:0 on a CPU-only machine, where the "copies" are memcpys) and
@@ -39,7 +40,7 @@ def _need(found: list[dict[str, Any]], probe: str, what: str) -> list[dict[str, 
 
 def _src(r: dict[str, Any]) -> str:
     keep = {k: v for k, v in r["params"].items() if k in ("device", "src", "dst", "memory",
-                                                           "mode", "dtype", "n")}
+                                                           "mode", "dtype", "n", "rows")}
     return f"probe {r['name']} {r['metric']} {keep} ({r.get('time', '')}, env {r.get('env_id')})"
 
 
@@ -82,6 +83,7 @@ def build(records: list[dict[str, Any]]) -> Profile:
             _need([], "bandwidth", f"a {src} -> {dst} pageable curve")
         links[link] = table
     flops = {r["params"].get("dtype", "float32"): r["value"] for r in peak}
+    lin = [r for r in _ok(records, "roofline", "linear_gbps") if r["params"].get("device") == dev]
     op = {r["params"].get("device"): r for r in ops}
     acc_op = op.get(dev) or ops[0]
     host_op = op.get("cpu") or ops[0]
@@ -100,4 +102,7 @@ def build(records: list[dict[str, Any]]) -> Profile:
                             "launch_us": _src(host_op)}},
         **links,
     }
+    if lin:
+        tables["accel"]["dense_gbps"] = _curve(lin, "rows")
+        tables["accel"]["source"]["dense_gbps"] = _src(lin[0]) + " by rows"
     return Profile("this", tables, "probe records")

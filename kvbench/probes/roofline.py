@@ -5,7 +5,10 @@ present (the CPU, each CUDA GPU) this measures the matmul peak (square torch.mm)
 memory roof (copy traffic: bytes read plus written per second), projects the operational
 intensity (FLOP per byte of Q/K/V/O traffic) of prefill, append (32 queries) and decode
 attention at a model's shapes, measures those attention steps with kvbench.kernels, and
-draws the roofline with the measured points.
+draws the roofline with the measured points. `linear_gbps`: weight bytes per second of
+the decoder's own `Linear` (packed for the batch as a run packs it) on x [rows, 4096] over
+a 4096 x 4096 weight (64 MiB in float32, beyond the caches), rows from `--linear-rows`:
+what a decode step's dense layers stream at (kvbench.hwmodel reads it for `this`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class RooflineConfig:
     dtype: str = opt("float32", "float32, bfloat16 or float16.")
     matmul: int = opt(2048, "Square matmul size for the peak FLOP/s.")
     min_time: float = opt(0.2, "Seconds to time each quantity at least.")
+    linear_rows: str = opt("1,8", "Rows (batch x tokens) of the decode-shaped linear points.")
 
     def __post_init__(self) -> None:
         check_ranges(self)
@@ -123,6 +127,7 @@ class RooflineProbe(Probe):
                                {"device": dev, "bytes": size, "how": "torch copy_, read+write"},
                                t.method())
                 del a, src, dst
+                yield from self._linear(config, dev, dt, timed)
                 gen = torch.Generator().manual_seed(0)
                 k = torch.randn(config.batch, kv_heads, config.tokens, head_dim, generator=gen)
                 k, v = k.to(dev, dt), k.flip(2).to(dev, dt)
@@ -136,6 +141,33 @@ class RooflineProbe(Probe):
                                    [flops / s / 1e12 for s in t.seconds],
                                    {**base, "stage": stage, "device": dev,
                                     "intensity": round(flops / nbytes, 4)}, t.method())
+
+    def _linear(self, config: RooflineConfig, dev: str, dt: Any, timed: Any
+                ) -> Iterator[Record]:
+        """Weight GB/s of a 4096 x 4096 `Linear` at each --linear-rows, packed as a run
+        packs it (kvbench.models.linear)."""
+        import torch
+
+        from kvbench.models.linear import Linear
+
+        n = 4096
+        lin = Linear(n, n, bias=False).to(dev, dt)
+        try:
+            points = [int(r) for r in config.linear_rows.split(",")]
+        except ValueError:
+            points = []
+        require(bool(points) and min(points) > 0,
+                f"--linear-rows: positive integers, got '{config.linear_rows}'")
+        for rows in points:
+            lin.pack(rows, True)
+            x = torch.randn(rows, n, device=dev).to(dt)
+            with torch.inference_mode():
+                t = timed(lambda lin=lin, x=x: lin(x))
+            nbytes = n * n * lin.weight.element_size()
+            yield measured("probe", self.name, "linear_gbps", "GB/s", "higher",
+                           [gbps(nbytes, s) for s in t.seconds],
+                           {"device": dev, "dtype": config.dtype, "rows": rows,
+                            "weight_bytes": nbytes}, t.method())
 
     @classmethod
     def plot(cls, records: list[dict[str, Any]], out_dir: Path) -> list[Path]:

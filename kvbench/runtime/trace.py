@@ -12,7 +12,8 @@ pool: host attention, and measured Python bookkeeping carried over as seconds), 
 CXL.mem link), "pnm" (a processing-near-memory device). Work per task: `flops`,
 `bytes_read`, `bytes_written`, `bytes_moved` (over a link), `copies` (transfers: the size
 of each is bytes_moved / copies), `launches` (kernel launches or op dispatches) and
-`seconds` (measured time carried over as is: bookkeeping without a work model).
+`seconds` (measured time carried over as is: bookkeeping without a work model) and `rows`
+(tokens a dense task multiplies: its matmuls' row count).
 
 Where tasks come from (no strategy edit needed):
     decoder            "dense" accel tasks per layer (norm + q/k/v projection before the
@@ -60,7 +61,7 @@ if TYPE_CHECKING:
 TRACE_VERSION = 2
 RESOURCES = ("accel", "h2d", "d2h", "host", "cxl", "pnm")
 WORK = ("flops", "bytes_read", "bytes_written", "bytes_moved", "copies", "launches",
-        "seconds")
+        "seconds", "rows")
 COLUMNS = ("id", "layer", "resource", "op", *WORK, "after", "background")
 WAIT_PHASES = frozenset({"attention", "accel_idle"})
 # op dispatches per dense part of a layer and per attention call: counts of the decoder's
@@ -103,7 +104,8 @@ def dense_work(spec: ModelSpec, part: str, rows: int, elem: int) -> dict[str, fl
     else:
         w, n_in, n_out = spec.vocab * h, h, spec.vocab
     return {"flops": 2.0 * rows * w, "bytes_read": float((w + rows * n_in) * elem),
-            "bytes_written": float(rows * n_out * elem), "launches": float(LAUNCHES[part])}
+            "bytes_written": float(rows * n_out * elem), "launches": float(LAUNCHES[part]),
+            "rows": float(rows)}
 
 
 class TaskLog:
