@@ -174,11 +174,22 @@ def project_cmd(
                                              "(default: the results file's own probes)."),
     memory: str = typer.Option("pinned", help="Host memory of copies: pinned or pageable."),
     out: Path | None = typer.Option(None, help="Result file (default: new file in results/)."),
+    model: str | None = typer.Option(None, help="Project onto this model's shape (the run's "
+                                     "selection statistics carried over)."),
+    batch: int = typer.Option(1, help="With --model: the target batch."),
+    prompt_len: int = typer.Option(1920, help="With --model: the target prompt length."),
+    gen_len: int = typer.Option(128, help="With --model: the target decode steps."),
+    dtype: str = typer.Option("float16", help="With --model: the target dtype."),
+    bookkeeping: str = typer.Option("measured", help="Bookkeeping without a work model: "
+                                    "measured (carried over) or none."),
 ) -> None:
     """Re-time every run of RESULTS on hardware profiles; projected records."""
-    from kvbench.hwmodel.cli import project
+    from kvbench.hwmodel.cli import project, target_shape
 
-    project(results, hardware, probes or [], memory, out)
+    if bookkeeping not in ("measured", "none"):
+        raise KvbenchError(f"--bookkeeping '{bookkeeping}': measured or none")
+    project(results, hardware, probes or [], memory, out,
+            target_shape(model, batch, prompt_len, gen_len, dtype), bookkeeping == "measured")
 
 
 def _add_registered_commands() -> None:

@@ -207,3 +207,27 @@ def test_hardware_list_and_show(capsys) -> None:
         main(["hardware", "show", "a100-pnm"])
     assert e.value.code == 0
     assert "CXL-PNM Table 2" in capsys.readouterr().out
+
+
+def test_scale_to_a_larger_shape_recomputes_dense_and_scales_kv_not_activations() -> None:
+    from kvbench.hwmodel.scale import Shape, scale
+    from kvbench.models import get_spec
+    from kvbench.runtime.trace import dense_work
+
+    src = Shape(get_spec("smollm2-135m"), 1, 100, 1, 4)
+    tgt = Shape(get_spec("opt-6.7b"), 2, 199, 1, 2)
+    kv_copy = 2.0 * 3 * 64 * 4 * 50  # 50 tokens of K and V of one layer
+    q_copy = 9 * 64 * 4.0  # one query
+    graph = [_task(0, "accel", "pre", [], step=1, rows=1.0),
+             _task(1, "d2h", "copy", [0], step=1, bytes_moved=q_copy, copies=1.0),
+             _task(2, "h2d", "copy", [0], step=1, bytes_moved=kv_copy, copies=1.0),
+             _task(3, "accel", "post", [1, 2], step=1, rows=1.0)]
+    out = scale(graph, src, tgt)
+    assert len(out) == 4 * 32  # every target layer replays the source layer
+    assert out[0].work == dense_work(tgt.spec, "pre", 2, 2)
+    # context 101 -> 200 tokens, batch 2, kv per token 2*32*128*2 B vs 2*3*64*4 B
+    c = 200 / 101
+    assert out[2].work["bytes_moved"] == pytest.approx(kv_copy * 2 * c * (32 * 128 * 2)
+                                                       / (3 * 64 * 4))
+    assert out[1].work["bytes_moved"] == pytest.approx(q_copy * 2 * (32 * 128) / (9 * 64))
+    assert out[3].after == [1, 2] and out[4].after == [3]  # layer order kept

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from kvbench.errors import require
 from kvbench.hwmodel.profile import Profile, load, names, rows
+from kvbench.hwmodel.scale import Shape
 
 
 def resolve(name: str, probe_files: list[Path], results: list[dict] | None = None) -> Profile:
@@ -54,8 +55,22 @@ def show(name: str, probe_files: list[Path]) -> None:
     console.print(t)
 
 
+def target_shape(model: str | None, batch: int, prompt_len: int, gen_len: int,
+                 dtype: str) -> Shape | None:
+    """The --model/--batch/--prompt-len/--gen-len/--dtype target of a scaled projection."""
+    from kvbench.models import get_spec
+    from kvbench.units import dtype_name
+
+    if model is None:
+        return None
+    require(batch >= 1 and prompt_len >= 1 and gen_len >= 1,
+            "--batch, --prompt-len and --gen-len must be at least 1")
+    elem = {"float32": 4}.get(dtype_name(dtype), 2)
+    return Shape(get_spec(model), batch, prompt_len, gen_len, elem)
+
+
 def project(results: Path, hardware: list[str], probe_files: list[Path], memory: str,
-            out: Path | None) -> None:
+            out: Path | None, target: Shape | None = None, carried: bool = True) -> None:
     from kvbench.console import wrote
     from kvbench.envinfo import collect_env
     from kvbench.hwmodel.project import records, runs
@@ -71,7 +86,7 @@ def project(results: Path, hardware: list[str], probe_files: list[Path], memory:
     with ResultWriter(path, collect_env()) as w:
         for prof in profiles:
             for recs in groups.values():
-                for rec in records(recs, prof, memory):
+                for rec in records(recs, prof, memory, target, carried):
                     w.write(rec)
                     n += 1
     wrote(path)

@@ -19,6 +19,7 @@ from typing import Any
 
 from kvbench.errors import KvbenchError, require
 from kvbench.hwmodel.profile import Profile
+from kvbench.hwmodel.scale import Shape, scale
 from kvbench.hwmodel.schedule import StepTime, Timer, schedule, tasks_of
 from kvbench.runtime.trace import TRACE_VERSION
 from kvbench.schema import Record, measured, not_measured
@@ -26,6 +27,8 @@ from kvbench.schema import Record, measured, not_measured
 CARRIED = ("bookkeeping seconds without a work model (host tasks of measured time) are "
            "carried over as measured on the source machine; the strategy's selections "
            "(tokens attended, bytes moved) are the source run's")
+DROPPED = ("bookkeeping without a work model dropped (--bookkeeping none); the "
+           "strategy's selections are the source run's")
 RUN_CMD = "kvbench run STRATEGY --out FILE"
 
 
@@ -55,33 +58,62 @@ def runs(records: list[dict[str, Any]], path: str) -> dict[tuple, list[dict[str,
     return out
 
 
-def project_run(recs: list[dict[str, Any]], prof: Profile, memory: str
+def source_shape(params: dict[str, Any]) -> Shape:
+    from kvbench.models import get_spec
+
+    dtype = str(params.get("dtype", "float32"))
+    return Shape(get_spec(str(params["model"])), int(params["batch"]),
+                 int(params["prompt_len"]), int(params["gen_len"]),
+                 {"float32": 4, "float64": 8}.get(dtype, 2))
+
+
+def project_run(recs: list[dict[str, Any]], prof: Profile, memory: str,
+                target: Shape | None = None, carried: bool = True
                 ) -> tuple[StepTime, list[StepTime]]:
-    """(prefill, decode steps) of one run on one profile."""
+    """(prefill, decode steps) of one run on one profile (scaled to `target` if given)."""
     first = recs[0]
-    timer = Timer(prof, str(first["params"].get("dtype", "float32")), memory)
+    dtype = str(first["params"].get("dtype", "float32"))
+    if target is not None:
+        dtype = {4: "float32"}.get(target.elem, "float16")
+    timer = Timer(prof, dtype, memory, carried)
     tasks = []
     for r in recs:
         m = r["method"]
         tasks += tasks_of(m["tasks"], m["columns"], int(r["params"]["step"]))
+    if target is not None:
+        tasks = scale(tasks, source_shape(first["params"]), target)
     steps = schedule(tasks, timer)
     pre = next((s for s in steps if s.step == 0), StepTime(0))
     return pre, [s for s in steps if s.step > 0]
 
 
-def records(recs: list[dict[str, Any]], prof: Profile, memory: str) -> Iterator[Record]:
-    """The projected records of one run on one profile."""
+def records(recs: list[dict[str, Any]], prof: Profile, memory: str,
+            target: Shape | None = None, carried: bool = True) -> Iterator[Record]:
+    """The projected records of one run on one profile (on `target`'s shape if given)."""
     first = recs[0]
     name = first["name"]
     params = {k: v for k, v in first["params"].items() if k not in ("step", "phase")}
     params["hardware"] = prof.name
-    pre, dec = project_run(recs, prof, memory)
+    scaled = {}
+    if target is not None:
+        src = source_shape(params)
+        scaled = {"scaled_from": f"{src.spec.name} ({params.get('layers')} layers), batch "
+                  f"{src.batch}, prompt {src.prompt}, {src.gen} steps, {params.get('dtype')}; "
+                  "the strategy's selection statistics (share of the context attended and "
+                  "moved per step and layer) carried over (kvbench.hwmodel.scale)"}
+        params.update({"model": target.spec.name, "layers": target.spec.n_layers,
+                       "layers_total": target.spec.n_layers, "batch": target.batch,
+                       "prompt_len": target.prompt, "gen_len": target.gen,
+                       "dtype": {4: "float32"}.get(target.elem, "float16"),
+                       "weights": "projected"})
+    pre, dec = project_run(recs, prof, memory, target, carried)
     require(bool(dec), f"run {name} has no decode step in its trace")
     batch = int(params.get("batch", 1))  # type: ignore[arg-type]
     method = {"profile": prof.name, "profile_file": prof.path, "host_memory": memory,
               "source_run": first.get("command", ""), "source_time": first.get("time", ""),
               "source_env": first.get("env_id", ""), "trace_version": TRACE_VERSION,
-              "carried_over": CARRIED, "model": "kvbench.hwmodel.schedule"}
+              "carried_over": CARRIED if carried else DROPPED,
+              "model": "kvbench.hwmodel.schedule", **scaled}
 
     def rec(metric: str, unit: str, direction: str, samples: list[float],
             extra: dict[str, Any] | None = None) -> Record:

@@ -14,7 +14,9 @@ Durations (kvbench.hwmodel.profile fields):
     host attention   bytes read / host.attention_gbps(bytes read)
     copies           bytes / curve(bytes per copy), pinned or pageable curve
     pnm              max(flops / pnm.peak_tflops, bytes / pnm.memory_gbps)
-    carried          measured seconds, as recorded (bookkeeping without a work model)
+    carried          measured seconds, as recorded (bookkeeping without a work model), or 0
+                     with `carried=False` (`kvbench project --bookkeeping none`: a bound
+                     for a machine where that work runs off the critical path)
 plus launches * launch_us on the accelerator and host. A step ends when its last non-
 background task ends; its time is that minus the previous step's end (the first step:
 from 0). Background work keeps its resource busy into later steps.
@@ -56,9 +58,10 @@ class StepTime:
 class Timer:
     """Task durations on one profile (the module docstring's formulas)."""
 
-    def __init__(self, prof: Profile, dtype: str, memory: str) -> None:
+    def __init__(self, prof: Profile, dtype: str, memory: str, carried: bool = True) -> None:
         self.p = prof
         self.memory = memory
+        self.carried = carried  # False: bookkeeping without a work model takes no time
         self.eff = float(prof.get("accel", "efficiency", 1.0))
         self.flops = prof.tflops(dtype) * 1e12 * self.eff
         self.mem = float(prof.need("accel", "memory_gbps", "accelerator tasks' bytes")) \
@@ -79,7 +82,7 @@ class Timer:
     def seconds(self, t: Task) -> float:
         w = t.work
         if w.get("seconds"):
-            return w["seconds"]
+            return w["seconds"] if self.carried else 0.0
         flops, rd = w.get("flops", 0.0), w.get("bytes_read", 0.0)
         wr, launches = w.get("bytes_written", 0.0), w.get("launches", 0.0)
         if t.resource == "accel":
