@@ -231,3 +231,25 @@ def test_scale_to_a_larger_shape_recomputes_dense_and_scales_kv_not_activations(
                                                        / (3 * 64 * 4))
     assert out[1].work["bytes_moved"] == pytest.approx(q_copy * 2 * (32 * 128) / (9 * 64))
     assert out[3].after == [1, 2] and out[4].after == [3]  # layer order kept
+
+
+def test_energy_meter_reads_rapl_with_wraparound_and_waives_without(tmp_path: Path) -> None:
+    from kvbench.runtime.energy import Meter
+
+    pkg = tmp_path / "sys/class/powercap/intel-rapl:0"
+    pkg.mkdir(parents=True)
+    (pkg / "max_energy_range_uj").write_text("1000000\n")
+    (pkg / "energy_uj").write_text("900000\n")
+    (tmp_path / "sys/class/powercap/intel-rapl:0:0").mkdir()  # a sub-domain: not summed
+    m = Meter(tmp_path)
+    m.start()
+    (pkg / "energy_uj").write_text("100000\n")  # wrapped: 0.1 J to the top, 0.1 J after
+    m.stop()
+    recs = {r.params["where"]: r for r in m.records("full", {"batch": 1}, 4)}
+    assert recs["host"].value == pytest.approx(0.2 / 4)
+    assert recs["accel"].status == "waived" and "no GPU" in recs["accel"].reason
+    none = Meter(tmp_path / "nowhere")
+    none.start()
+    none.stop()
+    (host,) = [r for r in none.records("full", {}, 1) if r.params["where"] == "host"]
+    assert host.status == "waived" and "RAPL not exposed" in host.reason
