@@ -19,8 +19,10 @@ Where tasks come from (no strategy edit needed):
     decoder            "dense" accel tasks per layer (norm + q/k/v projection before the
                        strategy, out-projection + MLP after it; "head" after the last
                        layer), work from the model spec (`dense_work`)
-    attended(where,..) an "attention" task on "accel" or "host"
-    moved(link, n)     a "copy" task on "h2d"/"d2h" (`copies=` transfers, default 1)
+    attended(where,..) an "attention" task on "accel", "host" or "pnm" (a near-memory
+                       device attending its share: PNM-KV, PnG-KV)
+    moved(link, n)     a "copy" task on "h2d"/"d2h"/"cxl" (`copies=` transfers, default 1)
+    task(res, op, **w) any other work on a resource (e.g. a PNM device's top-k scoring)
     add("flops"|"bytes_read", where, v)   a "compute" task (consecutive adds merge)
     add("time", phase, s)                 a background "host" task of s measured seconds
     timed(phase)       a "host" task of the block's seconds when no modelled work was
