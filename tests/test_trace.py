@@ -85,10 +85,11 @@ def _tasks(path: Path) -> dict[int, list[list]]:
     return out
 
 
-@pytest.mark.parametrize("strategy", ["offload", "hgca"])
+@pytest.mark.parametrize("strategy", ["offload", "hgca", "infinigen"])
 def test_run_stores_task_graph(strategy: str, tmp_path: Path) -> None:
     out = tmp_path / "r.jsonl"
-    extra = ["--gpu-share", "0.5", "--beta", "0"] if strategy == "hgca" else []
+    extra = {"hgca": ["--gpu-share", "0.5", "--beta", "0"],
+             "infinigen": ["--skew-tokens", "8", "--dense-layers", "0"]}.get(strategy, [])
     with pytest.raises(SystemExit) as e:
         main(["run", strategy, "--model", "opt-125m", "--weights", "random", "--layers", "2",
               "--prompt-len", "24", "--gen-len", "3", "--out", str(out), *extra])
@@ -109,6 +110,11 @@ def test_run_stores_task_graph(strategy: str, tmp_path: Path) -> None:
                 assert len(pre) == 1 and pre[0][col["id"]] < t[col["id"]]
                 src = pre[0][col["layer"]]
                 assert src == (t[col["layer"]] - 1) % 2
+    elif strategy == "infinigen":
+        # layer 1's attention waits for the gather layer 0 speculated and prefetched
+        (att,) = [t for t in dec if t[col["op"]] == "attention" and t[col["layer"]] == 1]
+        pre = [by_id[i] for i in att[col["after"]] if by_id[i][col["resource"]] == "h2d"]
+        assert len(pre) == 1 and pre[0][col["layer"]] == 0
     else:
         host = [t for t in dec if t[col["resource"]] == "host" and t[col["op"]] == "attention"]
         assert host, "hgca attends host entries once the window has evicted"
