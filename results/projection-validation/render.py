@@ -54,7 +54,7 @@ def main() -> None:
         m, p = meas[key], meas[key]["_params"]
         b, a = before.get(key, {}), after.get(key, {})
 
-        def err(proj: dict, metric: str, acc: list[float]) -> str:
+        def err(proj: dict, metric: str, acc: list[float], m: dict = m) -> str:
             if metric not in proj:
                 return "-"
             e = proj[metric] / m[metric] - 1
