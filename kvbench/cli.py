@@ -170,6 +170,56 @@ def report_cmd(
     report(files, fmt, out)
 
 
+hardware_app = typer.Typer(no_args_is_help=True, help="Hardware profiles for `kvbench project`.")
+app.add_typer(hardware_app, name="hardware")
+
+
+@hardware_app.command("list")
+def hardware_list_cmd() -> None:
+    """List the shipped hardware profiles."""
+    from kvbench.hwmodel.cli import show_list
+
+    show_list()
+
+
+@hardware_app.command("show")
+def hardware_show_cmd(
+    name: str = typer.Argument(..., help="Profile name, FILE.toml, or 'this'."),
+    probes: list[Path] | None = typer.Option(None, help="Probe result files ('this')."),
+) -> None:
+    """Every field of a profile with its source."""
+    from kvbench.hwmodel.cli import show
+
+    show(name, probes or [])
+
+
+@app.command("project")
+def project_cmd(
+    results: Path = typer.Argument(..., help="Result file with run traces (JSONL)."),
+    hardware: list[str] = typer.Option(..., help="Profile name, FILE.toml or 'this'; "
+                                       "repeatable."),
+    probes: list[Path] | None = typer.Option(None, help="Probe result files for 'this' "
+                                             "(default: the results file's own probes)."),
+    memory: str = typer.Option("pinned", help="Host memory of copies: pinned or pageable."),
+    out: Path | None = typer.Option(None, help="Result file (default: new file in results/)."),
+    model: str | None = typer.Option(None, help="Project onto this model's shape (the run's "
+                                     "selection statistics carried over)."),
+    batch: int = typer.Option(1, help="With --model: the target batch."),
+    prompt_len: int = typer.Option(1920, help="With --model: the target prompt length."),
+    gen_len: int = typer.Option(128, help="With --model: the target decode steps."),
+    dtype: str = typer.Option("float16", help="With --model: the target dtype."),
+    bookkeeping: str = typer.Option("measured", help="Bookkeeping without a work model: "
+                                    "measured (carried over) or none."),
+) -> None:
+    """Re-time every run of RESULTS on hardware profiles; projected records."""
+    from kvbench.hwmodel.cli import project, target_shape
+
+    if bookkeeping not in ("measured", "none"):
+        raise KvbenchError(f"--bookkeeping '{bookkeeping}': measured or none")
+    project(results, hardware, probes or [], memory, out,
+            target_shape(model, batch, prompt_len, gen_len, dtype), bookkeeping == "measured")
+
+
 def _add_registered_commands() -> None:
     from kvbench.probes import PROBES
     from kvbench.runtime.command import make_command

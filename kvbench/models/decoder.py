@@ -137,7 +137,11 @@ class Decoder(nn.Module):
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                start: int) -> torch.Tensor:
-        """The strategy on q [B, Hq, T, D], k/v [B, Hkv, T, D]; returns [B, T, Hq * D]."""
+        """The strategy on q [B, Hq, T, D], k/v [B, Hkv, T, D]; returns [B, T, Hq * D].
+
+        The stage graph (kvbench.runtime.trace) gets the layer's dense work around it."""
+        rows = q.shape[0] * q.shape[2]
+        self.counters.dense(self.spec, "pre", rows)
         with self.counters.timed("attention"):
             if start == 0:
                 out = self.strategy.prefill(layer, q, k, v)
@@ -145,6 +149,7 @@ class Decoder(nn.Module):
                 out = self.strategy.decode(layer, q, k, v)
             else:
                 out = self.strategy.append(layer, q, k, v)
+        self.counters.dense(self.spec, "post", rows)
         b, h, t, d = out.shape
         return out.transpose(1, 2).reshape(b, t, h * d)
 
@@ -187,6 +192,7 @@ class Decoder(nn.Module):
             for i, layer in enumerate(self.layers):
                 self.counters.layer = i
                 x = layer(x, i, self, start)
+            self.counters.dense(self.spec, "head", x.shape[0])
             return self.logits(x[:, -1]).float()
 
 

@@ -5,7 +5,10 @@ present (the CPU, each CUDA GPU) this measures the matmul peak (square torch.mm)
 memory roof (copy traffic: bytes read plus written per second), projects the operational
 intensity (FLOP per byte of Q/K/V/O traffic) of prefill, append (32 queries) and decode
 attention at a model's shapes, measures those attention steps with kvbench.kernels, and
-draws the roofline with the measured points.
+draws the roofline with the measured points. `linear_gbps`: weight bytes per second of
+the decoder's own `Linear` (packed for the rows as a run packs it) at the model's MLP shape,
+cycled over 256 MiB of copies, rows from `--linear-rows`: what a decode step's dense layers
+stream at (kvbench.hwmodel reads it for `this`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from kvbench.schema import Record, measured
 from kvbench.timing import Policy, time_cuda, time_host
 from kvbench.units import gbps
 
+LINEAR_BYTES = 256 << 20  # weights streamed per linear point: beyond any cache
 STAGES = {"prefill": None, "append": 32, "decode": 1}  # query length (None: = tokens)
 
 
@@ -30,7 +34,7 @@ STAGES = {"prefill": None, "append": 32, "decode": 1}  # query length (None: = t
 class RooflineConfig:
     """Options of `kvbench probe roofline` (and of a suite's roofline case)."""
 
-    model: str = opt("opt-6.7b", "Model whose attention shapes to use.")
+    model: str = opt("opt-6.7b", "Model whose attention and MLP shapes to use.")
     heads: int = opt(0, "Query heads (overrides --model).", min=0)
     kv_heads: int = opt(0, "KV heads (default: --heads).", min=0)
     head_dim: int = opt(0, "Head dimension (with --heads).", min=0)
@@ -39,6 +43,7 @@ class RooflineConfig:
     dtype: str = opt("float32", "float32, bfloat16 or float16.")
     matmul: int = opt(2048, "Square matmul size for the peak FLOP/s.")
     min_time: float = opt(0.2, "Seconds to time each quantity at least.")
+    linear_rows: str = opt("1,8", "Rows (batch x tokens) of the decode-shaped linear points.")
 
     def __post_init__(self) -> None:
         check_ranges(self)
@@ -123,6 +128,7 @@ class RooflineProbe(Probe):
                                {"device": dev, "bytes": size, "how": "torch copy_, read+write"},
                                t.method())
                 del a, src, dst
+                yield from self._linear(config, dev, dt, timed)
                 gen = torch.Generator().manual_seed(0)
                 k = torch.randn(config.batch, kv_heads, config.tokens, head_dim, generator=gen)
                 k, v = k.to(dev, dt), k.flip(2).to(dev, dt)
@@ -136,6 +142,46 @@ class RooflineProbe(Probe):
                                    [flops / s / 1e12 for s in t.seconds],
                                    {**base, "stage": stage, "device": dev,
                                     "intensity": round(flops / nbytes, 4)}, t.method())
+
+    def _linear(self, config: RooflineConfig, dev: str, dt: Any, timed: Any
+                ) -> Iterator[Record]:
+        """Weight GB/s of the model's MLP up-projection shape [ffn, hidden] (a decoder
+        `Linear`, packed for the rows as a run packs it), cycled over enough copies to
+        stream LINEAR_BYTES per pass as a decode step streams its layers (a single matrix
+        would sit in the caches); at each --linear-rows."""
+        import torch
+
+        from kvbench.models import get_spec
+        from kvbench.models.linear import Linear
+
+        try:
+            points = [int(r) for r in config.linear_rows.split(",")]
+        except ValueError:
+            points = []
+        require(bool(points) and min(points) > 0,
+                f"--linear-rows: positive integers, got '{config.linear_rows}'")
+        spec = get_spec(config.model)
+        n_in, n_out = spec.hidden, spec.ffn
+        one = n_in * n_out * torch.empty(0, dtype=dt).element_size()
+        lins = [Linear(n_in, n_out, bias=False).to(dev, dt)
+                for _ in range(max(1, -(-LINEAR_BYTES // one)))]
+        for rows in points:
+            for lin in lins:
+                lin.pack(rows, True)
+            x = torch.randn(rows, n_in, device=dev).to(dt)
+
+            def run(x: Any = x) -> None:
+                with torch.inference_mode():
+                    for lin in lins:
+                        lin(x)
+
+            t = timed(run)
+            nbytes = one * len(lins)
+            yield measured("probe", self.name, "linear_gbps", "GB/s", "higher",
+                           [gbps(nbytes, s) for s in t.seconds],
+                           {"device": dev, "dtype": config.dtype, "rows": rows,
+                            "shape": f"{n_out}x{n_in}", "weight_bytes": nbytes},
+                           t.method())
 
     @classmethod
     def plot(cls, records: list[dict[str, Any]], out_dir: Path) -> list[Path]:

@@ -1,8 +1,10 @@
 """Timer probe: the cost and granularity of the clocks every other probe relies on.
 
 Reports the overhead of one perf_counter_ns read (host timer of kvbench.timing), of one
-native CLOCK_MONOTONIC read (the C probes' clock), and on a GPU the smallest interval a
-pair of CUDA events reports around an empty region (the floor of device timings).
+native CLOCK_MONOTONIC read (the C probes' clock), of one small torch op per device (the
+dispatch or launch overhead a hardware profile charges per task launch, kvbench.hwmodel),
+and on a GPU the smallest interval a pair of CUDA events reports around an empty region
+(the floor of device timings).
 """
 
 from __future__ import annotations
@@ -53,7 +55,35 @@ class TimerProbe(Probe):
         else:
             yield measured("probe", self.name, "native_clock_overhead", "ns", "lower",
                            self._native_reads(so, config), params, method)
+        yield from self._ops(config)
         yield from self._cuda(config)
+
+    def _ops(self, config: TimerConfig) -> Iterator[Record]:
+        """Seconds per small torch op (an in-place add on 64 floats) issued back to back:
+        dispatch cost on the CPU; on a GPU the launch rate (synchronised once per rep)."""
+        import torch
+
+        devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+        for dev in devices:
+            x = torch.zeros(64, device=dev)
+            calls = min(config.calls, 2000)
+            samples = []
+            for rep in range(config.reps + 1):
+                if dev != "cpu":
+                    torch.cuda.synchronize(dev)
+                t0 = time.perf_counter_ns()
+                for _ in range(calls):
+                    x.add_(1.0)
+                if dev != "cpu":
+                    torch.cuda.synchronize(dev)
+                if rep:
+                    samples.append((time.perf_counter_ns() - t0) / calls * 1e-3)
+            yield measured("probe", self.name, "op_overhead", "us", "lower", samples,
+                           {"device": dev, "calls": calls},
+                           {"timer": "perf_counter_ns", "warmup": 1, "reps": config.reps,
+                            "statistic": "median",
+                            "per": f"mean over {calls} back-to-back in-place adds of 64 "
+                                   "floats"})
 
     @staticmethod
     def _host_reads(config: TimerConfig) -> list[float]:

@@ -116,7 +116,7 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
             torch.cuda.synchronize()
 
     def start(max_len: int) -> Strategy:
-        counters = Counters(spec.n_kv_heads, dtype.itemsize, cuda)
+        counters = Counters(spec.n_kv_heads, dtype.itemsize, cuda, layers)
         ctx = RunContext(spec, layers, cfg.batch, max_len, dtype, device,
                          torch.device("cpu"), counters, model)
         strategy = cls(sparams, ctx)
@@ -140,12 +140,18 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
     for warning in warnings:
         err_console.print(f"[yellow]warning:[/] {warning}")
     backend_use(reset=True)
+    from kvbench.runtime.energy import Meter
+
+    meter = Meter(cuda=cuda)
+    meter.start()
     with Interrupts() as stop, Progress(console=err_console, transient=True) as bar:
         err_console.print(f"decoding {turns * g} steps (SIGTERM or Ctrl-C: stop after the "
                           "current step and store the records so far, marked partial)")
         task = bar.add_task(f"{cls.name}: decode", total=turns * g)
         outcome = decode_run(model, strategy, rows, g, mode, sync,
                              lambda: bar.advance(task) or stop.signum is not None, turns)
+    sync()
+    meter.stop()
     backend = backend_use(reset=True)  # attention backend per phase of the timed run
     shadowed = isinstance(strategy, Shadow)
     if shadowed:  # the last step's reference attention (outside the timed region)
@@ -161,6 +167,7 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
                       "Strategy.placement: the KV and state the strategy allocates per "
                       "device (its allocation plan, counted, not sampled)"})
              for w in ("accel", "host")]
+    recs += meter.records(cls.name, params, cfg.batch * (len(outcome.steps) + turns))
     if cfg.mode == "passkey":
         recs += passkey.records(cls.name, params, outcome.tokens, answers, p, accuracy)
     if cfg.compare_hf and stop.signum is None:

@@ -5,7 +5,9 @@ accumulates tokens attended, FLOPs and bytes read per device, bytes moved per li
 seconds per phase. Step 0 is the prefill (with every later turn's append in a multi-turn
 run), steps 1..G the decode steps (1..turns * G across turns). The trace is stored
 as one record per (quantity, where, layer, phase) whose samples are the per-step values,
-which is what later issues project onto other hardware.
+which is what later issues project onto other hardware. Every call also feeds the run's
+stage graph (`graph`, kvbench.runtime.trace: trace version 2), which `kvbench project`
+re-times on hardware profiles.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from kvbench.runtime.trace import LAUNCHES, RESOURCES, WAIT_PHASES, TaskLog, dense_work
 
 if TYPE_CHECKING:
     import torch
@@ -37,19 +41,47 @@ class Counters:
     out of the accelerator's resident set, summed over batch rows and KV heads).
     """
 
-    def __init__(self, kv_heads: int, elem_bytes: int, cuda: bool = False) -> None:
+    def __init__(self, kv_heads: int, elem_bytes: int, cuda: bool = False,
+                 n_layers: int = 1) -> None:
         self.kv_heads = kv_heads
         self.elem_bytes = elem_bytes
         self.cuda = cuda
         self.step = 0
         self.layer = 0
+        self.graph = TaskLog(n_layers)
         self._v: dict[tuple[str, str, int], dict[int, float]] = defaultdict(
             lambda: defaultdict(float))
-        self._events: list[tuple[str, int, int, Any, Any]] = []
+        self._events: list[tuple[str, int, int, Any, Any, Any]] = []
 
     def add(self, quantity: str, where: str, value: float) -> None:
-        """Add `value` (in UNITS[quantity]) to the current step and layer."""
+        """Add `value` (in UNITS[quantity]) to the current step and layer.
+
+        Graph: flops/bytes_read on a device become a "compute" task there (consecutive adds
+        merge); time a background "host" task of that many measured seconds."""
         self._v[(quantity, where, self.layer)][self.step] += value
+        if quantity in ("flops", "bytes_read") and where in RESOURCES:
+            self.graph.record(self.step, self.layer, where, "compute",
+                              {quantity: value, "launches": 0.0}, merge=True)
+        elif quantity == "time" and where not in WAIT_PHASES:
+            with self.graph.background():
+                self.graph.record(self.step, self.layer, "host", where, {"seconds": value})
+
+    def task(self, resource: str, op: str, **work: float) -> None:
+        """A task on `resource` with explicit work (kvbench.runtime.trace.WORK names), for
+        work no counter describes (a PNM device's scoring, a CXL transfer)."""
+        self.graph.record(self.step, self.layer, resource, op, work)
+
+    def fork(self, name: str) -> Any:
+        """Context: tasks inside run beside the main chain (see kvbench.runtime.trace)."""
+        return self.graph.fork(name)
+
+    def join(self) -> None:
+        """The chain waits here for the layer's forks (e.g. before a merge)."""
+        self.graph.join()
+
+    def background(self) -> Any:
+        """Context: tasks inside are waited for only by the same layer of the next step."""
+        return self.graph.background()
 
     def attended(self, where: str, q: torch.Tensor, n_kv: float) -> None:
         """One attention of q [B, Hq, Lq, D] over n_kv keys per (sequence, KV head) on `where`.
@@ -58,17 +90,47 @@ class Counters:
         FLOPs: 4 * B * Hq * Lq * n_kv * D (q.k and p.v); bytes read: the k and v entries.
         """
         b, hq, lq, d = q.shape
-        self.add("tokens", where, b * n_kv)
-        self.add("flops", where, 4.0 * b * hq * lq * n_kv * d)
-        self.add("bytes_read", where, 2.0 * b * self.kv_heads * n_kv * d * self.elem_bytes)
+        self.attention(where, b * n_kv, 4.0 * b * hq * lq * n_kv * d,
+                       2.0 * b * self.kv_heads * n_kv * d * self.elem_bytes,
+                       q.numel() * self.elem_bytes)
 
-    def moved(self, link: str, nbytes: float) -> None:
-        """Bytes copied over `link` ("h2d" host->accelerator, "d2h" back)."""
-        self.add("bytes_moved", link, nbytes)
+    def attention(self, where: str, tokens: float, flops: float, nbytes: float,
+                  q_bytes: float = 0.0) -> None:
+        """One attention computation with its work given directly (what `attended`
+        derives from shapes): tokens, FLOPs, KV bytes read, query bytes (read once,
+        the output as many written)."""
+        self._v[("tokens", where, self.layer)][self.step] += tokens
+        self._v[("flops", where, self.layer)][self.step] += flops
+        self._v[("bytes_read", where, self.layer)][self.step] += nbytes
+        if where in RESOURCES:
+            self.graph.record(self.step, self.layer, where, "attention",
+                              {"flops": flops, "bytes_read": nbytes + q_bytes,
+                               "bytes_written": q_bytes, "launches": LAUNCHES["attention"]})
+
+    def moved(self, link: str, nbytes: float, ahead: int = 0, copies: int = 1) -> None:
+        """Bytes copied over `link` ("h2d" host->accelerator, "d2h" back) in `copies`
+        transfers; `ahead` k > 0: a prefetch that layer + k's attention waits for."""
+        self._v[("bytes_moved", link, self.layer)][self.step] += nbytes
+        self.graph.record(self.step, self.layer, link, "copy",
+                          {"bytes_moved": nbytes, "copies": float(copies),
+                           "launches": float(copies)}, ahead=ahead)
+
+    def dense(self, spec: ModelSpec, part: str, rows: int) -> None:
+        """The decoder's non-attention work of `rows` tokens (trace.dense_work) on the
+        accelerator; "post" first joins the layer's forks (its input is the attention
+        output)."""
+        if part == "post":
+            self.graph.join()
+        self.graph.record(self.step, self.layer, "accel", part,
+                          dense_work(spec, part, rows, self.elem_bytes))
 
     @contextmanager
-    def timed(self, phase: str) -> Iterator[None]:
-        """Time the block into ("time", phase): CUDA events on a GPU, perf_counter otherwise."""
+    def timed(self, phase: str, wait: bool = False) -> Iterator[None]:
+        """Time the block into ("time", phase): CUDA events on a GPU, perf_counter otherwise.
+
+        Graph: a block that recorded no modelled work becomes a "host" task of its
+        measured seconds, unless it only waits (`wait`, or phase "attention"/"accel_idle")."""
+        n0 = len(self.graph.tasks)
         if self.cuda:
             import torch
 
@@ -77,16 +139,26 @@ class Counters:
             e0.record()
             yield
             e1.record()
-            self._events.append((phase, self.layer, self.step, e0, e1))
+            task = self._carry(phase, wait, n0, 0.0)
+            self._events.append((phase, self.layer, self.step, e0, e1, task))
             return
         t0 = time.perf_counter_ns()
         yield
-        self.add("time", phase, (time.perf_counter_ns() - t0) * 1e-9)
+        s = (time.perf_counter_ns() - t0) * 1e-9
+        self._v[("time", phase, self.layer)][self.step] += s
+        self._carry(phase, wait, n0, s)
+
+    def _carry(self, phase: str, wait: bool, n0: int, seconds: float) -> Any:
+        if wait or phase in WAIT_PHASES or len(self.graph.tasks) != n0:
+            return None
+        return self.graph.record(self.step, self.layer, "host", phase, {"seconds": seconds})
 
     def resolve(self) -> None:
         """Turn recorded CUDA event pairs into seconds (call after a synchronize)."""
-        for phase, layer, step, e0, e1 in self._events:
+        for phase, layer, step, e0, e1, task in self._events:
             self._v[("time", phase, layer)][step] += e0.elapsed_time(e1) * 1e-3
+            if task is not None:
+                task.work["seconds"] = e0.elapsed_time(e1) * 1e-3
         self._events.clear()
 
     def series(self) -> Iterator[tuple[str, str, int, dict[int, float]]]:

@@ -285,6 +285,23 @@ def records(name: str, params: dict[str, ParamValue], o: Outcome, batch: int,
             yield measured("run", name, f"trace.{quantity}", UNITS[quantity], "none", samples,
                            {**p, "phase": phase},
                            {"per": "step (prefill: one sample, every turn's prompt)"})
+    yield from task_records(name, params, counters.graph, len(o.steps))
+
+
+def task_records(name: str, params: dict[str, ParamValue], graph: Any,
+                 n_steps: int) -> Iterator[Record]:
+    """The stage graph (kvbench.runtime.trace), one "trace.tasks" record per step."""
+    from kvbench.runtime.trace import COLUMNS, TRACE_VERSION
+
+    for step, tasks in sorted(graph.steps().items()):
+        if step > n_steps:  # an interrupted run's unfinished step
+            continue
+        rec = measured("run", name, "trace.tasks", "tasks", "none", [len(tasks)],
+                       {**params, "step": step, "phase": "decode" if step else "prefill"},
+                       {"trace_version": TRACE_VERSION, "columns": list(COLUMNS),
+                        "tasks": [t.row() for t in tasks],
+                        "per": "step: tasks with resource, work and the ids they wait for"})
+        yield rec
 
 
 def run_params(cfg: RunConfig, spec: ModelSpec, layers: int, device: Any, dtype: Any,

@@ -30,12 +30,18 @@ Prefill attention weights (H2O's and HGCA's initial scores) are never computed u
 attention mass [B, Hq, P] for the strategy that calls it (`q_start=N` for an append's T
 queries over N cached + T new keys: [B, Hq, N + T]).
 
-Work is reported into `ctx.counters` (kvbench.runtime.trace.Counters): `attended(where, q,
+Work is reported into `ctx.counters` (kvbench.runtime.context.Counters): `attended(where, q,
 n_kv)` for each attention computation (tokens, FLOPs, bytes read on device `where`:
-"accel" or "host"), `moved(link, nbytes)` for copies ("h2d", "d2h"), `add(quantity,
-where, value)` for anything else (e.g. `add("time", "bookkeeping", s)`, `add("time",
-"accel_idle", s)`). The runtime files these under the current (step, layer) and stores
-them as records.
+"accel" or "host"; `attention(where, tokens, flops, nbytes)` when the shapes do not say),
+`moved(link, nbytes)` for copies ("h2d", "d2h"), `add(quantity, where, value)` for
+anything else (e.g. `add("time", "bookkeeping", s)`, `add("time", "accel_idle", s)`). The
+runtime files these under the current (step, layer) and stores them as records; the same
+calls build the run's stage graph (kvbench.runtime.trace, what `kvbench project` re-times).
+A strategy that overlaps work says so with three hints: `with counters.fork(name):` (work
+beside the main chain, joined by the layer's output or `counters.join()`),
+`moved(link, n, ahead=k)` (a prefetch for layer + k), `with counters.background():` (work
+only the next step's same layer waits for); `counters.task(resource, op, **work)` adds
+work on a resource no counter covers ("cxl", "pnm").
 
 Parameters are a frozen dataclass in the class attribute `params`: `kvbench run NAME`
 gets one option per field (default = the field default, help = the `help` metadata),

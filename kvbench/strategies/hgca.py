@@ -127,7 +127,7 @@ class Hgca(Strategy):
         if not L.jobs:
             return
         c = self.ctx.counters
-        with c.timed("bookkeeping.handoff"):
+        with c.timed("bookkeeping.handoff", wait=True):
             took = [job.result() for job in L.jobs]
         L.jobs.clear()
         for phases in took:
@@ -144,8 +144,9 @@ class Hgca(Strategy):
         import torch
 
         n = k.shape[2]
-        self.ctx.counters.moved("d2h", (k.numel() + v.numel()) * k.element_size()
-                                + maw.numel() * 4)
+        with self.ctx.counters.background():  # the next step's same layer joins it
+            self.ctx.counters.moved("d2h", (k.numel() + v.numel()) * k.element_size()
+                                    + maw.numel() * 4)
         if n <= L.sk.shape[2]:
             return L.sk[:, :, :n], L.sv[:, :, :n], L.smaw[:, :, :n]
         # a prefill's or append's overflow: staged once, in fresh host buffers
@@ -244,8 +245,10 @@ class Hgca(Strategy):
         return parts[0] if len(parts) == 1 else merge(*parts[0], *parts[1])
 
     def _to_host(self, L: LayerKV, q: torch.Tensor) -> torch.Tensor:
-        """The queries on the host (copied before the accelerator work is queued)."""
-        self.ctx.counters.moved("d2h", q.numel() * q.element_size())
+        """The queries on the host (copied before the accelerator work is queued); the
+        stage graph's "host" fork beside the accelerator window."""
+        with self.ctx.counters.fork("host"):
+            self.ctx.counters.moved("d2h", q.numel() * q.element_size())
         return q.to(device="cpu", dtype=L.ck.dtype)
 
     def _host(self, L: LayerKV, q: torch.Tensor, qh: torch.Tensor | None,
@@ -264,8 +267,9 @@ class Hgca(Strategy):
         sel = Selection(self.idx[:, :nmax], L.lens, nmax)  # row r: KV_ctx[r, :lens[r]]
         out, lse = sparse_attention(qh, L.ck, L.cv, sel, causal=False, scale=self.scale,
                                     threads=self.p.cpu_threads, out=L.out, lse=L.lse)
-        c.moved("h2d", out.numel() * out.element_size() + lse.numel() * 4)
-        c.attended("host", q, int(L.lens.sum()) / len(L.lens))
+        with c.fork("host"):
+            c.attended("host", q, int(L.lens.sum()) / len(L.lens))
+            c.moved("h2d", out.numel() * out.element_size() + lse.numel() * 4)
         return out, lse
 
     def _count_selected(self, L: LayerKV, b: int) -> None:
@@ -313,8 +317,11 @@ class Hgca(Strategy):
             with c.timed("accel_idle"):
                 host = dense_attention(qh, L.hk[:, :, :nh], L.hv[:, :, :nh], causal=False,
                                        scale=self.scale, threads=self.p.cpu_threads)
-            c.attended("host", q, nh)
-            c.moved("h2d", host[0].numel() * host[0].element_size() + host[1].numel() * 4)
+            with c.fork("host"):
+                c.attended("host", q, nh)
+                c.moved("h2d", host[0].numel() * host[0].element_size()
+                        + host[1].numel() * 4)
+            c.join()
             with c.timed("bookkeeping.merge"):
                 out, _ = merge(out, lse, *host)
             self._submit(L, self._reselect, qh, host[1], nh)
@@ -359,6 +366,7 @@ class Hgca(Strategy):
         with c.timed("accel_idle"):
             host = self._host(L, q, qh, nmax)
         if host is not None:
+            c.join()
             with c.timed("bookkeeping.merge"):
                 out, _ = merge(out, lse_w, *host)
         full = L.n == self.w  # line 10: full after the append, evict the oldest block

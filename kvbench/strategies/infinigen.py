@@ -233,7 +233,8 @@ class InfiniGen(Strategy):
             kv_head = (torch.arange(hq) // g)[None, :, None]
             sel_k = self.host_k[nxt][bi, kv_head, hi]  # host gather [B, Hq, n', D]
             sel_v = self.host_v[nxt][bi, kv_head, hi]
-            counters.moved("h2d", 2.0 * sel_k.numel() * self.ctx.elem_bytes)
+            # a prefetch for layer i+1's attention (the stage graph's look-ahead)
+            counters.moved("h2d", 2.0 * sel_k.numel() * self.ctx.elem_bytes, ahead=1)
             if self.stream is None:
                 self.fetched[nxt] = (sel_k.to(q.device), sel_v.to(q.device))
                 return
@@ -271,7 +272,6 @@ class InfiniGen(Strategy):
         kc = torch.cat([fetched[0], k.repeat_interleave(g, 1)], dim=2)  # [B, Hq, n' + 1, D]
         vc = torch.cat([fetched[1], v.repeat_interleave(g, 1)], dim=2)
         b, hq, m, d = kc.shape
-        counters.add("tokens", "accel", 1.0 * b * m)
-        counters.add("flops", "accel", 4.0 * b * hq * m * d)
-        counters.add("bytes_read", "accel", 2.0 * kc.numel() * self.ctx.elem_bytes)
+        counters.attention("accel", 1.0 * b * m, 4.0 * b * hq * m * d,
+                           2.0 * kc.numel() * self.ctx.elem_bytes, q.numel() * self.ctx.elem_bytes)
         return dense_attention(q, kc, vc, causal=False)[0]

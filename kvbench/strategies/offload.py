@@ -72,7 +72,8 @@ class Offload(Strategy):
         n = self.length[layer]
         src = (self.hk[layer][:, :, :n], self.hv[layer][:, :, :n])
         dst = (self.sk[buf][:, :, :n], self.sv[buf][:, :, :n])
-        self.ctx.counters.moved("h2d", 2 * src[0].numel() * src[0].element_size())
+        # the next layer's attention waits for it (the stage graph's look-ahead)
+        self.ctx.counters.moved("h2d", 2 * src[0].numel() * src[0].element_size(), ahead=1)
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream())  # buf's last reader is done
             with torch.cuda.stream(self.stream):

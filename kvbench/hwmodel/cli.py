@@ -1,0 +1,96 @@
+"""The library behind `kvbench hardware list|show` and `kvbench project` (thin commands)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvbench.errors import require
+from kvbench.hwmodel.profile import Profile, load, names, rows
+from kvbench.hwmodel.scale import Shape
+
+
+def resolve(name: str, probe_files: list[Path], results: list[dict] | None = None) -> Profile:
+    """A profile by name / file, or 'this' from probe records; checked for the graph's
+    fields."""
+    if name != "this":
+        return load(name).check()
+    from kvbench.hwmodel.this import build
+    from kvbench.store import load as load_results
+
+    recs = [r for f in probe_files for r in load_results(f).records]
+    return build(recs + list(results or [])).check()
+
+
+def show_list() -> None:
+    from rich.table import Table
+
+    from kvbench.console import console
+
+    t = Table(title="hardware profiles (kvbench project --hardware NAME)")
+    for col in ("name", "description"):
+        t.add_column(col)
+    for n in names():
+        t.add_row(n, str(load(n).tables and _doc(n)))
+    t.add_row("this", "built from this machine's probe results (--probes FILE)")
+    console.print(t)
+
+
+def _doc(name: str) -> str:
+    from kvbench.hwmodel.profile import PROFILES, _read
+
+    return str(_read(PROFILES / f"{name}.toml", "hardware profile").get("description", ""))
+
+
+def show(name: str, probe_files: list[Path]) -> None:
+    from rich.table import Table
+
+    from kvbench.console import console
+
+    p = resolve(name, probe_files)
+    t = Table(title=f"hardware profile {p.name} ({p.path})")
+    for col in ("field", "value", "source"):
+        t.add_column(col, overflow="fold")
+    for field, value, source in rows(p):
+        t.add_row(field, value, source)
+    console.print(t)
+
+
+def target_shape(model: str | None, batch: int, prompt_len: int, gen_len: int,
+                 dtype: str) -> Shape | None:
+    """The --model/--batch/--prompt-len/--gen-len/--dtype target of a scaled projection."""
+    from kvbench.models import get_spec
+    from kvbench.units import dtype_name
+
+    if model is None:
+        return None
+    require(batch >= 1 and prompt_len >= 1 and gen_len >= 1,
+            "--batch, --prompt-len and --gen-len must be at least 1")
+    elem = {"float32": 4}.get(dtype_name(dtype), 2)
+    return Shape(get_spec(model), batch, prompt_len, gen_len, elem)
+
+
+def project(results: Path, hardware: list[str], probe_files: list[Path], memory: str,
+            out: Path | None, target: Shape | None = None, carried: bool = True) -> None:
+    from kvbench.console import wrote
+    from kvbench.envinfo import collect_env
+    from kvbench.hwmodel.project import records, runs
+    from kvbench.store import ResultWriter, default_out_path
+    from kvbench.store import load as load_results
+
+    require(memory in ("pinned", "pageable"), f"--memory '{memory}': pinned or pageable")
+    src = load_results(results).records
+    groups = runs(src, str(results))
+    profiles = [resolve(h, probe_files, src) for h in hardware]
+    path = out or default_out_path("project")
+    n = 0
+    with ResultWriter(path, collect_env()) as w:
+        for prof in profiles:
+            for recs in groups.values():
+                for rec in records(recs, prof, memory, target, carried):
+                    w.write(rec)
+                    n += 1
+    wrote(path)
+    from kvbench.console import err_console
+
+    err_console.print(f"{n} projected records: {len(groups)} run(s) x {len(profiles)} "
+                      "profile(s)")

@@ -1,0 +1,108 @@
+"""Validation table of issue 14 (a): measured vs projected decode step time (tbt median)
+and prefill time (ttft) per strategy, batch and prompt, on this machine.
+
+Reads measured.jsonl (the suite projection-validation), projected-before.jsonl and
+projected-after.jsonl (`kvbench project ... --hardware this` with the probes taken before
+and after the runs) and load.txt; writes table.md. Error = projected / measured - 1.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from kvbench.store import load
+
+HERE = Path(__file__).parent
+DROP = ("hardware", "where", "energy_devices")
+
+
+def _key(r: dict) -> tuple:
+    p = {k: v for k, v in r["params"].items() if k not in DROP}
+    return (r["name"], tuple(sorted((k, repr(v)) for k, v in p.items())))
+
+
+def _values(path: Path, provenance: str) -> dict[tuple, dict[str, float]]:
+    out: dict[tuple, dict[str, float]] = {}
+    if not path.exists():
+        return out
+    for r in load(path).records:
+        if r.get("kind") == "run" and r.get("provenance") == provenance \
+                and r["metric"] in ("tbt", "ttft") and r.get("status") == "ok":
+            out.setdefault(_key(r), {})[r["metric"]] = r["value"]
+            out[_key(r)]["_params"] = r["params"]  # type: ignore[assignment]
+    return out
+
+
+def _summary(errors: list[float]) -> str:
+    if not errors:
+        return "n/a"
+    a = [abs(e) for e in errors]
+    return f"median {statistics.median(a):.1%}, worst {max(a):.1%} (n={len(a)})"
+
+
+def main() -> None:
+    meas = _values(HERE / "measured.jsonl", "measured")
+    before = _values(HERE / "projected-before.jsonl", "projected")
+    after = _values(HERE / "projected-after.jsonl", "projected")
+    lines = ["| strategy | batch | prompt | measured tbt | projected tbt (probes before) | "
+             "error | projected tbt (probes after) | error | measured ttft | projected ttft "
+             "(before) | error |", "|---" * 11 + "|"]
+    err_b, err_a, err_t = [], [], []
+    for key in sorted(meas, key=lambda k: (k[0], str(meas[k]["_params"]["batch"]),
+                                            str(meas[k]["_params"]["prompt_len"]))):
+        m, p = meas[key], meas[key]["_params"]
+        b, a = before.get(key, {}), after.get(key, {})
+
+        def err(proj: dict, metric: str, acc: list[float], m: dict = m) -> str:
+            if metric not in proj:
+                return "-"
+            e = proj[metric] / m[metric] - 1
+            acc.append(e)
+            return f"{e:+.1%}"
+
+        eb, ea, et = err(b, "tbt", err_b), err(a, "tbt", err_a), err(b, "ttft", err_t)
+        lines.append(f"| {key[0]} | {p['batch']} | {p['prompt_len']} | {m['tbt'] * 1e3:.1f} ms | "
+                     f"{b.get('tbt', float('nan')) * 1e3:.1f} ms | {eb} | "
+                     f"{a.get('tbt', float('nan')) * 1e3:.1f} ms | {ea} | {m['ttft']:.2f} s | "
+                     f"{b.get('ttft', float('nan')):.2f} s | {et} |")
+    load_txt = (HERE / "load.txt").read_text() if (HERE / "load.txt").exists() else ""
+    text = "\n".join([
+        "# Projection validation on this machine (issue 14, validation a)",
+        "",
+        "Measured decode step time (tbt, median of 8 steps) and prefill time (ttft) of every",
+        "strategy against `kvbench project --hardware this`, the profile built from probes",
+        "taken just before the runs (and, for comparison, just after). Machine: the 2-core",
+        "CPU VM (no GPU: the accelerator role is the CPU), shared with other agents; runs",
+        "niced. Load average around each phase (1, 5, 15 min):",
+        "",
+        "```", load_txt.strip(), "```",
+        "",
+        f"- decode step time, probes before: {_summary(err_b)}",
+        f"- decode step time, probes after: {_summary(err_a)}",
+        f"- prefill time, probes before: {_summary(err_t)}",
+        "",
+        "Done-when bar of the issue: 15% median, 25% worst (decode step time). **Not met**",
+        "here, and not assessable on this machine: it was shared with other agents at load",
+        "averages of 18-135 on 2 cores while these ran, and its speed moved several-fold",
+        "between consecutive minutes (the roofline probe's peak went from 34 GFLOP/s at",
+        "01:41 to 12.5 at 02:12; offload and full, whose batch-1 decode steps do the same",
+        "dense work, measured 78 ms and 297 ms minutes apart). A projection from probes",
+        "taken at one moment cannot track that; the errors below are dominated by it. The",
+        "grid was cut at the deadline: all 8 strategies at batch 1 and prompt 32, and full",
+        "at batch 8 (the suite's other 23 cases did not run). Batch 8 also hit a pathology",
+        "of the oneDNN-packed weights under CPU oversubscription (0.04-0.8 GB/s in the",
+        "linear probe against 2-3 GB/s at batch 1). The prefill is far slower measured than",
+        "projected: the decoder packs its weights for the decode batch and the prompt's",
+        "rows run through that layout (not modelled).",
+        "Commands: `sh results/projection-validation/run.sh` (probes, the suite",
+        "`suites/projection-validation.toml`, probes again, two `kvbench project` calls,",
+        "then this script).",
+        "",
+        *lines, ""])
+    (HERE / "table.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+#!/bin/sh
+# Issue 14, validation (a): measured runs of every strategy on this machine against their
+# projection onto `--hardware this`, built from probes taken just before the runs (and,
+# to show how far the machine drifted meanwhile, from probes taken just after).
+# The 2-core VM is shared with other agents: everything runs under nice -n 10 and the load
+# average is logged around each phase (load.txt).
+set -e
+cd "$(dirname "$0")/../.."
+D=results/projection-validation
+K="nice -n 10 kvbench"
+probes() {
+  $K probe timer --out "$1"
+  $K probe roofline --model smollm2-135m --tokens 512 --matmul 1024 --linear-rows 1,8,32,128 --out "$1"
+  $K probe attention --heads 9 --kv-heads 3 --head-dim 64 --gpu-tokens 64 --host-tokens 64,256,1K \
+     --query 1 --dtype float32 --modes cpu-dense,cpu-sparse --batch 1,8 --out "$1"
+  $K probe bandwidth --src host:0 --dst host:0 --memory pageable --quick --no-bars --sizes 1K..16M --out "$1"
+}
+# `run.sh resume` continues an interrupted suite (probes-before kept)
+if [ "$1" != resume ]; then
+  rm -f $D/probes-before.jsonl $D/probes-after.jsonl $D/measured.jsonl $D/projected-*.jsonl
+  echo "before probes: $(cat /proc/loadavg)" > $D/load.txt
+  probes $D/probes-before.jsonl
+fi
+rm -f $D/probes-after.jsonl
+echo "before runs: $(cat /proc/loadavg)" >> $D/load.txt
+$K suite run suites/projection-validation.toml --resume --out $D/measured.jsonl || true
+echo "after runs: $(cat /proc/loadavg)" >> $D/load.txt
+probes $D/probes-after.jsonl
+echo "after probes: $(cat /proc/loadavg)" >> $D/load.txt
+kvbench project $D/measured.jsonl --hardware this --probes $D/probes-before.jsonl --out $D/projected-before.jsonl
+kvbench project $D/measured.jsonl --hardware this --probes $D/probes-after.jsonl --out $D/projected-after.jsonl
+python results/projection-validation/render.py

@@ -1,0 +1,255 @@
+"""Hardware profiles, the scheduler and `kvbench project` (issue 14)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvbench.cli import main
+from kvbench.hwmodel.profile import Curve, load, names, parse, rows
+from kvbench.hwmodel.schedule import Task, Timer, schedule
+from kvbench.runtime.trace import COLUMNS
+
+SHIPPED = ["h100-sxm", "h100-pcie", "h200", "a100-80gb-pcie4", "a6000-pcie4", "a6000-pcie3",
+           "l40s", "rtx4090", "a100-pnm"]
+
+
+def test_every_shipped_profile_is_complete_and_cites_each_field() -> None:
+    assert sorted(SHIPPED) == names()
+    for name in names():
+        p = load(name).check()
+        missing = [f for f, _, src in rows(p) if not src and not f.endswith("description")]
+        assert not missing, f"{name}: fields without a source: {missing}"
+        assert p.get("power", "accel_peak_w") and p.get("host", "peak_w")
+        assert p.get("price", "usd_per_hour")
+    pnm = load("a100-pnm")
+    assert (pnm.get("pnm", "memory_gbps"), pnm.get("pnm", "peak_tflops"),
+            pnm.get("pnm", "memory_gib")) == (1100, 8.0, 512)  # CXL-PNM Table 2
+
+
+def test_curve_from_peak_and_latency_and_log_interpolation() -> None:
+    c = Curve.of({"peak_gbps": 25.0, "latency_us": 10.0}, "t")
+    # a 1 MiB copy: 10 us + 1048576 B / 25e9 B/s
+    assert c.seconds(1 << 20) == pytest.approx(10e-6 + (1 << 20) / 25e9, rel=1e-9)
+    m = Curve.of({"sizes": [1024, 4096], "gbps": [1.0, 3.0]}, "t")
+    assert m.at(2048) == pytest.approx(2.0)  # halfway in log size
+    assert m.at(1) == 1.0 and m.at(1 << 30) == 3.0  # flat beyond the ends
+    # four copies of 1 KiB each run at the 1 KiB rate, not the 4 KiB one
+    assert m.seconds(4096, copies=4) == pytest.approx(4096 / 1e9)
+
+
+def _profile(shares_host: bool = False) -> object:
+    return parse({"name": "t",
+                  "accel": {"memory_gbps": 100.0, "peak_tflops": {"float32": 1.0},
+                            "attention_gbps": 50.0, "launch_us": 1.0,
+                            "shares_host": shares_host},
+                  "host": {"attention_gbps": 10.0, "launch_us": 2.0},
+                  "h2d": {"pageable": 5.0}, "d2h": {"pageable": 5.0}}).check()
+
+
+def _task(i: int, res: str, op: str, after: list[int], step: int = 1, bg: bool = False,
+          **work: float) -> Task:
+    return Task(i, step, 0, res, op, work, after, bg)
+
+
+def test_schedule_overlaps_forks_and_serialises_a_shared_host() -> None:
+    dense = {"flops": 2e9, "bytes_read": 1e8, "launches": 10.0}  # 2 ms compute > 1 ms bytes
+    graph = [_task(0, "accel", "pre", [], **dense),
+             _task(1, "host", "attention", [0], bytes_read=3e7),  # 3 ms on the host
+             _task(2, "accel", "attention", [0], bytes_read=1e8),  # 2 ms on the accel
+             _task(3, "accel", "post", [1, 2], **dense)]
+    pre = 2e-3 + 10e-6
+    host = 3e-3
+    alone = schedule(graph, Timer(_profile(), "float32", "pageable"))[0].seconds
+    assert alone == pytest.approx(pre + max(host, 2e-3) + pre)  # host beside the accel
+    shared = schedule(graph, Timer(_profile(True), "float32", "pageable"))[0].seconds
+    assert shared == pytest.approx(pre + host + 2e-3 + pre)  # one CPU does both
+
+
+def test_background_work_delays_the_next_step_only_through_its_resource() -> None:
+    graph = [_task(0, "accel", "pre", [], flops=1e9),  # 1 ms
+             _task(1, "d2h", "copy", [0], bg=True, bytes_moved=5e7),  # 10 ms, in background
+             _task(2, "accel", "pre", [0], step=2, flops=1e9),
+             _task(3, "d2h", "copy", [2], step=2, bytes_moved=5e6)]  # waits for the engine
+    steps = schedule(graph, Timer(_profile(), "float32", "pageable"))
+    assert steps[0].seconds == pytest.approx(1e-3)
+    assert steps[1].seconds == pytest.approx(11e-3)  # the engine is busy until 11 ms
+
+
+def _trace_file(path: Path, rows_: list[list], version: int = 2) -> Path:
+    base = {"schema_version": 1, "kind": "run", "name": "full", "unit": "tasks",
+            "direction": "none", "status": "ok", "provenance": "measured", "command": "x",
+            "params": {"batch": 2, "dtype": "float32"}}
+    lines = []
+    for step in (0, 1):
+        rec = {**base, "metric": "trace.tasks", "value": 1.0,
+               "params": {**base["params"], "step": step},
+               "method": {"trace_version": version, "columns": list(COLUMNS),
+                          "tasks": [[step * 10 + r[0], *r[1:-2], [step * 10 + a for a in r[-2]],
+                                     r[-1]] for r in rows_]}}
+        lines.append(json.dumps(rec))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _row(i: int, res: str, op: str, after: list[int], **work: float) -> list:
+    from kvbench.runtime.trace import WORK
+
+    return [i, 0, res, op, *(work.get(w, 0.0) for w in WORK), after, False]
+
+
+def test_project_on_a_toml_profile_writes_labelled_projected_records(tmp_path: Path) -> None:
+    prof = tmp_path / "p.toml"
+    prof.write_text('name = "mine"\n[accel]\nmemory_gbps = 100.0\npeak_tflops = 1.0\n'
+                    'attention_gbps = 50.0\nlaunch_us = 1.0\n[host]\nattention_gbps = 10.0\n'
+                    'launch_us = 2.0\n[h2d]\npageable = 5.0\n[d2h]\npageable = 5.0\n'
+                    '[power]\naccel_idle_w = 10.0\naccel_peak_w = 110.0\n')
+    src = _trace_file(tmp_path / "run.jsonl",
+                      [_row(0, "accel", "head", [], flops=4e9, launches=0.0)])  # 4 ms
+    out = tmp_path / "proj.jsonl"
+    with pytest.raises(SystemExit) as e:
+        main(["project", str(src), "--hardware", str(prof), "--out", str(out)])
+    assert e.value.code == 0
+    recs = {r["metric"]: r for r in map(json.loads, out.read_text().splitlines())
+            if r["kind"] == "run"}
+    assert all(r["provenance"] == "projected" and r["params"]["hardware"] == "mine"
+               and r["method"]["source_run"] == "x" for r in recs.values())
+    assert recs["tbt"]["value"] == pytest.approx(4e-3)
+    assert recs["decode_tokens_per_s"]["value"] == pytest.approx(2 / 4e-3)
+    # busy the whole step: 110 W * 4 ms over 2 tokens
+    assert recs["energy_per_token"]["value"] == pytest.approx(110 * 4e-3 / 2)
+
+
+def _probe_file(path: Path) -> Path:
+    def rec(name: str, metric: str, value: float, **params: object) -> str:
+        return json.dumps({"schema_version": 1, "kind": "probe", "name": name,
+                           "metric": metric, "value": value, "status": "ok",
+                           "params": params, "unit": "", "env_id": "e", "direction": "higher",
+                           "provenance": "measured"})
+    lines = [rec("roofline", "peak_flops", 0.002, device="cpu", dtype="float32"),
+             rec("roofline", "memory_gbps", 8.0, device="cpu"),
+             rec("timer", "op_overhead", 4.0, device="cpu"),
+             rec("attention", "kv_read_gbps", 2.0, mode="cpu-dense", kv_bytes=1024),
+             rec("attention", "kv_read_gbps", 4.0, mode="cpu-dense", kv_bytes=4096)]
+    lines += [rec("bandwidth", "bandwidth", g, src="host:0", dst="host:0", memory="pageable",
+                  size=s) for s, g in ((1024, 1.0), (1 << 20, 6.0))]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_hardware_this_from_probe_records(tmp_path: Path) -> None:
+    probes = _probe_file(tmp_path / "probes.jsonl")
+    src = _trace_file(tmp_path / "run.jsonl", [
+        _row(0, "accel", "pre", [], flops=2e6, bytes_read=8e6, launches=5.0),  # 1 ms + 20 us
+        _row(1, "h2d", "copy", [0], bytes_moved=2048.0, copies=2.0),  # 2 x 1 KiB at 1 GB/s
+        _row(2, "host", "attention", [1], bytes_read=4096.0, launches=1.0)])  # shares the CPU
+    out = tmp_path / "proj.jsonl"
+    with pytest.raises(SystemExit) as e:
+        main(["project", str(src), "--hardware", "this", "--probes", str(probes),
+              "--memory", "pageable", "--out", str(out)])
+    assert e.value.code == 0
+    recs = {r["metric"]: r for r in map(json.loads, out.read_text().splitlines())
+            if r["kind"] == "run"}
+    expect = 1e-3 + 20e-6 + 2048 / 1e9 + 4096 / 4e9 + 4e-6
+    assert recs["tbt"]["value"] == pytest.approx(expect)
+    assert recs["energy_per_token"]["status"] == "waived"
+
+
+def _v1_file(path: Path) -> Path:
+    path.write_text(json.dumps({"schema_version": 1, "kind": "run", "name": "full",
+                                "metric": "trace.flops", "value": 1.0, "status": "ok",
+                                "params": {"layer": 0}, "unit": "FLOP", "direction": "none",
+                                "provenance": "measured"}) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("case, message", [
+    ("unknown", "unknown hardware profile 'nope'"),
+    ("missing", "has no field 'accel.memory_gbps'"),
+    ("no-trace", "no run trace to project (make one with `kvbench run STRATEGY --out FILE`)"),
+    ("v1", "an older trace (per-quantity counters, version 1)"),
+    ("old-version", "trace version 1; kvbench project reads version 2"),
+    ("this-no-probes", "needs peak_flops from the roofline probe"),
+])
+def test_project_bad_input_exits_2(case: str, message: str, tmp_path: Path, capsys) -> None:
+    src = _trace_file(tmp_path / "run.jsonl", [_row(0, "accel", "head", [], flops=1.0)])
+    hw = "a6000-pcie4"
+    if case == "unknown":
+        hw = "nope"
+    elif case == "missing":
+        hw = str(tmp_path / "bad.toml")
+        Path(hw).write_text('[accel]\npeak_tflops = 1.0\n')
+    elif case == "no-trace":
+        src.write_text(json.dumps({"schema_version": 1, "kind": "probe", "name": "timer",
+                                   "metric": "x", "value": 1.0, "status": "ok", "unit": "ns",
+                                   "direction": "lower", "provenance": "measured"}) + "\n")
+    elif case == "v1":
+        _v1_file(src)
+    elif case == "old-version":
+        _trace_file(src, [_row(0, "accel", "head", [], flops=1.0)], version=1)
+    elif case == "this-no-probes":
+        hw = "this"
+    with pytest.raises(SystemExit) as e:
+        main(["project", str(src), "--hardware", hw, "--out", str(tmp_path / "o.jsonl")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_hardware_list_and_show(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["hardware", "list"])
+    assert e.value.code == 0
+    assert "a6000-pcie4" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["hardware", "show", "a100-pnm"])
+    assert e.value.code == 0
+    assert "CXL-PNM Table 2" in capsys.readouterr().out
+
+
+def test_scale_to_a_larger_shape_recomputes_dense_and_scales_kv_not_activations() -> None:
+    from kvbench.hwmodel.scale import Shape, scale
+    from kvbench.models import get_spec
+    from kvbench.runtime.trace import dense_work
+
+    src = Shape(get_spec("smollm2-135m"), 1, 100, 1, 4)
+    tgt = Shape(get_spec("opt-6.7b"), 2, 199, 1, 2)
+    kv_copy = 2.0 * 3 * 64 * 4 * 50  # 50 tokens of K and V of one layer
+    q_copy = 9 * 64 * 4.0  # one query
+    graph = [_task(0, "accel", "pre", [], step=1, rows=1.0),
+             _task(1, "d2h", "copy", [0], step=1, bytes_moved=q_copy, copies=1.0),
+             _task(2, "h2d", "copy", [0], step=1, bytes_moved=kv_copy, copies=1.0),
+             _task(3, "accel", "post", [1, 2], step=1, rows=1.0)]
+    out = scale(graph, src, tgt)
+    assert len(out) == 4 * 32  # every target layer replays the source layer
+    assert out[0].work == dense_work(tgt.spec, "pre", 2, 2)
+    # context 101 -> 200 tokens, batch 2, kv per token 2*32*128*2 B vs 2*3*64*4 B
+    c = 200 / 101
+    assert out[2].work["bytes_moved"] == pytest.approx(kv_copy * 2 * c * (32 * 128 * 2)
+                                                       / (3 * 64 * 4))
+    assert out[1].work["bytes_moved"] == pytest.approx(q_copy * 2 * (32 * 128) / (9 * 64))
+    assert out[3].after == [1, 2] and out[4].after == [3]  # layer order kept
+
+
+def test_energy_meter_reads_rapl_with_wraparound_and_waives_without(tmp_path: Path) -> None:
+    from kvbench.runtime.energy import Meter
+
+    pkg = tmp_path / "sys/class/powercap/intel-rapl:0"
+    pkg.mkdir(parents=True)
+    (pkg / "max_energy_range_uj").write_text("1000000\n")
+    (pkg / "energy_uj").write_text("900000\n")
+    (tmp_path / "sys/class/powercap/intel-rapl:0:0").mkdir()  # a sub-domain: not summed
+    m = Meter(tmp_path)
+    m.start()
+    (pkg / "energy_uj").write_text("100000\n")  # wrapped: 0.1 J to the top, 0.1 J after
+    m.stop()
+    recs = {r.params["where"]: r for r in m.records("full", {"batch": 1}, 4)}
+    assert recs["host"].value == pytest.approx(0.2 / 4)
+    assert recs["accel"].status == "waived" and "no GPU" in recs["accel"].reason
+    none = Meter(tmp_path / "nowhere")
+    none.start()
+    none.stop()
+    (host,) = [r for r in none.records("full", {}, 1) if r.params["where"] == "host"]
+    assert host.status == "waived" and "RAPL not exposed" in host.reason
