@@ -241,7 +241,8 @@ def test_bad_input_exits_2(args: list[str], message: str, capsys, tmp_path: Path
 
 def test_run_records(capsys, tmp_path: Path) -> None:
     """`kvbench run scout`: the breakdown carries the host's share per step, the predicted
-    query's cosine, the accelerator's idle share and the parameters' open choices."""
+    query's cosine (waived: random weights), the accelerator's idle share and the
+    parameters' open choices."""
     out = tmp_path / "x.jsonl"
     code, _ = _cli(["--budget-tokens", "32", "--page-size", "8", "--dense-layers", "1",
                     "--recall-interval", "2", "--out", str(out)], capsys)
@@ -249,6 +250,7 @@ def test_run_records(capsys, tmp_path: Path) -> None:
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     runs = {r["metric"]: r for r in recs if r.get("kind") == "run"}
     assert {"cpu_compute_ratio_per_step", "query_cosine", "accel_idle_share"} <= set(runs)
+    assert runs["query_cosine"]["status"] == "waived"  # random weights
     p = runs["tbt"]["params"]
     assert p["topk_per"] == "kv" and p["interval_mean"] == 2.0 and p["precompute"] is True
     assert p["layer0"] and p["accel_blocks"]

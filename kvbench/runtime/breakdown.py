@@ -20,7 +20,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
-from kvbench.schema import ParamValue, Record, measured
+from kvbench.schema import ParamValue, Record, measured, not_measured
 
 
 def derived(name: str, params: dict[str, ParamValue], steps: list[float],
@@ -75,7 +75,10 @@ def derived(name: str, params: dict[str, ParamValue], steps: list[float],
             ("q_cosine", "query_cosine", "higher", min)):
         by_layer = {layer: statistics.fmean(v) for (q, _, layer), v in per_layer.items()
                     if q == quantity and v}
-        if by_layer:
+        if by_layer and quantity == "q_cosine" and params.get("weights") == "random":
+            yield not_measured("run", name, metric, "waived", "random weights: the predicted "
+                               "query's cosine is meaningless", params)
+        elif by_layer:
             worst = worst_of(by_layer, key=by_layer.__getitem__)
             yield measured("run", name, metric, "ratio", direction, list(by_layer.values()),
                            params,
