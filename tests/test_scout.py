@@ -53,7 +53,8 @@ def _part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tens
     return (w[:, None] * v.double()).sum(0), float(torch.logsumexp(logits, 0))
 
 
-def test_decode_matches_algorithm_1() -> None:
+@pytest.mark.parametrize("per", ["kv", "query"])
+def test_decode_matches_algorithm_1(per: str) -> None:
     """Layer 1 of a 2-layer run (layer 0 dense): resident = top C blocks by the prompt's last
     query; the predicted query picks the blocks (window + top); the accelerator attends the
     resident ones with the real query, the host the others with the predicted one; merged
@@ -61,7 +62,7 @@ def test_decode_matches_algorithm_1() -> None:
     g = torch.Generator().manual_seed(0)
     s_, n0, c_res = 4, 22, 2  # blocks of 4; 5 full blocks + 2 tokens in the window block
     s = Scout(ScoutParams(budget_tokens=16, page_size=s_, resident_blocks=c_res,
-                          dense_layers=1, recall_interval=1), _ctx(40))
+                          dense_layers=1, recall_interval=1, topk_per=per), _ctx(40))
     k = torch.randn(2, 2, n0, 8, generator=g)
     v = torch.randn(2, 2, n0, 8, generator=g)
     qp = torch.randn(2, 6, n0, 8, generator=g)
@@ -84,11 +85,14 @@ def test_decode_matches_algorithm_1() -> None:
             group = range(3 * kh, 3 * kh + 3)
             resident = _top([sum(_bound(qp[b, h, -1], x) for h in group) for x in blocks],
                             c_res)
-            chosen = _top([sum(_bound(pred[b, h, 0], x) for h in group) for x in blocks], 3)
-            on = [t for p in sorted(chosen & resident) for t in range(p * s_, p * s_ + s_)]
-            on += list(range(20, 23))  # the window block, the new token included
-            off = [t for p in sorted(chosen - resident) for t in range(p * s_, p * s_ + s_)]
             for h in group:
+                heads = [h] if per == "query" else group  # whose bounds are summed
+                chosen = _top([sum(_bound(pred[b, x, 0], blk) for x in heads)
+                               for blk in blocks], 3)
+                on = [t for p in sorted(chosen & resident) for t in range(p * s_, p * s_ + s_)]
+                on += list(range(20, 23))  # the window block, the new token included
+                off = [t for p in sorted(chosen - resident) for t in range(p * s_,
+                                                                            p * s_ + s_)]
                 oa, la = _part(q[b, h, 0], k[b, kh, on], v[b, kh, on])
                 if off:
                     oh, lh = _part(pred[b, h, 0], k[b, kh, off], v[b, kh, off])

@@ -211,7 +211,7 @@ class Scout(Strategy):
 
     # -- blocks: window, resident set, selection --------------------------------------------
 
-    def _blocks(self, t: torch.Tensor, layer: int, first: int, last: int) -> torch.Tensor:
+    def _blocks(self, t: torch.Tensor, first: int, last: int) -> torch.Tensor:
         """Blocks first..last-1 of a k/v buffer t [B, Hkv, >= last * S, D] as a view
         [B, Hkv, last - first, S, D]."""
         s = self.p.page_size
@@ -223,7 +223,7 @@ class Scout(Strategy):
         if bool(mask.any()):
             m = mask.shape[2]
             for t in (self.acc_k[layer], self.acc_v[layer]):
-                self._blocks(t, layer, first, first + m)[mask] = float("nan")
+                self._blocks(t, first, first + m)[mask] = float("nan")
 
     def _slide(self, layer: int, n_tot: int) -> None:
         """Blocks leaving the window at n_tot tokens stay resident while fewer than C are."""
@@ -401,13 +401,13 @@ class Scout(Strategy):
                     * self.ctx.elem_bytes)
             for src, dst in ((self.host_k[layer], self.acc_k[layer]),
                              (self.host_v[layer], self.acc_v[layer])):
-                blocks = self._blocks(src, layer, 0, ws)[hb, hh, hj]  # [m, S, D]
+                blocks = self._blocks(src, 0, ws)[hb, hh, hj]  # [m, S, D]
                 if self.stream is None:
-                    self._blocks(dst, layer, 0, ws)[b, h, j] = blocks
+                    self._blocks(dst, 0, ws)[b, h, j] = blocks
                     continue
                 self.stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(self.stream):  # lands before this layer's next step
-                    self._blocks(dst, layer, 0, ws)[b, h, j] = blocks.pin_memory().to(
+                    self._blocks(dst, 0, ws)[b, h, j] = blocks.pin_memory().to(
                         dst.device, non_blocking=True)
                 for t in (b, h, j):  # freed by the main stream only after the copy
                     t.record_stream(self.stream)
