@@ -113,6 +113,36 @@ def test_decode_matches_algorithm_1(per: str) -> None:
     assert abs(c.step_total("q_cosine", "predicted", 1) - float(cos)) < 1e-6
 
 
+@pytest.mark.parametrize("rule", ["score", "lru"])
+def test_recall_evicts_by_rule(rule: str) -> None:
+    """A recall makes the real query's top C blocks resident and evicts, of the resident
+    blocks outside them, the lowest-scoring ("score") or least recently selected ("lru")."""
+    g = torch.Generator().manual_seed(5)
+    s = Scout(ScoutParams(budget_tokens=16, page_size=4, resident_blocks=3, dense_layers=1,
+                          recall_evict=rule), _ctx(40))
+    k = torch.randn(2, 2, 26, 8, generator=g)
+    s.prefill(1, torch.randn(2, 6, 26, 8, generator=g), k, torch.randn(2, 2, 26, 8,
+                                                                         generator=g))
+    s.res[1][:, :, :6] = torch.tensor([True, True, True, False, False, False])
+    s.used[1][:, :, :6] = torch.tensor([3.0, 1.0, 2.0, 0.0, 0.0, 0.0])
+    q = torch.randn(2, 6, 1, 8, generator=g)
+    s._recall(1, q)
+    for b in range(2):
+        for kh in range(2):
+            blocks = [k[b, kh, p * 4:(p + 1) * 4] for p in range(6)]
+            scores = [sum(_bound(q[b, h, 0], x) for h in range(3 * kh, 3 * kh + 3))
+                      for x in blocks]
+            target = _top(scores, 3)
+            cand = sorted({0, 1, 2} - target,
+                          key=lambda p: scores[p] if rule == "score" else [3, 1, 2][p])
+            evicted = set(cand[:len(target - {0, 1, 2})])
+            want = ({0, 1, 2} - evicted) | target
+            assert set(s.res[1][b, kh, :6].nonzero().flatten().tolist()) == want
+            for p in evicted:  # the accelerator's copy is gone
+                assert s.acc_k[1][b, kh, p * 4:(p + 1) * 4].isnan().all()
+    assert s.ctx.counters.step_total("pages", "evicted", 0) > 0
+
+
 def test_window_blocks_stay_resident_while_there_is_room() -> None:
     """A block leaving the window stays on the accelerator while fewer than C are resident,
     else it is host-only (its accelerator copy is cleared to NaN)."""

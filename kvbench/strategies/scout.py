@@ -80,7 +80,8 @@ class ScoutParams:
         "help": "Tokens attended per decode step and layer (whole blocks, the current one "
                 "included), capped by the context; a budget covering it is exact."})
     page_size: int = field(default=32, metadata={
-        "help": "Tokens per block (S).", "aliases": ("block_size",)})
+        "help": "Tokens per block (S); --block-size is the same option.",
+        "aliases": ("block_size",)})
     resident_blocks: int = field(default=0, metadata={
         "help": "Full blocks resident on the accelerator per layer and KV head (0: budget / "
                 "S, the top-k set after prefill)."})
