@@ -43,8 +43,10 @@ def filtered(paths: list[Path], out: Path) -> list[dict]:
     return kept
 
 
-def pick(records: list[dict], metric: str, **params: object) -> list[dict]:
+def pick(records: list[dict], metric: str, name: str | None = None,
+         **params: object) -> list[dict]:
     return [r for r in records if r["metric"] == metric and r["status"] == "ok"
+            and (name is None or r["name"] == name)
             and all(r["params"].get(k) == v for k, v in params.items())]
 
 
@@ -82,7 +84,7 @@ def _case(r: dict) -> str:
 
 
 def ratio_table(records: list[dict]) -> list[str]:
-    rows = pick(records, "cpu_compute_ratio_per_step", prompt_len=1024)
+    rows = pick(records, "cpu_compute_ratio_per_step", prompt_len=1024, mode="eval")
     if not rows:
         return ["(ratio.jsonl not run)"]
     out = ["| case | mean ratio | first 8 steps | last 8 steps | max | pages recalled/step "
@@ -90,17 +92,17 @@ def ratio_table(records: list[dict]) -> list[str]:
            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         s, p = r["samples"], r["params"]
-        rec = pick(records, "pages_recalled_per_step", **p)
-        byt = pick(records, "bytes_moved_per_step", **{**p, "where": "h2d.recall"})
-        ppl = pick(records, "perplexity", **p)
-        top = pick(records, "top10_recall", **p)
+        rec = pick(records, "pages_recalled_per_step", "scout", **p)
+        byt = pick(records, "bytes_moved_per_step", "scout", **{**p, "where": "h2d.recall"})
+        ppl = pick(records, "perplexity", "scout", **p)
+        top = pick(records, "top10_recall", "scout", **p)
         def first(x: list[dict], fmt: str, scale: float = 1.0) -> str:
             return format(statistics.fmean(x[0]["samples"]) * scale if x[0]["samples"]
                           else x[0]["value"], fmt) if x else "-"
 
         out.append(f"| {_case(r)} | {statistics.fmean(s):.1%} | {statistics.fmean(s[:8]):.1%}"
                    f" | {statistics.fmean(s[-8:]):.1%} | {max(s):.1%} | {first(rec, '.1f')} | "
-                   f"{first(byt, '.1f', 1e-3)} kB | {p.get('interval_mean') or '-'} | "
+                   f"{first(byt, '.1f', 1e-3)} kB | {p.get('interval_mean') or 0:.1f} | "
                    f"{ppl[0]['value'] if ppl else '-':.4} | "
                    f"{top[0]['value'] if top else '-':.3} |")
     out += ["| paper Fig. 6a, no recall (Qwen3-8B) | rises with steps | | | | | | | | |",
@@ -130,7 +132,8 @@ def ppl_table(records: list[dict]) -> list[str]:
                             **proto, budget_tokens=64) if r["name"] == "quest"]
     rows += pick(records, "perplexity", **proto)
     if not full or len(rows) < 2:
-        return ["(ppl.jsonl not run)"]
+        return ["(not run: suites/scout-ppl.toml was stopped for the session's time; its "
+                "two 511-step cases did not finish on the loaded machine)"]
     f = full[0]["value"]
     out = [f"Full attention: {f:.3f} (results/page-sparse)", "",
            "| strategy | setting | perplexity | vs full | tokens attended (accel + host) | "
@@ -169,14 +172,14 @@ def speed_table(records: list[dict]) -> list[str]:
         setting = "" if r["name"] != "scout" else (
             "precompute" if p.get("precompute") else "no precompute") + (
             ", recall" if p.get("recall") else ", no recall")
-        get = {m: pick(records, m, **p) for m in ("decode_tokens_per_s", "accel_idle_share",
-                                                  "bookkeeping_share")}
-        host = pick(records, "tokens_attended_per_step", **{**p, "where": "host"})
-        cells = [f"{get[m][0]['value']:.2f}" if get[m] else "-" for m in get]
+        get = {m: pick(records, m, r["name"], **p) for m in (
+            "decode_tokens_per_s", "accel_idle_share", "bookkeeping_share")}
+        host = pick(records, "tokens_attended_per_step", r["name"], **{**p, "where": "host"})
+        cells = [f"{get[m][0]['value']:.3f}" if get[m] else "-" for m in get]
         cells.append(f"{host[0]['value']:.0f}" if host else "-")
         out.append(f"| {r['name']} | {setting} | {r['value'] * 1e3:.0f} ms | "
                    + " | ".join(cells) + " |")
-    out += ["| paper Fig. 11 (Qwen3-14B, 32K?, GPU) | scout / HGCA / InfiniGen | | | "
+    out += ["| paper Fig. 11 (Qwen3-14B, GPU) | scout / HGCA / InfiniGen | | | "
             "idle 6% / 57% / 61% | | |",
             "| paper Fig. 12 | PC 1.39x, PR a further 1.20x | | | | | |"]
     return out
@@ -202,7 +205,9 @@ def main() -> None:
           "## 4. Decode time and accelerator idle share, batch 1, CPU only (not Fig. 11)", "",
           "Measured with the accelerator role on the CPU: the host worker and the "
           "'accelerator' share 2 loaded cores, so idle shares and times are this machine's, "
-          "not a GPU's.", "", *speed_table(recs), ""]
+          "not a GPU's; with load averages of 20-40 on the 2 cores while these ran, the "
+          "step times of different runs are not comparable to each other either.", "",
+          *speed_table(recs), ""]
     (HERE / "table.md").write_text("\n".join(md))
 
 
