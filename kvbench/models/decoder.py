@@ -90,6 +90,7 @@ class Decoder(nn.Module):
     """
 
     layers: nn.ModuleList
+    random_weights = False  # seeded random weights (kvbench.models.weights): no trained q
 
     def __init__(self, spec: ModelSpec, n_layers: int) -> None:
         super().__init__()

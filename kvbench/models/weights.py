@@ -103,6 +103,7 @@ def _random(spec: ModelSpec, n_layers: int, dtype: torch.dtype, device: torch.de
                 p.zero_()
             else:
                 p.fill_(1.0)
+    model.random_weights = True
     return model.eval()
 
 

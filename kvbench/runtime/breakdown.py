@@ -20,7 +20,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
-from kvbench.schema import ParamValue, Record, measured
+from kvbench.schema import ParamValue, Record, measured, not_measured
 
 
 def derived(name: str, params: dict[str, ParamValue], steps: list[float],
@@ -45,6 +45,12 @@ def derived(name: str, params: dict[str, ParamValue], steps: list[float],
             yield measured("run", name, f"pages_{where}_per_step", "pages", "none", v,
                            params, {**method, "per": "decode step: pages summed over "
                                     "layers, sequences and KV heads"})
+        elif quantity == "cpu_ratio":  # scout: host tokens / budget, per sparse layer
+            n_layers = sum(1 for (q, w, _) in per_layer if (q, w) == (quantity, where))
+            yield measured("run", name, "cpu_compute_ratio_per_step", "ratio", "lower",
+                           [x / n_layers for x in v], params,
+                           {**method, "per": "decode step: tokens attended on the host / "
+                                   "budget, mean over the layers that report it"})
         elif quantity == "tokens" and where in ("accel", "host"):
             layers, batch = int(params["layers"]), int(params["batch"])  # type: ignore[arg-type]
             yield measured("run", name, "tokens_attended_per_step", "tokens/layer", "none",
@@ -65,10 +71,14 @@ def derived(name: str, params: dict[str, ParamValue], steps: list[float],
     yield from _selected(name, params, per_layer)
     for quantity, metric, direction, worst_of in (
             ("rel_error", "attention_rel_error", "lower", max),
-            ("topk_recall", "top10_recall", "higher", min)):
+            ("topk_recall", "top10_recall", "higher", min),
+            ("q_cosine", "query_cosine", "higher", min)):
         by_layer = {layer: statistics.fmean(v) for (q, _, layer), v in per_layer.items()
                     if q == quantity and v}
-        if by_layer:
+        if by_layer and quantity == "q_cosine" and params.get("weights") == "random":
+            yield not_measured("run", name, metric, "waived", "random weights: the predicted "
+                               "query's cosine is meaningless", params)
+        elif by_layer:
             worst = worst_of(by_layer, key=by_layer.__getitem__)
             yield measured("run", name, metric, "ratio", direction, list(by_layer.values()),
                            params,

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 # quantity -> unit of its records
 UNITS = {"tokens": "tokens", "flops": "FLOP", "bytes_read": "B", "bytes_moved": "B",
          "time": "s", "rel_error": "ratio", "pages": "pages",
-         "topk_recall": "ratio"}
+         "topk_recall": "ratio", "cpu_ratio": "ratio", "q_cosine": "ratio"}
 
 
 class Counters:

@@ -1,0 +1,426 @@
+"""ScoutAttention: layer-ahead host attention with a predicted query, periodic block recall.
+
+Zhang et al., "ScoutAttention" (DAC 2026; spec sheet section 1), Algorithm 1 and sections
+3.2-3.4. KV is cut into blocks of S tokens (`--page-size`, alias `--block-size`, default 32)
+with Quest min/max key digests on the accelerator (section 3.2, kvbench.strategies._pages).
+The host holds every token's K/V; the accelerator holds the digests, the last
+`--window-pages` blocks (the current one included; the new token's K/V is written to both)
+and a set of C resident full blocks (`--resident-blocks`, 0: budget / S, i.e. the top-k set
+chosen after prefill by the prompt's last query). A block leaving the window stays resident
+while fewer than C are; otherwise it is host-only until a recall brings it back.
+
+Decode step, layer i (Algorithm 1): `layer_input(i, x)` predicts layer i+1's query from
+layer i's normed input with layer i+1's W_q and RoPE at the current position (L4), scores
+the digests and takes the top blocks within `--budget-tokens` (default 2048, capped by the
+context; sinks and window always in, L5), and sends attention of the *predicted* query over
+the selected blocks that are not on the accelerator (L6) to a host worker thread (L7). At
+layer i+1 the accelerator attends the selected blocks that are (B_pred & B_gpu, disjoint
+from the host's share) with the real query (L9-L10), joins the worker (the wait is
+`accel_idle`) and merges by log-sum-exp (L12). The worker runs the native kernel through
+ctypes, which releases the GIL (a Python thread beside a long kernel call keeps ~50% of its
+solo rate on 2 loaded cores; the wrapper's own Python still needs it). Without a layer ahead
+(layer 0 when `--dense-layers 0`) or with `--no-precompute` (Fig. 12's ablation) the real
+query selects and the host part runs during the layer's own attention.
+
+Periodic recall (section 3.4): after layer l's attention at every R_l-th step the top C
+full blocks by the real query's digest scores become resident: missing ones are copied
+host -> accelerator (a side CUDA stream, waited for at that layer's next step; inline on a
+CPU-only machine), evicting resident blocks outside that set by `--recall-evict`: lowest
+score ("score") or least recently selected ("lru"). R_l comes from `--recall-intervals FILE`
+(kvbench.strategies._scout_recall) or `--recall-interval` for every layer; `--calibrate-recall
+FILE` runs without recall and writes the intervals for `--tau` at the end of the run.
+
+Open choices, recorded: top-k per KV head by default (`--topk-per kv`: one set per GQA
+group, what a resident set and a block-sparse kernel share; "query": per query head), the
+first `--dense-layers` (default 2, as Quest) keep all KV on the accelerator, the layer-0
+rule (`layer0`), the accelerator's set (`accel_blocks`).
+Records: per layer "q_cosine" (predicted vs real query, mean over batch and heads), per step
+"cpu_ratio" (host tokens / min(budget, context)), pages recalled/evicted and their bytes
+(link "h2d.recall"), `accel_idle`, worker seconds "host_attention".
+Exact setting: a budget covering the context (every block resident, nothing on the host).
+Layout per layer: host k/v [B, Hkv, max_len, D] (pinned on CUDA; sparse layers); accelerator
+k/v [B, Hkv, max_len, D] indexed by position, valid only where resident (blocks leaving it
+are set to NaN, so a stray read shows), digests [B, Hkv, ceil(max_len/S), D], resident mask
+and last-selected step [B, Hkv, ceil(max_len/S)].
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from kvbench.errors import require
+from kvbench.strategies import STRATEGIES, Strategy, position_mask
+from kvbench.strategies import _scout_recall as recall_file
+from kvbench.strategies._pages import (
+    Digests,
+    attend_selected,
+    check_layers,
+    check_pages,
+    page_scores,
+    page_tokens,
+    select_pages,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvbench.runtime.context import Counters, RunContext
+
+EVICT = ("score", "lru")
+
+
+@dataclass(frozen=True)
+class ScoutParams:
+    """ScoutAttention's blocks, budget, resident set, recall and ablation switches."""
+
+    budget_tokens: int = field(default=2048, metadata={
+        "help": "Tokens attended per decode step and layer (whole blocks, the current one "
+                "included), capped by the context; a budget covering it is exact."})
+    page_size: int = field(default=32, metadata={
+        "help": "Tokens per block (S); --block-size is the same option.",
+        "aliases": ("block_size",)})
+    resident_blocks: int = field(default=0, metadata={
+        "help": "Full blocks resident on the accelerator per layer and KV head (0: budget / "
+                "S, the top-k set after prefill)."})
+    dense_layers: int = field(default=2, metadata={
+        "help": "Leading layers with all KV on the accelerator (Quest's 2; 0: layer 0 runs "
+                "its host part with the real query)."})
+    sinks: int = field(default=0, metadata={"help": "First blocks always attended."})
+    window_pages: int = field(default=1, metadata={
+        "help": "Last blocks always attended and kept on the accelerator (the current one "
+                "included)."})
+    topk_per: str = field(default="kv", metadata={
+        "help": "Top-k per 'kv' head group (one set per group) or per 'query' head."})
+    precompute: bool = field(default=True, metadata={
+        "help": "Layer-ahead host attention with the predicted query (off: the host part "
+                "runs with the real query during the layer, Fig. 12 ablation)."})
+    recall: bool = field(default=True, metadata={"help": "Periodic recall (section 3.4)."})
+    recall_interval: int = field(default=8, metadata={
+        "help": "Recall interval R in steps for every layer when no --recall-intervals file "
+                "is given (the paper's mean is 8.7)."})
+    recall_intervals: str = field(default="", metadata={
+        "help": "Per-layer intervals R_l from a --calibrate-recall file."})
+    recall_evict: str = field(default="score", metadata={
+        "help": "Resident blocks a recall evicts: lowest 'score' under the real query, or "
+                "'lru' (least recently selected)."})
+    tau: float = field(default=0.12, metadata={
+        "help": "CPU compute ratio threshold of the recall calibration, in (0, 1)."})
+    calibrate_recall: str = field(default="", metadata={
+        "help": "Run without recall and write per-layer intervals R_l for --tau to this file."})
+    layer0: str = field(default="host part synchronous, real query", metadata={
+        "derived": True, "help": "What a sparse layer without a layer ahead does."})
+    accel_blocks: str = field(default="predicted & resident", metadata={
+        "derived": True, "help": "Blocks the accelerator attends with the real query."})
+    interval_mean: float = field(default=0.0, metadata={
+        "derived": True, "help": "Mean R_l over sparse layers (0: no recall)."})
+
+    def __post_init__(self) -> None:
+        check_pages(self.page_size, self.budget_tokens, self.sinks, self.window_pages,
+                    self.dense_layers, self.topk_per)
+        require(self.resident_blocks >= 0,
+                f"--resident-blocks {self.resident_blocks}: must be >= 0 (0: budget / S)")
+        require(0 < self.tau < 1, f"--tau {self.tau}: must be in (0, 1)")
+        require(self.recall_interval >= 1,
+                f"--recall-interval {self.recall_interval}: must be at least 1")
+        require(self.recall_evict in EVICT,
+                f"--recall-evict '{self.recall_evict}': one of {', '.join(EVICT)}")
+        require(not (self.calibrate_recall and self.recall_intervals),
+                "--calibrate-recall writes intervals, --recall-intervals reads them: pass one")
+
+    @property
+    def resident(self) -> int:
+        return self.resident_blocks or self.budget_tokens // self.page_size
+
+
+@STRATEGIES.register
+class Scout(Strategy):
+    """ScoutAttention: resident blocks on the accelerator + layer-ahead host attention."""
+
+    name = "scout"
+    version = "1"
+    params = ScoutParams
+    exact = (("budget_tokens", 1 << 20),)  # every block resident and selected
+
+    @classmethod
+    def for_run(cls, params: ScoutParams, max_len: int) -> tuple[ScoutParams, list[str]]:
+        """Record the mean interval in use (the file's, or --recall-interval)."""
+        if params.calibrate_recall or not params.recall:
+            return replace(params, interval_mean=0.0), []
+        mean = (recall_file.mean_interval(params.recall_intervals) if params.recall_intervals
+                else float(params.recall_interval))
+        return replace(params, interval_mean=mean), []
+
+    @classmethod
+    def kv_placement(cls, params: ScoutParams, kv_bytes: int) -> dict[str, int]:
+        # the accelerator buffer is allocated whole (position-indexed), plus digests (1/S)
+        return {"accel": kv_bytes + -(-kv_bytes // params.page_size), "host": kv_bytes}
+
+    def __init__(self, params: ScoutParams, ctx: RunContext) -> None:
+        import torch
+
+        params, _ = self.for_run(params, ctx.max_len)
+        super().__init__(params, ctx)
+        check_layers(params.dense_layers, ctx.n_layers)
+        require(not (params.calibrate_recall and getattr(ctx.model, "random_weights", False)),
+                "--calibrate-recall needs trained weights: with random weights the predicted "
+                "query's cosine and the block ranking are meaningless (pass --weights)")
+        L, s = ctx.n_layers, ctx.spec
+        self.r = [0 if i < params.dense_layers else params.recall_interval for i in range(L)]
+        if params.recall_intervals:
+            self.r = recall_file.load(params.recall_intervals, s.name, L)
+        b, hkv, d, n = ctx.batch, s.n_kv_heads, s.head_dim, ctx.max_len
+        pin = ctx.accel.type == "cuda"
+        p_max = -(-n // params.page_size)
+        self.acc_k = [torch.empty(b, hkv, n, d, dtype=ctx.dtype, device=ctx.accel)
+                      for _ in range(L)]
+        self.acc_v = [torch.empty_like(t) for t in self.acc_k]
+        sparse = range(params.dense_layers, L)
+        self.host_k = {i: torch.empty(b, hkv, n, d, dtype=ctx.dtype, pin_memory=pin)
+                       for i in sparse}
+        self.host_v = {i: torch.empty_like(self.host_k[i], pin_memory=pin) for i in sparse}
+        self.dig = {i: Digests(b, hkv, n, d, params.page_size, "minmax", ctx.accel, ctx.dtype)
+                    for i in sparse}
+        self.res = {i: torch.zeros(b, hkv, p_max, dtype=torch.bool, device=ctx.accel)
+                    for i in sparse}
+        self.used = {i: torch.zeros(b, hkv, p_max, device=ctx.accel) for i in sparse}
+        self.length = [0] * L
+        self.win = [0] * L  # blocks below the window (full, resident or host-only)
+        self.step = 0
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scout-host")
+        self.stream = torch.cuda.Stream(ctx.accel) if pin else None
+        # layer -> (selected blocks [B, H, K], host job or None, predicted query or None)
+        self.pending: dict[int, tuple[torch.Tensor, Future | None, torch.Tensor | None]] = {}
+        self.recalling: dict[int, Any] = {}  # layer -> CUDA event of its recall copy
+        self.last: dict[int, torch.Tensor] = {}  # layer -> blocks selected at its last decode
+        self.ratios: list[list[float]] = [[] for _ in range(L)]  # calibration: per step
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+
+    def attended(self, layer: int) -> torch.Tensor | None:
+        import torch
+
+        n, hq = self.length[layer], self.ctx.spec.n_heads
+        pages = self.last.get(layer)
+        if pages is None:
+            return torch.ones(self.ctx.batch, hq, n, dtype=torch.bool, device=self.ctx.accel)
+        pos, lens = page_tokens(pages, self.p.page_size, n)
+        return position_mask(pos, n, hq, lens)
+
+    # -- blocks: window, resident set, selection --------------------------------------------
+
+    def _blocks(self, t: torch.Tensor, first: int, last: int) -> torch.Tensor:
+        """Blocks first..last-1 of a k/v buffer t [B, Hkv, >= last * S, D] as a view
+        [B, Hkv, last - first, S, D]."""
+        s = self.p.page_size
+        x = t[:, :, first * s:last * s]
+        return x.view(x.shape[0], x.shape[1], last - first, s, x.shape[-1])
+
+    def _evict(self, layer: int, mask: torch.Tensor, first: int = 0) -> None:
+        """Blocks first.. where mask [B, Hkv, m] leave the accelerator: NaN there."""
+        if bool(mask.any()):
+            m = mask.shape[2]
+            for t in (self.acc_k[layer], self.acc_v[layer]):
+                self._blocks(t, first, first + m)[mask] = float("nan")
+
+    def _slide(self, layer: int, n_tot: int) -> None:
+        """Blocks leaving the window at n_tot tokens stay resident while fewer than C are."""
+        p = self.p
+        ws = max(-(-n_tot // p.page_size) - p.window_pages, 0)
+        for j in range(self.win[layer], ws):
+            room = self.res[layer].sum(-1) < p.resident  # [B, Hkv]
+            self.res[layer][:, :, j] = room
+            self._evict(layer, ~room[..., None], j)
+        self.win[layer] = ws
+
+    def _issue(self, layer: int, q: torch.Tensor, n_tot: int) -> tuple:
+        """Select blocks with q [B, Hq, 1, D] over n_tot tokens (Alg. 1 L5) and start the
+        host's attention over the selected blocks not on the accelerator (L6-L7).
+        Returns (blocks [B, H, K], on-accelerator mask [B, H, K], job, host tokens)."""
+        p, c = self.p, self.ctx.counters
+        self._slide(layer, n_tot)
+        n_pages = -(-n_tot // p.page_size)
+        dig = self.dig[layer]
+        scores = page_scores(q, dig.lo[:, :, :n_pages], dig.hi[:, :, :n_pages], p.topk_per)
+        c.add("bytes_read", "accel", dig.nbytes(n_tot))
+        pages = select_pages(scores, n_pages, p.budget_tokens // p.page_size, p.sinks,
+                             p.window_pages)
+        b, h, _ = pages.shape
+        hkv = self.res[layer].shape[1]
+        self.used[layer].scatter_(2, pages.reshape(b, hkv, -1), float(self.step))
+        res = self.res[layer].repeat_interleave(h // hkv, dim=1)
+        on = res.gather(2, pages) | (pages >= self.win[layer])
+        pos, lens = page_tokens(pages.masked_fill(on, n_pages), p.page_size, n_tot)
+        host_tokens = float(lens.float().mean())
+        if host_tokens == 0:
+            return pages, on, None, 0.0
+        qh = q.to(self.ctx.host)
+        c.moved("d2h", 1.0 * qh.numel() * self.ctx.elem_bytes)
+        job = self.worker.submit(self._host, layer, qh, pos.to(self.ctx.host),
+                                 lens.to(self.ctx.host), n_tot - 1)
+        return pages, on, job, host_tokens
+
+    def _host(self, layer: int, q: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor,
+              n: int) -> tuple[torch.Tensor, torch.Tensor, float, Counters]:
+        """Worker: attention of q over the host's selected tokens; own counters (merged
+        at the join, where the step and layer are the main thread's)."""
+        from kvbench.runtime.context import Counters
+
+        c = Counters(self.ctx.counters.kv_heads, self.ctx.elem_bytes)
+        t0 = time.perf_counter()
+        out, lse = attend_selected(q, self.host_k[layer][:, :, :n], self.host_v[layer][:, :, :n],
+                                   pos, lens, c, "host")
+        return out, lse, time.perf_counter() - t0, c
+
+    # -- the strategy calls -------------------------------------------------------------------
+
+    def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> torch.Tensor:
+        """Dense causal attention; K/V to the accelerator (and host); resident set = the top
+        C full blocks below the window by the prompt's last query (per KV head)."""
+        from kvbench.kernels.attention import dense_attention
+
+        out, _ = dense_attention(q, k, v)
+        c, n = self.ctx.counters, k.shape[2]
+        c.attended("accel", q, n)
+        self.acc_k[layer][:, :, :n], self.acc_v[layer][:, :, :n] = k, v
+        self.length[layer] = n
+        if layer < self.p.dense_layers:
+            return out
+        self.host_k[layer][:, :, :n].copy_(k)
+        self.host_v[layer][:, :, :n].copy_(v)
+        c.moved("d2h", 2.0 * k.numel() * self.ctx.elem_bytes)
+        dig = self.dig[layer]
+        dig.update(self.acc_k[layer], 0, n)
+        ws = max(-(-n // self.p.page_size) - self.p.window_pages, 0)
+        self.win[layer] = ws
+        if ws:
+            scores = page_scores(q[:, :, -1:], dig.lo[:, :, :ws], dig.hi[:, :, :ws], "kv")
+            top = scores.topk(min(self.p.resident, ws), dim=-1).indices
+            self.res[layer][:, :, :ws].scatter_(2, top, True)
+            self._evict(layer, ~self.res[layer][:, :, :ws])
+        return out
+
+    def layer_input(self, layer: int, x: torch.Tensor) -> None:
+        """Decode, layer i: predict layer i+1's query (L4) and start its host part."""
+        nxt = layer + 1
+        if x.shape[1] != 1 or nxt >= self.ctx.n_layers or nxt < self.p.dense_layers \
+                or not self.p.precompute:
+            return
+        with self.ctx.counters.timed("bookkeeping.predict"):
+            n = self.length[nxt]  # the current token's position
+            q = self.ctx.model.query(nxt, x, n)  # [B, Hq, 1, D]
+            self.pending[nxt] = (*self._issue(nxt, q, n + 1), q)
+
+    def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        """Accelerator part over the selected resident/window blocks with the real query
+        (L9-L10), host part joined and merged by lse (L12); then the layer's recall."""
+        import torch
+        import torch.nn.functional as F
+
+        from kvbench.kernels.attention import dense_attention, merge
+
+        p, c = self.p, self.ctx.counters
+        n = self.length[layer]
+        n_tot = self.length[layer] = n + 1
+        self.acc_k[layer][:, :, n], self.acc_v[layer][:, :, n] = k[:, :, 0], v[:, :, 0]
+        if layer < p.dense_layers:
+            self.last.pop(layer, None)
+            c.attended("accel", q, n_tot)
+            out = dense_attention(q, self.acc_k[layer][:, :, :n_tot],
+                                  self.acc_v[layer][:, :, :n_tot], causal=False)[0]
+            self._finish(layer, n_tot)
+            return out
+        self.host_k[layer][:, :, n:n_tot].copy_(k)
+        self.host_v[layer][:, :, n:n_tot].copy_(v)
+        c.moved("d2h", 2.0 * k.numel() * self.ctx.elem_bytes)
+        self.dig[layer].update(self.acc_k[layer], n, n_tot)
+        pending = self.pending.pop(layer, None)
+        pages, on, job, host_tokens, q_pred = pending or (*self._issue(layer, q, n_tot), None)
+        if layer in self.recalling:  # last step's recall copy must have landed
+            with c.timed("accel_idle"):
+                torch.cuda.current_stream().wait_event(self.recalling.pop(layer))
+        n_pages = -(-n_tot // p.page_size)
+        pos, lens = page_tokens(pages.masked_fill(~on, n_pages), p.page_size, n_tot)
+        out, lse = attend_selected(q, self.acc_k[layer][:, :, :n_tot],
+                                   self.acc_v[layer][:, :, :n_tot], pos, lens, c)
+        if job is not None:
+            with c.timed("accel_idle"):
+                out_h, lse_h, seconds, private = job.result()
+            for quantity, where, _, steps in private.series():
+                c.add(quantity, where, sum(steps.values()))
+            c.add("time", "host_attention", seconds)
+            c.moved("h2d", 1.0 * out_h.numel() * self.ctx.elem_bytes + 4.0 * lse_h.numel())
+            with c.timed("bookkeeping.merge"):
+                out = merge(out, lse, out_h, lse_h)[0]
+        ratio = host_tokens / min(p.budget_tokens, n_tot)
+        c.add("cpu_ratio", "host", ratio)
+        self.ratios[layer].append(ratio)
+        if q_pred is not None:
+            cos = F.cosine_similarity(q_pred.float(), q.float(), dim=-1)  # [B, Hq, 1]
+            c.add("q_cosine", "predicted", float(cos.mean()))
+        self.last[layer] = pages
+        if p.recall and not p.calibrate_recall and self.r[layer] \
+                and self.step % self.r[layer] == 0:
+            self._recall(layer, q)
+        self._finish(layer, n_tot)
+        return out
+
+    def _recall(self, layer: int, q: torch.Tensor) -> None:
+        """Section 3.4: make the top C full blocks below the window (by the real query q's
+        digest scores, per KV head) resident; evict by `--recall-evict`."""
+        import torch
+
+        p, c = self.p, self.ctx.counters
+        ws = self.win[layer]
+        if not ws:
+            return
+        with c.timed("bookkeeping.recall"):
+            dig, res = self.dig[layer], self.res[layer][:, :, :ws]
+            scores = page_scores(q, dig.lo[:, :, :ws], dig.hi[:, :, :ws], "kv")
+            top = scores.topk(min(p.resident, ws), dim=-1).indices
+            target = torch.zeros_like(res).scatter_(2, top, True)
+            missing = target & ~res
+            if not bool(missing.any()):
+                return
+            need = (missing.sum(-1) - (p.resident - self.res[layer].sum(-1))).clamp_min(0)
+            cand = res & ~target
+            key = scores if p.recall_evict == "score" else self.used[layer][:, :, :ws]
+            rank = key.masked_fill(~cand, float("inf")).argsort(-1).argsort(-1)
+            evict = cand & (rank < need[..., None])
+            c.add("pages", "recalled", float(missing.sum()))
+            c.add("pages", "evicted", float(evict.sum()))
+            self.res[layer][:, :, :ws] = (res & ~evict) | missing
+            self._evict(layer, evict)
+            b, h, j = missing.nonzero(as_tuple=True)
+            hb, hh, hj = b.to(self.ctx.host), h.to(self.ctx.host), j.to(self.ctx.host)
+            c.moved("h2d.recall", 2.0 * j.numel() * p.page_size * q.shape[-1]
+                    * self.ctx.elem_bytes)
+            for src, dst in ((self.host_k[layer], self.acc_k[layer]),
+                             (self.host_v[layer], self.acc_v[layer])):
+                blocks = self._blocks(src, 0, ws)[hb, hh, hj]  # [m, S, D]
+                if self.stream is None:
+                    self._blocks(dst, 0, ws)[b, h, j] = blocks
+                    continue
+                self.stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self.stream):  # lands before this layer's next step
+                    self._blocks(dst, 0, ws)[b, h, j] = blocks.pin_memory().to(
+                        dst.device, non_blocking=True)
+                for t in (b, h, j):  # freed by the main stream only after the copy
+                    t.record_stream(self.stream)
+            if self.stream is not None:
+                ev = torch.cuda.Event()
+                ev.record(self.stream)
+                self.recalling[layer] = ev
+
+    def _finish(self, layer: int, n_tot: int) -> None:
+        """Calibration: after the run's last decode step, write the intervals."""
+        p = self.p
+        if p.calibrate_recall and layer == self.ctx.n_layers - 1 \
+                and n_tot == self.ctx.max_len - 1:
+            recall_file.write(p.calibrate_recall, self.ctx.spec.name, self.ratios, p.tau,
+                              p.page_size, p.budget_tokens)
