@@ -182,6 +182,19 @@ def roi_cmd(
         wrote(out)
 
 
+def _serve_sim(cfg: object, out: Path | None) -> None:
+    from kvbench.console import wrote
+    from kvbench.envinfo import collect_env
+    from kvbench.prefix.serve import run
+    from kvbench.store import ResultWriter, default_out_path
+
+    recs = run(cfg)
+    path = out or default_out_path("serve-sim")
+    with ResultWriter(path, collect_env()) as w:
+        w.write_all(recs)
+    wrote(path)
+
+
 def _add_registered_commands() -> None:
     from kvbench.probes import PROBES
     from kvbench.runtime.command import make_command
@@ -191,6 +204,12 @@ def _add_registered_commands() -> None:
         probe_app.command(cls.name, help=cls.summary())(cls.cli)
     for cls in STRATEGIES.all():
         run_app.command(cls.name, help=cls.summary())(make_command(cls))
+    from kvbench.options import config_command
+    from kvbench.prefix.serve import ServeConfig
+
+    doc = ("TTFT vs batch under a TTFT SLO, recompute vs prefix cache per tier (CXL "
+           "KV-storage paper Fig. 1c), and a Poisson serving simulation driven by it.")
+    app.command("serve-sim", help=doc)(config_command([(ServeConfig, None)], _serve_sim, doc))
 
 
 def _is_abort(e: BaseException) -> bool:
