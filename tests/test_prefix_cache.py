@@ -211,3 +211,19 @@ def test_host_tier_is_placed_and_verified() -> None:
     c = cache(TierSpec("host", node=0), capacity=1 << 20)
     assert isinstance(c.tier.host, HostBuffer) and c.tier.placement == "verified"
     c.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(libnuma() is None, reason="libnuma not available here")
+def test_cuda_host_tier_is_pinned_and_round_trips() -> None:
+    """On a GPU: the host:0 arena is page-locked (cudaHostRegister), loads land on the GPU
+    bitwise equal to what was saved from it."""
+    cuda = torch.device("cuda")
+    c = PrefixCache(TierSpec("host", node=0), 1 << 20, C, META, cuda)
+    assert c.tier.pinned and c.tier.placement == "verified"
+    t = torch.arange(12)[None]
+    kv = [(k.to(cuda), v.to(cuda)) for k, v in kv_of(t)]
+    c.save(t, kv)
+    h, got = c.load(t, 12)
+    assert h == 12 and got[0][0].is_cuda and torch.equal(got[0][0], kv[0][0])
+    c.close()

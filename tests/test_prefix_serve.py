@@ -71,7 +71,7 @@ def test_cli_end_to_end(tmp_path: Path) -> None:
     recs = [json.loads(x) for x in out.read_text().splitlines()][1:]
     ttft = {(r["params"]["path"], r["params"]["batch"]) for r in recs
             if r["metric"] == "serve_ttft"}
-    assert ttft == {(p, b) for p in ("recompute", "accel", f"disk:{tmp_path / 'c'}")
+    assert ttft == {(p, b) for p in ("recompute", "accel", f"disk:{tmp_path / 'c'}", "resident")
                     for b in (1, 2)}
     assert all(r["provenance"] == "projected" for r in recs if r["metric"].startswith("sim_"))
     assert all(r["provenance"] == "measured" for r in recs if r["metric"].startswith("serve_"))
