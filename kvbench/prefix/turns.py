@@ -131,6 +131,7 @@ class PrefixTurns:
             if st["h"]:
                 st["s"].import_kv(got)
             state["h"] = st["h"]
+            state["loads"] = state.get("loads", 0) + 1
 
         def compute_from(key: str) -> Callable[[dict[str, Any]], None]:
             def run(st: dict[str, Any]) -> None:
@@ -140,12 +141,9 @@ class PrefixTurns:
 
         res = TurnResult(turn, request.shape[1], 0, 0, save_s, saved)
         loaded0 = self.cache.stats.bytes_loaded
-        lookups0 = self.cache.stats.lookups
         timings = {"load": time_stages(setup, [load_copy, compute_from("load")], self.policy,
                                        self.sync)}
-        calls = self.cache.stats.lookups - lookups0
-        res.bytes_loaded = (self.cache.stats.bytes_loaded - loaded0) * request.shape[0] // max(
-            calls, 1)
+        res.bytes_loaded = (self.cache.stats.bytes_loaded - loaded0) // state["loads"]
         res.hit = state["h"]
         h_res = res.hit or (base - 1) // self.cache.chunk * self.cache.chunk
         resident = [(k[:, :, :h_res], v[:, :, :h_res]) for k, v in kv]
