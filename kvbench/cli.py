@@ -220,6 +220,59 @@ def project_cmd(
             target_shape(model, batch, prompt_len, gen_len, dtype), bookkeeping == "measured")
 
 
+@app.command("roi")
+def roi_cmd(
+    gpu_tflops: float = typer.Option(100.0, help="P: the GPU's compute, TFLOP/s."),
+    prefill_tflop: float = typer.Option(25.0, help="C0: FLOPs of an initial prefill, TFLOP "
+                                        "(ignored with --model)."),
+    model: str = typer.Option("", help="C0 = 2 M L from this model's parameters M..."),
+    tokens: int = typer.Option(2048, help="...and L, the average request length in tokens."),
+    new_ratio: float = typer.Option(0.1, help="r: a follow-up's new-prompt share."),
+    slo: float = typer.Option(0.4, help="T_slo: the TTFT SLO, seconds."),
+    load_time: float = typer.Option(0.1, help="T_load: time to load a prefix's KV, seconds."),
+    h: str = typer.Option("0.25,0.5,0.75,1", help="Follow-up shares h, comma-separated."),
+    demand: float = typer.Option(100.0, help="R: requests per second to serve."),
+    out: Path | None = typer.Option(None, help="Also write the projected records here."),
+) -> None:
+    """The CXL KV-storage paper's ROI model: requests/s per GPU and GPUs needed, per h."""
+    from kvbench.prefix import roi
+
+    c0 = prefill_tflop * 1e12
+    if model:
+        from kvbench.models import get_spec
+
+        c0 = roi.prefill_flops(get_spec(model).params(), tokens)
+    x = roi.RoiInputs(gpu_tflops * 1e12, c0, new_ratio, slo, load_time, demand)
+    try:
+        shares = [float(v) for v in h.split(",") if v.strip()]
+    except ValueError:
+        raise KvbenchError(f"--h '{h}': comma-separated numbers in [0, 1]") from None
+    rows = [roi.roi(x, v) for v in shares]
+    source = model or "given"
+    roi.show(x, rows, source)
+    if out is not None:
+        from kvbench.console import wrote
+        from kvbench.envinfo import collect_env
+        from kvbench.store import ResultWriter
+
+        with ResultWriter(out, collect_env()) as w:
+            w.write_all(roi.records(x, rows, source))
+        wrote(out)
+
+
+def _serve_sim(cfg: object, out: Path | None) -> None:
+    from kvbench.console import wrote
+    from kvbench.envinfo import collect_env
+    from kvbench.prefix.serve import run
+    from kvbench.store import ResultWriter, default_out_path
+
+    recs = run(cfg)
+    path = out or default_out_path("serve-sim")
+    with ResultWriter(path, collect_env()) as w:
+        w.write_all(recs)
+    wrote(path)
+
+
 def _add_registered_commands() -> None:
     from kvbench.probes import PROBES
     from kvbench.runtime.command import make_command
@@ -229,6 +282,12 @@ def _add_registered_commands() -> None:
         probe_app.command(cls.name, help=cls.summary())(cls.cli)
     for cls in STRATEGIES.all():
         run_app.command(cls.name, help=cls.summary())(make_command(cls))
+    from kvbench.options import config_command
+    from kvbench.prefix.serve import ServeConfig
+
+    doc = ("TTFT vs batch under a TTFT SLO, recompute vs prefix cache per tier (CXL "
+           "KV-storage paper Fig. 1c), and a Poisson serving simulation driven by it.")
+    app.command("serve-sim", help=doc)(config_command([(ServeConfig, None)], _serve_sim, doc))
 
 
 def _is_abort(e: BaseException) -> bool:

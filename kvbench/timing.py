@@ -172,3 +172,29 @@ def time_cuda(
         e1.synchronize()
         samples.append(e0.elapsed_time(e1) * 1e-3)
     return Timing(tuple(samples), "cuda_event", policy.warmup)
+
+
+def time_stages(setup: Callable[[], Any], stages: Sequence[Callable[[Any], object]],
+                policy: Policy = DEFAULT, sync: Callable[[], object] = lambda: None
+                ) -> list[Timing]:
+    """Time dependent stages, one sample of each per repetition: `setup()` (untimed) makes
+    the state every stage of that repetition receives, then each stage runs in order and is
+    timed with perf_counter_ns between device synchronisations (`sync`). For work that
+    consumes its input (a fresh cache to fill, then the compute on it)."""
+    for _ in range(policy.warmup):
+        state = setup()
+        for stage in stages:
+            stage(state)
+        sync()
+    samples: list[list[float]] = [[] for _ in stages]
+    start = time.perf_counter_ns()
+    while not policy.done(len(samples[0]), (time.perf_counter_ns() - start) * 1e-9):
+        state = setup()
+        sync()
+        for stage, out in zip(stages, samples, strict=True):
+            t0 = time.perf_counter_ns()
+            stage(state)
+            sync()
+            out.append((time.perf_counter_ns() - t0) * 1e-9)
+    return [Timing(tuple(s), "perf_counter_ns (device synchronised)", policy.warmup)
+            for s in samples]

@@ -44,6 +44,13 @@ _HELP = {
     "depth": "Passkey mode: where the key sits in the prompt, 0 (start) to 1 (end).",
     "turns": "Conversation turns: each later turn appends --prompt-len new prompt tokens to "
              "the cache, then decodes --gen-len more (strategies with append only).",
+    "prefix_cache": "Prefix cache tier (CXL KV-storage paper): accel, host:N (NUMA node) or "
+                    "disk:PATH; before each later turn, save the KV and time that turn's "
+                    "request as recompute, load from the tier and accelerator-resident.",
+    "prefix_capacity": "Prefix cache capacity, e.g. 512M (0: twice the run's largest save); "
+                       "least-recently-used entries are evicted.",
+    "prefix_chunk": "Tokens per prefix-cache chunk (hashed over its prefix, as vLLM's blocks).",
+    "prefix_reps": "Timed repetitions of each prefix-cache path per turn (after one warm-up).",
 }
 
 
@@ -95,6 +102,11 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
     cuda = device.type == "cuda"
     sparams, warnings = cls.for_run(sparams, cfg.seq_len)
     fit = check_fit(spec, layers, cfg, cls, sparams, device, dtype)
+    cache = None
+    if cfg.prefix_cache:
+        from kvbench.prefix.turns import PrefixTurns, open_cache, tier_info
+
+        cache = open_cache(cfg, cls, spec, layers, dtype, device)
     text = read_text(cfg.text)
     with err_console.status(f"loading {spec.name} ({weights} weights, {layers} layers)"):
         loaded = load(spec, weights, layers, dtype, device, cfg.seed)
@@ -115,13 +127,13 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
         if cuda:
             torch.cuda.synchronize()
 
-    def start(max_len: int) -> Strategy:
+    def start(max_len: int, shadow: bool = True) -> Strategy:
         counters = Counters(spec.n_kv_heads, dtype.itemsize, cuda, layers)
         ctx = RunContext(spec, layers, cfg.batch, max_len, dtype, device,
                          torch.device("cpu"), counters, model)
         strategy = cls(sparams, ctx)
         # per-layer error against full attention on the same inputs (nil for full itself)
-        if cfg.mode == "eval" and cls.name != "full":
+        if shadow and cfg.mode == "eval" and cls.name != "full":
             strategy = Shadow(strategy, ctx)
         model.setup(strategy, counters, max_len)
         return strategy
@@ -140,6 +152,11 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
     for warning in warnings:
         err_console.print(f"[yellow]warning:[/] {warning}")
     backend_use(reset=True)
+    turns_hook = None
+    if cache is not None:
+        turns_hook = PrefixTurns(cache, model, lambda: start(length, shadow=False),
+                                 lambda: model.setup(strategy, strategy.ctx.counters, length),
+                                 sync, cfg.prefix_reps, p, g)
     from kvbench.runtime.energy import Meter
 
     meter = Meter(cuda=cuda)
@@ -149,7 +166,8 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
                           "current step and store the records so far, marked partial)")
         task = bar.add_task(f"{cls.name}: decode", total=turns * g)
         outcome = decode_run(model, strategy, rows, g, mode, sync,
-                             lambda: bar.advance(task) or stop.signum is not None, turns)
+                             lambda: bar.advance(task) or stop.signum is not None, turns,
+                             turns_hook.between if turns_hook else None)
     sync()
     meter.stop()
     backend = backend_use(reset=True)  # attention backend per phase of the timed run
@@ -170,6 +188,9 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
     recs += meter.records(cls.name, params, cfg.batch * (len(outcome.steps) + turns))
     if cfg.mode == "passkey":
         recs += passkey.records(cls.name, params, outcome.tokens, answers, p, accuracy)
+    if turns_hook is not None:
+        recs += turns_hook.records(cls.name, params, tier_info(cache))
+        cache.close()
     if cfg.compare_hf and stop.signum is None:
         def again() -> list[float]:  # one more greedy decode of ours, for interleaving
             return decode_run(model, start(length), rows[:, :p], g, "generate", sync).steps
@@ -188,6 +209,10 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
             rec.method.setdefault("backend", backend)
             w.write(rec)
     summary(recs, params, fit, accuracy)
+    if turns_hook is not None:
+        from kvbench.prefix.render import turn_table
+
+        turn_table(recs)
     if stop.signum is not None:
         err_console.print(f"kvbench: {why}; partial records in {path}")
         raise typer.Exit(128 + stop.signum)
@@ -293,7 +318,7 @@ def summary(recs: list[Record], params: dict, fit: dict, accuracy: str) -> None:
     for col in ("metric", "where", "value"):
         t.add_column(col)
     for r in recs:
-        if r.metric.startswith("trace."):
+        if r.metric.startswith(("trace.", "prefix_")):  # prefix_: their own table
             continue
         where = str(r.params.get("where", ""))
         if r.status != "ok":

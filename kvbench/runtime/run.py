@@ -56,6 +56,10 @@ class RunConfig:
     compare_hf: bool = False
     turns: int = 1
     depth: float = 0.5  # passkey mode: where the key sits in the prompt (0 start, 1 end)
+    prefix_cache: str = ""  # kvbench.prefix: accel, host:N or disk:PATH ("": none)
+    prefix_capacity: str = "0"  # bytes of the tier (0: twice the run's largest save)
+    prefix_chunk: int = 16  # tokens per hashed chunk (vLLM's block size)
+    prefix_reps: int = 3  # timed repetitions of each path per turn
 
     @property
     def seq_len(self) -> int:
@@ -162,11 +166,14 @@ class Outcome:
 
 def decode_run(model: Any, strategy: Strategy, rows: Any, gen_len: int, mode: str,
                sync: Callable[[], None], on_step: Callable[[], bool | None] = lambda: None,
-               turns: int = 1) -> Outcome:
+               turns: int = 1, between: Callable[[int, Any, Strategy], None] | None = None
+               ) -> Outcome:
     """`turns` turns of (prompt, gen_len decode steps) as the module describes.
 
     `on_step` runs after every decode step; when it returns True the run stops there (an
-    interrupt) and the outcome holds the steps completed so far.
+    interrupt) and the outcome holds the steps completed so far. `between(turn, seq,
+    strategy)` runs before each later turn's prompt, outside the timed region (the prefix
+    cache's save and its TTFT paths, kvbench.prefix.turns).
 
     rows [B, turns * P] (generate: each turn's prompt) or [B, turns * (P + G + 1)] (eval:
     the whole sequence).
@@ -195,6 +202,8 @@ def decode_run(model: Any, strategy: Strategy, rows: Any, gen_len: int, mode: st
     for turn in range(turns):
         base = turn * n
         start = max(base - 1, 0)  # a later turn also feeds the last turn's unfed token
+        if turn and between is not None:
+            between(turn, seq, strategy)
         counters.step = 0
         strategy.begin_step(0)
         sync()
@@ -317,6 +326,8 @@ def run_params(cfg: RunConfig, spec: ModelSpec, layers: int, device: Any, dtype:
         "dtype": str(dtype).removeprefix("torch."), "accel": device.type,
         "threads": torch.get_num_threads(),
         "text": os.path.basename(cfg.text) if cfg.text else "common-licenses"}
+    if cfg.prefix_cache:  # only then: other runs keep their record keys
+        p.update({"prefix_cache": cfg.prefix_cache, "prefix_chunk": cfg.prefix_chunk})
     own = asdict(sparams)
     require(not own.keys() & p.keys(), f"strategy parameters {sorted(own.keys() & p.keys())} "
             "shadow run options")

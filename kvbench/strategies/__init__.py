@@ -17,6 +17,13 @@ the cached ones, each attending causally to the cache and the new tokens up to i
 It is optional: `supports_append(cls)` says whether a strategy implements it, and the
 runtime refuses `--turns` > 1 for one that does not.
 
+    export_kv() -> [(k, v)] per layer, k/v [B, Hkv, n, D]: every cached token, in order
+    import_kv(kv)  the same into an empty strategy, as if it had processed those n tokens
+
+are the prefix cache's interface (kvbench.prefix, CXL KV-storage paper section 2: `save`
+when a request finishes, `load` when the next one's prefill begins); optional too
+(`supports_prefix(cls)`; `--prefix-cache` needs them and append).
+
 q/k/v arrive on `ctx.accel` in the model dtype; `out` must be returned there. Layers are
 called in order 0..L-1 for the prefill, then once per layer for every decode step or
 append, with `begin_step(step)` before each step (step 0 is the prefill, and every append
@@ -53,6 +60,7 @@ fit before allocating anything; `for_run` resolves length-dependent defaults.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -137,10 +145,25 @@ class Strategy:
         causal attention [B, Hq, T, D] of new query i over the cache and new tokens 0..i."""
         raise NotImplementedError
 
+    def export_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer the KV of every token seen, k/v [B, Hkv, n, D] in token order and the
+        model dtype (views where the strategy holds them that way)."""
+        raise NotImplementedError
+
+    def import_kv(self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Take per-layer k/v [B, Hkv, n, D] (on the accelerator) into this empty strategy;
+        the next call is an append or decode at position n."""
+        raise NotImplementedError
+
 
 def supports_append(cls: type[Strategy]) -> bool:
     """Whether strategy class `cls` implements `append` (multi-turn runs)."""
     return cls.append is not Strategy.append
+
+
+def supports_prefix(cls: type[Strategy]) -> bool:
+    """Whether `cls` exports and imports its KV (a prefix cache can serve it)."""
+    return cls.export_kv is not Strategy.export_kv and cls.import_kv is not Strategy.import_kv
 
 
 def position_mask(pos: torch.Tensor, n: int, hq: int, lens: torch.Tensor | None = None

@@ -8,6 +8,7 @@ k/v after the cached ones, then causal attention of the new queries over the who
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvbench.strategies import STRATEGIES, Strategy
@@ -57,3 +58,16 @@ class Full(Strategy):
         return out
 
     decode = append = prefill  # one path for any number of new tokens
+
+    def export_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Views of the cached k/v [B, Hkv, n, D] per layer."""
+        return [(k[:, :, :n], v[:, :, :n]) for k, v, n in zip(self.k, self.v, self.length,
+                                                                strict=True)]
+
+    def import_kv(self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy k/v [B, Hkv, n, D] per layer into the (empty) buffers."""
+        for layer, (k, v) in enumerate(kv):
+            n = k.shape[2]
+            self.k[layer][:, :, :n] = k
+            self.v[layer][:, :, :n] = v
+            self.length[layer] = n
