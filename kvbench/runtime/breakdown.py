@@ -45,7 +45,7 @@ def derived(name: str, params: dict[str, ParamValue], steps: list[float],
             yield measured("run", name, f"pages_{where}_per_step", "pages", "none", v,
                            params, {**method, "per": "decode step: pages summed over "
                                     "layers, sequences and KV heads"})
-        elif quantity == "tokens" and where in ("accel", "host"):
+        elif quantity == "tokens" and where in ("accel", "host", "pnm"):
             layers, batch = int(params["layers"]), int(params["batch"])  # type: ignore[arg-type]
             yield measured("run", name, "tokens_attended_per_step", "tokens/layer", "none",
                            [x / (layers * batch) for x in v], {**params, "where": where},
