@@ -143,6 +143,8 @@ def report_cmd(
 
 
 def _add_registered_commands() -> None:
+    from kvbench import plan
+    from kvbench.options import config_command
     from kvbench.probes import PROBES
     from kvbench.runtime.command import make_command
     from kvbench.strategies import STRATEGIES
@@ -151,6 +153,8 @@ def _add_registered_commands() -> None:
         probe_app.command(cls.name, help=cls.summary())(cls.cli)
     for cls in STRATEGIES.all():
         run_app.command(cls.name, help=cls.summary())(make_command(cls))
+    doc = "Capacity and cost of GPU / CXL-PNM configurations (projected; CXL-PNM Fig. 1a, Table 3)."
+    app.command("plan", help=doc)(config_command([(plan.PlanConfig, None)], plan.run, doc))
 
 
 def _is_abort(e: BaseException) -> bool:
