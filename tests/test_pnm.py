@@ -203,3 +203,30 @@ def test_bad_input_exits_2(args: list[str], message: str, fake_sysfs: Path, monk
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "x.jsonl").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["pnm-kv", "png-kv"])
+def test_cuda_exact_setting_equals_full(name: str) -> None:
+    """On a GPU: the device role stays on the host, the accelerator's part (png-kv's pool)
+    on CUDA; the exact setting's NLLs equal full attention's (float32)."""
+    import dataclasses
+
+    from kvbench.models.weights import load
+    from kvbench.runtime.run import decode_run
+    from kvbench.strategies import STRATEGIES
+
+    cuda = torch.device("cuda")
+    model = load(SPEC, "random", 2, torch.float32, cuda, seed=1).model
+    rows = torch.randint(0, 100, (2, 90), generator=torch.Generator().manual_seed(0)).to(cuda)
+    nll = {}
+    for n in ("full", name):
+        c = RunContext(SPEC, 2, 2, 90, torch.float32, cuda, CPU, Counters(2, 4, cuda=True),
+                       model)
+        cls = STRATEGIES.get(n)
+        params = None if n == "full" else dataclasses.replace(
+            cls.params(), budget_tokens=1 << 20, page_size=8, dense_layers=1)
+        s = cls(params, c)
+        model.setup(s, c.counters, 90)
+        nll[n] = decode_run(model, s, rows, 40, "eval", torch.cuda.synchronize).nll
+    assert max(abs(a - b) for a, b in zip(nll["full"], nll[name], strict=True)) < 1e-4

@@ -132,10 +132,17 @@ def resolve_node(params: PnmParams) -> tuple[PnmParams, list[str]]:
     """`params` with device_node resolved (what the run records) and a note on the node."""
     import dataclasses
 
+    import torch
+
     node = device_node(params.device_node)
     kind = "memory-only (CXL)" if node.memory_only else "local, with CPUs (no CXL node)"
+    keep: list[Any] = []
+    alloc_on_node(node.id, (4096,), torch.uint8, keep)  # one page: is placement checkable?
+    state = keep[0].placement if keep else "unplaced (libnuma unavailable)"
+    for buf in keep:
+        buf.close()
     return dataclasses.replace(params, device_node=node.id), [
-        f"device role: KV on NUMA node {node.id}, {kind}"]
+        f"device role: KV on NUMA node {node.id}, {kind}; a test page's placement: {state}"]
 
 
 def check_device_fit(params: PnmParams, ctx: RunContext, kv_bytes: int) -> None:
