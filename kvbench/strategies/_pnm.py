@@ -153,7 +153,10 @@ def check_device_fit(params: PnmParams, ctx: RunContext, kv_bytes: int) -> None:
     free = node_free_bytes(node)
     per_row = kv_bytes / ctx.batch * (1 + 1 / params.page_size)
     rows = -(-ctx.batch // params.devices) if params.parallel == "dp" else ctx.batch
-    share = 1 if params.parallel == "dp" else 1 / params.devices
+    share = 1.0
+    if params.parallel == "tp":  # the most KV groups any device holds a head of
+        groups = group_devices(ctx.spec.n_heads, ctx.spec.n_kv_heads, params.devices)
+        share = max(sum(d in ds for ds in groups) for d in range(params.devices)) / len(groups)
     need, have = per_row * rows * share, free / params.devices
     if need > have:
         raise KvbenchError(
@@ -161,6 +164,14 @@ def check_device_fit(params: PnmParams, ctx: RunContext, kv_bytes: int) -> None:
             f"{ctx.batch} sequences x {ctx.max_len} tokens, {format_bytes(kv_bytes)} KV in "
             f"all) > {format_bytes(have)} ({format_bytes(free)} free on node {node.id} / "
             f"{params.devices} devices)")
+
+
+def group_devices(hq: int, hkv: int, n: int) -> list[list[int]]:
+    """tp: the devices holding a query head of each KV group, query heads split into n
+    contiguous shards (head h on device h * n // hq)."""
+    shard = [h * n // hq for h in range(hq)]
+    g = hq // hkv
+    return [sorted(set(shard[j * g:(j + 1) * g])) for j in range(hkv)]
 
 
 class DeviceKV:
@@ -197,13 +208,11 @@ class DeviceKV:
         self.length = [0] * ctx.n_layers
         n = params.devices
         self.row_dev = [r % n for r in range(b)]  # dp: request -> device
-        shard = [h * n // self.hq for h in range(self.hq)]  # tp: query head -> device
-        g = self.hq // self.hkv
-        self.group_devs = [sorted(set(shard[j * g:(j + 1) * g])) for j in range(self.hkv)]
+        self.group_devs = group_devices(self.hq, self.hkv, n)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
-        """Store k/v [B, Hkv, T, D] after the cached tokens, re-digest touched pages (the
-        device reads the page's keys: device_load); returns the new length."""
+        """Store k/v [B, Hkv, T, D] after the cached tokens (their bytes cross to the device,
+        "d2h") and re-digest the pages they touch; returns the new length."""
         n0 = self.length[layer]
         n1 = n0 + k.shape[2]
         kd, vd = self.k[layer], self.v[layer]

@@ -109,6 +109,40 @@ def ppl_table(recs: list[dict]) -> list[str]:
     return out
 
 
+def parallel_table(recs: list[dict]) -> list[str]:
+    """Per decode step, summed over layers: sorts, reductions, reduction bytes, and the
+    busiest device's bytes over the mean device's (1.0: balanced)."""
+    acc: dict[tuple, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    loads: dict[tuple, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for r in recs:
+        p = r["params"]
+        if not r["metric"].startswith("trace.") or p.get("phase") != "decode":
+            continue
+        key = (p["devices"], p["parallel"], p["batch"])
+        q = r["metric"][6:]
+        if q in ("topk_sorts", "reductions"):
+            acc[key][q] += statistics.fmean(r["samples"])
+        elif q == "bytes_moved" and p["where"] == "pnm_reduce":
+            acc[key]["reduce_bytes"] += statistics.fmean(r["samples"])
+        elif q == "device_load":
+            loads[key][p["where"]] += statistics.fmean(r["samples"])
+    if not acc:
+        return ["(no records yet: run `kvbench suite run suites/pnm-parallel.toml`)"]
+    out = ["| #PNM | mapping | batch | top-k sorts/step | reductions/step | reduction B/step "
+           "| busiest / mean device bytes |", "|---|---|---|---|---|---|---|"]
+    for key in sorted(acc):
+        a, ld = acc[key], loads[key]
+        imb = max(ld.values()) / statistics.fmean(ld.values()) if ld else float("nan")
+        out.append(f"| {key[0]} | {key[1]} | {key[2]} | {a['topk_sorts']:.0f} | "
+                   f"{a['reductions']:.0f} | {a['reduce_bytes']:,.0f} | {imb:.2f} |")
+    out += ["", "Summed over the 28 sparse layers, one decode step. The paper (Fig. 7): "
+            "TP->TP costs N x the Top-K sorting and (N-1) reduction messages, TP->DP none, "
+            "with the same data volume. With GQA, a KV group whose query heads sit on one "
+            "device needs no reduction: at 3 devices the 3 groups map whole, at 9 each is "
+            "split over 3 devices."]
+    return out
+
+
 def plan_tables() -> list[str]:
     r = plan(PlanConfig(model="llama-3.1-8b", contexts="128K", gpus=1, pnms=8))
     g, p = r["cost"]["a100-80gb"], r["cost"]["cxl-pnm"]
@@ -139,6 +173,8 @@ def main() -> None:
              "## Recalls per layer: arkvale vs png-kv steady selection (Figs. 3a, 8a analogs; "
              "measured counts)", "", *recall_tables(records("recalls.jsonl")), "",
              "## Perplexity at equal budget (measured)", "", *ppl_table(records("ppl.jsonl")),
+             "", "## DP vs TP over the device roles (Fig. 7; measured counts)", "",
+             *parallel_table(records("parallel.jsonl")),
              "", "## Table 3 and capacity (projected)", "", *plan_tables(), ""]
     (HERE / "table.md").write_text("\n".join(lines))
     print(f"wrote {HERE / 'table.md'}")
