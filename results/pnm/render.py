@@ -118,7 +118,8 @@ def ppl_table(recs: list[dict]) -> list[str]:
         t10 = f"{top10[name]:.2f}" if name in top10 else "-"
         src = " (issue 12's record)" if ppl[name].get("issue12") else ""
         out.append(f"| {name}{src} | {v:.3f} | {d} | {tok[name]:.0f} | {t10} |")
-    out += ["", "Budget 64 tokens in pages of 16, sinks 1, window 2, two dense layers; 511 "
+    out += ["", "Budget 64 tokens in pages of 16, sinks 1, window 2, two dense layers (quest: "
+            "its defaults, top pages per query head, no sinks, the current page); 511 "
             "teacher-forced decode steps over the first 512 tokens of the license texts "
             "(HGCA's whole-text protocol). The paper reports no perplexity: it argues "
             "accuracy from ArkVale-style non-eviction selection (Fig. 1b, LongBench, no "
@@ -181,7 +182,28 @@ def plan_tables() -> list[str]:
         "", f"Largest batch, Llama3.1-70B at 128K on 2 GPUs + 8 PNMs (projected, FP16 KV, "
         f"512 GiB per PNM, whole sequences per PNM): pnm-kv {b70['pnm-kv']} (paper, section "
         f"4.2: \"from 1 to 96\"); all KV on the 2 GPUs: {b70['gpu']} (paper's baseline: 1, "
-        "with ArkVale's T_Budget, which it does not state)."]
+        "with ArkVale's T_Budget, which it does not state).", "",
+        *sensitivity()]
+
+
+def sensitivity() -> list[str]:
+    """How the unstated values move the capacity figures (projected)."""
+    out = ["Sensitivity to values the paper does not state (projected by `kvbench plan`):", "",
+           "| setting | value | largest batch |", "|---|---|---|"]
+    for t in (1024, 4096, 16384):
+        b = plan(PlanConfig(model="llama-3.1-8b", contexts="128K", gpus=1, pnms=8,
+                            budget_tokens=t))["max_batch"][0]
+        out.append(f"| Llama3.1-8B, 128K, 1 GPU: ArkVale baseline vs T_Budget | {t} | "
+                   f"{b['baseline']} (pnm-kv with 8 PNMs: {b['pnm-kv']}) |")
+    for mem, label in (("512G", "512 GiB"), ("512000000000", "512 GB (decimal)")):
+        b = plan(PlanConfig(model="llama-3.1-405b", contexts="1M", gpus=16, pnms=16,
+                            pnm_memory=mem))["max_batch"][0]
+        out.append(f"| Llama3.1-405B, 1M (2^20) tokens, 16 PNMs: pnm-kv vs PNM memory | "
+                   f"{label} | {b['pnm-kv']} |")
+    out += ["", "A 1M-token 405B sequence (504 GiB of FP16 KV) fits a 512 GiB module but not a "
+            "512 GB one, so whether strict request-level DP can hold it at all depends on a "
+            "unit the paper leaves open (spec sheet section 5)."]
+    return out
 
 
 def main() -> None:
