@@ -145,6 +145,10 @@ def ppl_table(recs: list[dict]) -> list[str]:
         t10 = f"{top10[name]:.2f}" if name in top10 else "-"
         src = " (issue 12's record)" if ppl[name].get("issue12") else ""
         out.append(f"| {name}{src} | {v:.3f} | {d} | {tok[name]:.0f} | {t10} |")
+    if "pnm-kv" not in ppl:
+        out += ["", "pnm-kv: no record (its 511-step run on the loaded machine was lost when "
+                "the suite around it was stopped). It attends the same budget set as png-kv, "
+                "whose output tests/test_pnm.py checks equal to pnm-kv's at every step."]
     out += ["", "Budget 64 tokens in pages of 16, sinks 1, window 2, two dense layers (quest: "
             "its defaults, top pages per query head, no sinks, the current page); 511 "
             "teacher-forced decode steps over the first 512 tokens of the license texts "
