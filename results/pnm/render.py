@@ -58,37 +58,43 @@ def records(pattern: str) -> list[dict]:
     return out
 
 
-def recall_rows(recs: list[dict]) -> dict[tuple, dict[int, float]]:
-    """(strategy, context, #PNM, steady tokens) -> {layer: mean pages recalled per step}."""
+def recall_rows(recs: list[dict], first: int = 0) -> dict[tuple, dict[int, float]]:
+    """(strategy, context, #PNM, steady tokens) -> {layer: mean pages recalled per step},
+    over decode steps first+1.. (first=1 leaves out png-kv's first fill of its pool)."""
     per: dict[tuple, dict[int, float]] = defaultdict(dict)
     for r in recs:
         p = r["params"]
         if (r["metric"] == "trace.pages" and p.get("where") == "recalled"
                 and p.get("phase") == "decode"):
             key = (r["name"], p["prompt_len"], p.get("devices", "-"), p.get("steady_tokens", "-"))
-            per[key][int(p["layer"])] = statistics.fmean(r["samples"])
+            per[key][int(p["layer"])] = statistics.fmean(r["samples"][first:])
     return per
 
 
 def recall_tables(recs: list[dict]) -> list[str]:
-    per = recall_rows(recs)
+    per, later = recall_rows(recs), recall_rows(recs, first=1)
     if not per:
         return ["(no recall records yet: run `kvbench suite run suites/pnm-recalls.toml`)"]
     h2d = {(r["name"], r["params"]["prompt_len"], r["params"].get("devices", "-")): r["value"]
            for r in recs if r["metric"] == "bytes_moved_per_step"
            and r["params"].get("where") == "h2d"}
     out = ["Pages recalled per decode step (16 steps, batch 1, summed over the 3 KV heads): "
-           "mean over the 28 sparse layers, the busiest layer, all layers together, and the "
-           "h2d bytes per step (median; png-kv's include the device's outputs and lse).", "",
-           "| strategy | context | #PNM | T_Steady | per layer (mean) | busiest layer | all "
-           "layers | h2d B/step |", "|---|---|---|---|---|---|---|---|"]
+           "mean over the 28 sparse layers, the same without step 1 (png-kv's pool starts "
+           "empty after the prefill and is filled at step 1; arkvale's prefill leaves its "
+           "pool full), the busiest layer, all layers together, and the h2d bytes per step "
+           "(median; png-kv's include the device's outputs and lse). T_Steady = 512 / (1 + "
+           "#PNM) tokens: 256 (8 pages) at #PNM 1, 56 (1 page) at #PNM 8.", "",
+           "| strategy | context | #PNM | T_Steady | per layer (mean) | same, steps 2-16 | "
+           "busiest layer | all layers | h2d B/step |", "|---|---|---|---|---|---|---|---|---|"]
     for key in sorted(per, key=lambda k: (k[0], k[1], str(k[2]))):
         layers = per[key]
         sparse = [v for layer, v in layers.items() if layer >= 2]
         top = max(layers, key=layers.__getitem__)
         b = h2d.get(key[:3])
+        sparse2 = [v for layer, v in later[key].items() if layer >= 2]
         out.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | "
-                   f"{statistics.fmean(sparse) if sparse else 0:.2f} | {top} "
+                   f"{statistics.fmean(sparse) if sparse else 0:.2f} | "
+                   f"{statistics.fmean(sparse2) if sparse2 else 0:.2f} | {top} "
                    f"({layers[top]:.2f}) | {sum(layers.values()):.1f} | "
                    f"{'-' if b is None else f'{b:,.0f}'} |")
     biggest = [k for k in per if k[1] == max(x[1] for x in per)]
