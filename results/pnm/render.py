@@ -147,10 +147,13 @@ def ppl_table(recs: list[dict]) -> list[str]:
         if name not in ppl:
             continue
         v = ppl[name]["value"]
-        d = f"{v / full - 1:+.1%}" if full else "-"
+        done = ppl[name]["params"].get("steps_completed")
+        d = f"{v / full - 1:+.1%}" if full and done is None else "-"
+        # stopped early: a perplexity over fewer tokens, not comparable with full's
+        label = name if done is None else f"{name} (partial: {done} of 511 steps)"
         t10 = f"{top10[name]:.2f}" if name in top10 else "-"
         src = " (issue 12's record)" if ppl[name].get("issue12") else ""
-        out.append(f"| {name}{src} | {v:.3f} | {d} | {tok[name]:.0f} | {t10} |")
+        out.append(f"| {label}{src} | {v:.3f} | {d} | {tok[name]:.0f} | {t10} |")
     if "pnm-kv" not in ppl:
         out += ["", "pnm-kv: no record (its 511-step run on the loaded machine was lost when "
                 "the suite around it was stopped). It attends the same budget set as png-kv, "
