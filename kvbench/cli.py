@@ -274,6 +274,8 @@ def _serve_sim(cfg: object, out: Path | None) -> None:
 
 
 def _add_registered_commands() -> None:
+    from kvbench import plan
+    from kvbench.options import config_command
     from kvbench.probes import PROBES
     from kvbench.runtime.command import make_command
     from kvbench.strategies import STRATEGIES
@@ -282,12 +284,13 @@ def _add_registered_commands() -> None:
         probe_app.command(cls.name, help=cls.summary())(cls.cli)
     for cls in STRATEGIES.all():
         run_app.command(cls.name, help=cls.summary())(make_command(cls))
-    from kvbench.options import config_command
     from kvbench.prefix.serve import ServeConfig
 
     doc = ("TTFT vs batch under a TTFT SLO, recompute vs prefix cache per tier (CXL "
            "KV-storage paper Fig. 1c), and a Poisson serving simulation driven by it.")
     app.command("serve-sim", help=doc)(config_command([(ServeConfig, None)], _serve_sim, doc))
+    doc = "Capacity and cost of GPU / CXL-PNM configurations (projected; CXL-PNM Fig. 1a, Table 3)."
+    app.command("plan", help=doc)(config_command([(plan.PlanConfig, None)], plan.run, doc))
 
 
 def _is_abort(e: BaseException) -> bool:

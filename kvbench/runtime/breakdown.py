@@ -51,7 +51,7 @@ def derived(name: str, params: dict[str, ParamValue], steps: list[float],
                            [x / n_layers for x in v], params,
                            {**method, "per": "decode step: tokens attended on the host / "
                                    "budget, mean over the layers that report it"})
-        elif quantity == "tokens" and where in ("accel", "host"):
+        elif quantity == "tokens" and where in ("accel", "host", "pnm"):
             layers, batch = int(params["layers"]), int(params["batch"])  # type: ignore[arg-type]
             yield measured("run", name, "tokens_attended_per_step", "tokens/layer", "none",
                            [x / (layers * batch) for x in v], {**params, "where": where},

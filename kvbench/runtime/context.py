@@ -29,16 +29,20 @@ if TYPE_CHECKING:
 # quantity -> unit of its records
 UNITS = {"tokens": "tokens", "flops": "FLOP", "bytes_read": "B", "bytes_moved": "B",
          "time": "s", "rel_error": "ratio", "pages": "pages",
-         "topk_recall": "ratio", "cpu_ratio": "ratio", "q_cosine": "ratio"}
+         "topk_recall": "ratio", "cpu_ratio": "ratio", "q_cosine": "ratio",
+         "topk_sorts": "sorts", "topk_candidates": "pages", "reductions": "messages",
+         "device_load": "B"}
 
 
 class Counters:
     """Work per (quantity, where, layer), one value per step; cheap enough for every step.
 
-    `where` is a device role ("accel", "host") for tokens/flops/bytes_read, a link ("h2d",
-    "d2h") for bytes_moved, a phase name ("attention", "bookkeeping", "accel_idle",
-    ...) for time, and "recalled"/"evicted" for pages (page strategies: pages moved into or
-    out of the accelerator's resident set, summed over batch rows and KV heads).
+    `where` is a device role ("accel", "host", "pnm": the CXL-PNM device role of pnm-kv and
+    png-kv) for tokens/flops/bytes_read, a link ("h2d", "d2h", "pnm_reduce") for
+    bytes_moved, a phase name ("attention", "bookkeeping", "accel_idle", ...) for time,
+    "recalled"/"evicted" for pages (page strategies: pages moved into or out of the
+    accelerator's resident set, summed over batch rows and KV heads), "pnm" for the PNM
+    roles' topk_sorts/topk_candidates/reductions and "pnmK" for device K's device_load.
     """
 
     def __init__(self, kv_heads: int, elem_bytes: int, cuda: bool = False,

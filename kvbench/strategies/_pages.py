@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING
 from kvbench.errors import require
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
     from kvbench.runtime.context import Counters
@@ -73,17 +75,22 @@ class Digests:
     2 / S of the keys' bytes more per page pair, i.e. KV bytes / S); `update(k, n0, n1)`
     re-digests every page touched by positions n0..n1-1 of the key buffer k [B, Hkv, >= n1,
     D]. Digests are computed in float32 and stored rounded like the keys they summarise.
+    `alloc(shape)`, when given, makes the two buffers (pnm: on the device role's node).
     """
 
     def __init__(self, b: int, hkv: int, max_len: int, d: int, page: int, kind: str,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype,
+                 alloc: Callable[[tuple[int, ...]], torch.Tensor] | None = None) -> None:
         import torch
 
         require(kind in DIGESTS, f"digest '{kind}': one of {', '.join(DIGESTS)}")
         self.page, self.kind = page, kind
-        p_max = -(-max_len // page)
-        self.lo = torch.zeros(b, hkv, p_max, d, dtype=dtype, device=device)
-        self.hi = torch.zeros_like(self.lo)
+        shape = (b, hkv, -(-max_len // page), d)
+        if alloc is None:
+            self.lo = torch.zeros(shape, dtype=dtype, device=device)
+            self.hi = torch.zeros_like(self.lo)
+        else:
+            self.lo, self.hi = alloc(shape), alloc(shape)
 
     def nbytes(self, n: int) -> int:
         """Bytes of the digests of the pages covering n tokens (what one score pass reads)."""

@@ -1,0 +1,68 @@
+"""`kvbench plan`: the CXL-PNM paper's Table 3 dollar figures, its batch of 96 for
+Llama3.1-70B on 8 PNMs at 128K, capacity arithmetic by hand, and bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvbench.cli import main
+from kvbench.plan import PlanConfig, device_cost, plan
+
+GiB = 1 << 30
+
+
+def test_table_3_dollar_figures_exactly() -> None:
+    """Table 3: operating 0.072 / 0.027 $/h, hardware 0.761 / 0.266 $/h (A100 / CXL-PNM)."""
+    gpu = device_cost("a100-80gb", 0.181, 3)
+    pnm = device_cost("cxl-pnm", 0.181, 3)
+    assert (gpu["power_w"], pnm["power_w"]) == (400, 150)
+    shown = [f"{x:.3f}" for x in (gpu["operating"], pnm["operating"], gpu["hardware"],
+                                  pnm["hardware"])]
+    assert shown == ["0.072", "0.027", "0.761", "0.266"]
+    # Fig. 14's configurations (spec sheet, derived): 1 GPU + 8 PNM about $3.18/h
+    assert f"{gpu['total'] + 8 * pnm['total']:.2f}" == "3.18"
+
+
+def test_capacity_by_hand() -> None:
+    """Llama3.1-8B: 128 KiB of FP16 KV per token (32 layers x 8 KV heads x 128 x 2 x 2)."""
+    r = plan(PlanConfig(model="llama-3.1-8b", contexts="128K,1M", gpus=1, pnms=8,
+                        budget_tokens=4096))
+    assert r["kv_bytes_per_token"] == 32 * 8 * 128 * 2 * 2 == 128 << 10
+    d128 = r["demand"][0]
+    assert d128["kv"] == 131072 * (128 << 10) == 16 * GiB
+    assert abs(d128["weights"] - 2 * 8.03e9) < 0.02e9  # published 8.03B parameters, FP16
+    b128, b1m = r["max_batch"]
+    free = 80 * GiB - d128["weights"]
+    assert b128["gpu"] == int(free // (16 * GiB)) == 4
+    assert b128["baseline"] == int(free // (4096 * (128 << 10)))
+    assert b1m["pnm-kv"] == 8 * (512 // 128)  # 1M tokens = 128 GiB: 4 per 512 GiB PNM
+    assert b1m["t_steady"] == int(4096 / 9)  # ratio #GPU / (#GPU + #PNM) = 1/9
+
+
+def test_paper_batch_96_for_70b_on_8_pnms() -> None:
+    """Section 4.2: 2GPU+8PNM on Llama3.1-70B at 128K lifts the batch "from 1 to 96"."""
+    r = plan(PlanConfig(model="llama-3.1-70b", contexts="128K", gpus=2, pnms=8))
+    assert r["max_batch"][0]["pnm-kv"] == 96
+    assert r["max_batch"][0]["gpu"] == 0  # the full KV does not fit beside the weights
+
+
+def test_cli_json_and_bad_input(capsys, tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--model", "llama-3.1-405b", "--gpus", "16", "--pnms", "4",
+              "--contexts", "1M", "--json", "--out", str(out)])
+    assert e.value.code == 0
+    r = json.loads(out.read_text())
+    assert r["provenance"] == "projected" and r["max_batch"][0]["context"] == 1 << 20
+    capsys.readouterr()
+    for args, message in ((["--gpus", "0"], "--gpus must be at least 1"),
+                          (["--model", "gpt-9"], "unknown model 'gpt-9'"),
+                          (["--steady-ratio", "2"], "--steady-ratio 2.0: must be in [0, 1]"),
+                          (["--contexts", "12Q"], "12Q")):
+        with pytest.raises(SystemExit) as e:
+            main(["plan", *args])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and message in err and len(err.splitlines()) == 1, err

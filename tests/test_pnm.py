@@ -1,0 +1,232 @@
+"""pnm-kv and png-kv (CXL-PNM) against independent references: page selection by loops,
+Steady-Select (Alg. 1 lines 7-11) as set operations, the devices' counted work, the
+device role's NUMA placement on a fake topology, and their bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvbench.cli import main
+from kvbench.models import ModelSpec
+from kvbench.runtime.context import Counters, RunContext
+from kvbench.strategies import _pnm
+from kvbench.strategies.png_kv import PngKV, PngParams
+from kvbench.strategies.pnm_kv import PnmKV, PnmParams
+
+SPEC = ModelSpec("tiny-gqa", "llama", 2, 6, 2, 48, 96, 100, 512, head_dim=8)  # G = 3
+CPU = torch.device("cpu")
+
+
+def ctx(max_len: int = 128, batch: int = 2) -> RunContext:
+    return RunContext(SPEC, 2, batch, max_len, torch.float32, CPU, CPU,
+                      Counters(SPEC.n_kv_heads, 4))
+
+
+def ref_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    w = torch.softmax((k.double() @ q.double()) * q.shape[0] ** -0.5, dim=0)
+    return (w[:, None] * v.double()).sum(0)
+
+
+def budget_pages(q: torch.Tensor, keys: torch.Tensor, page: int, k_pages: int, sinks: int,
+                 window: int) -> tuple[list[int], list[int]]:
+    """(selected pages, the ranking S) of one KV head by loops: min/max bound summed over
+    the group's queries q [G, D]; sinks and window first, then by score."""
+    n = keys.shape[0]
+    n_pages = -(-n // page)
+    score = []
+    for p in range(n_pages):
+        kp = keys[p * page:min(n, (p + 1) * page)]
+        score.append(float(sum(torch.maximum(x * kp.amax(0), x * kp.amin(0)).sum()
+                               for x in q)))
+    forced = set(range(min(sinks, n_pages))) | set(range(max(n_pages - window, 0), n_pages))
+    rest = sorted(set(range(n_pages)) - forced, key=lambda p: -score[p])
+    ranking = sorted(forced, key=lambda p: -score[p]) + rest
+    if k_pages >= n_pages:
+        return list(range(n_pages)), ranking
+    return sorted(forced | set(rest[:k_pages - len(forced)])), ranking
+
+
+def _steps(s, g, k, v, n_steps: int, c: RunContext):
+    for step in range(n_steps):
+        c.counters.step = step + 1
+        kn, vn = torch.randn(2, 2, 1, 8, generator=g) * 2, torch.randn(2, 2, 1, 8, generator=g)
+        q = torch.randn(2, 6, 1, 8, generator=g)
+        out = s.decode(1, q, kn, vn)
+        k, v = torch.cat([k, kn], 2), torch.cat([v, vn], 2)
+        yield q, k, v, out
+
+
+def test_pnm_kv_decode_matches_reference() -> None:
+    g = torch.Generator().manual_seed(0)
+    page, budget = 4, 20  # 5 pages: 1 sink, 2 window, 2 by score
+    c = ctx()
+    s = PnmKV(PnmParams(budget_tokens=budget, page_size=page, sinks=1, window_pages=2,
+                        dense_layers=1), c)
+    k0, v0 = torch.randn(2, 2, 37, 8, generator=g) * 2, torch.randn(2, 2, 37, 8, generator=g)
+    s.prefill(1, torch.randn(2, 6, 37, 8, generator=g), k0, v0)
+    for q, k, v, out in _steps(s, g, k0, v0, 6, c):
+        for b in range(2):
+            for j in range(2):
+                sel, _ = budget_pages(q[b, 3 * j:3 * j + 3, 0], k[b, j], page, 5, 1, 2)
+                toks = [t for p in sel for t in range(p * page, min(k.shape[2], p * page
+                                                                     + page))]
+                for h in range(3 * j, 3 * j + 3):
+                    ref = ref_attention(q[b, h, 0], k[b, j, toks], v[b, j, toks])
+                    assert torch.allclose(out[b, h, 0].double(), ref, atol=1e-5)
+    assert c.counters.step_total("tokens", "pnm", 1) > 0
+    assert c.counters.step_total("tokens", "accel", 1) == 0  # PNM-KV: no GPU attention
+
+
+def test_png_kv_steady_select_is_algorithm_1() -> None:
+    """The pool against a set simulation of Alg. 1 lines 7-11 with the [:|e|] slice, the
+    output equal to PNM-KV's (same budget set), recalls counted per step."""
+    g = torch.Generator().manual_seed(1)
+    page, budget, steady = 4, 24, 12  # 6 budget pages, 3 steady slots
+    params = dict(budget_tokens=budget, page_size=page, sinks=1, window_pages=1,
+                  dense_layers=1)
+    c, c2 = ctx(), ctx()
+    png = PngKV(PngParams(**params, steady_tokens=steady), c)
+    pnm = PnmKV(PnmParams(**params), c2)
+    k0, v0 = torch.randn(2, 2, 30, 8, generator=g) * 2, torch.randn(2, 2, 30, 8, generator=g)
+    q0 = torch.randn(2, 6, 30, 8, generator=g)
+    png.prefill(1, q0, k0, v0)
+    pnm.prefill(1, q0, k0, v0)
+    pool = [[[None] * 3 for _ in range(2)] for _ in range(2)]  # slot -> page
+    recalled = 0
+    for q, k, v, out in _steps(png, g, k0, v0, 12, c):
+        c2.counters.step = c.counters.step
+        out2 = pnm.decode(1, q, k[:, :, -1:], v[:, :, -1:])
+        assert torch.allclose(out, out2, atol=1e-5)
+        nf = k.shape[2] // page
+        for b in range(2):
+            for j in range(2):
+                sel, ranking = budget_pages(q[b, 3 * j:3 * j + 3, 0], k[b, j], page, 6, 1, 1)
+                budget_set = [p for p in ranking if p in sel and p < nf]  # S[:T_Budget]
+                slots = pool[b][j]
+                resident = {p for p in slots if p is not None}
+                e = [i for i, p in enumerate(slots) if p is None or p not in budget_set]
+                r = [p for p in budget_set if p not in resident][:len(e)]
+                for i in e:
+                    slots[i] = None
+                for i, p in zip(e, r, strict=False):  # |r| <= |e|
+                    slots[i] = p
+                recalled += len(r)
+                got = png.slot_page[1][b, j].tolist()
+                assert got == [-1 if p is None else p for p in slots], (c.counters.step, b, j)
+    counted = sum(sum(x.values()) for (qn, w, _), x in c.counters._v.items()
+                  if qn == "pages" and w == "recalled")
+    assert counted == recalled > 0
+    assert c.counters.step_total("tokens", "accel", 12) > 0  # the GPU attended its pages
+
+
+@pytest.mark.parametrize("devices", [1, 4])
+def test_tp_counts_sorts_and_reductions_dp_none(devices: int) -> None:
+    """Same outputs under dp and tp; tp with 4 devices over 6 query heads (shards 0,0,1,2,
+    2,3) splits each 3-head group over 2 devices: 2 sorts and 1 reduction per group."""
+    outs, counts = {}, {}
+    for mode in ("dp", "tp"):
+        g = torch.Generator().manual_seed(2)
+        c = ctx()
+        s = PnmKV(PnmParams(budget_tokens=16, page_size=4, sinks=1, window_pages=1,
+                            dense_layers=1, devices=devices, parallel=mode), c)
+        k, v = torch.randn(2, 2, 30, 8, generator=g), torch.randn(2, 2, 30, 8, generator=g)
+        s.prefill(1, torch.randn(2, 6, 30, 8, generator=g), k, v)
+        outs[mode] = [out for *_, out in _steps(s, g, k, v, 2, c)]
+        counts[mode] = {q: c.counters.step_total(q, "pnm", 1)
+                        for q in ("topk_sorts", "reductions")}
+        loads = [c.counters.step_total("device_load", f"pnm{d}", 1) for d in range(devices)]
+        busy = [d < 2 or mode == "tp" for d in range(devices)]  # dp: 2 requests
+        assert [x > 0 for x in loads] == busy
+    for a, b in zip(outs["dp"], outs["tp"], strict=True):
+        assert torch.equal(a, b)
+    assert counts["dp"] == {"topk_sorts": 2 * 2, "reductions": 0}
+    split = devices == 4
+    assert counts["tp"] == {"topk_sorts": 2 * (4 if split else 2),
+                            "reductions": 2 * (2 if split else 0)}
+
+
+def test_device_role_on_memory_only_node(fake_sysfs: Path, monkeypatch, tmp_path) -> None:
+    """On a machine with a CXL memory-only node (fake node 2) the KV and digests are
+    allocated there, and the run records the node."""
+    placed: list[int] = []
+
+    def fake_alloc(node, shape, dtype, keep):
+        placed.append(node)
+        return torch.zeros(shape, dtype=dtype)
+
+    monkeypatch.setattr(_pnm, "SYSFS_ROOT", str(fake_sysfs))
+    monkeypatch.setattr(_pnm, "alloc_on_node", fake_alloc)
+    assert _pnm.device_node(-1).id == 2
+    s = PngKV(PngParams(budget_tokens=16, page_size=4, dense_layers=0), ctx())
+    assert s.dev.node == 2 and placed == [2] * 8  # k, v, lo, hi per layer
+    out = tmp_path / "x.jsonl"
+    with pytest.raises(SystemExit) as e:
+        main(["run", "pnm-kv", "--weights", "random", "--layers", "3", "--prompt-len", "40",
+              "--gen-len", "2", "--out", str(out)])
+    assert e.value.code == 0
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert {r["params"]["device_node"] for r in recs if r["kind"] == "run"} == {2}
+    assert set(placed) == {2}
+
+
+def _no_memory_node(root: Path) -> None:
+    d = root / "sys/devices/system/node/node3"
+    d.mkdir()
+    (d / "cpulist").write_text("\n")
+    (d / "meminfo").write_text("Node 3 MemTotal:       0 kB\n")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["pnm-kv", "--device-node", "7"], "NUMA node 7 does not exist"),
+    (["png-kv", "--device-node", "3"], "--device-node 3: NUMA node 3 has no memory"),
+    (["png-kv", "--steady-tokens", "8192"], "--steady-tokens 8192: must be in [0, "
+                                            "--budget-tokens 4096]"),
+    (["pnm-kv", "--budget-tokens", "16"], "smaller than one page of 32 tokens"),
+    (["png-kv", "--devices", "0"], "--devices 0: at least one device role"),
+    (["pnm-kv", "--parallel", "pp"], "--parallel 'pp': one of dp, tp"),
+    (["pnm-kv", "--model", "llama-3.1-8b", "--layers", "32", "--batch", "4",
+      "--prompt-len", "130000"], "KV does not fit the device roles: 131 GiB per device "
+                                 "(4 of 4 sequences x 130033 tokens"),
+])
+def test_bad_input_exits_2(args: list[str], message: str, fake_sysfs: Path, monkeypatch,
+                           capsys, tmp_path: Path) -> None:
+    _no_memory_node(fake_sysfs)
+    monkeypatch.setattr(_pnm, "SYSFS_ROOT", str(fake_sysfs))
+    base = ["--weights", "random", "--prompt-len", "40", "--gen-len", "32"]
+    with pytest.raises(SystemExit) as e:
+        main(["run", args[0], *base, *args[1:], "--out", str(tmp_path / "x.jsonl")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "x.jsonl").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["pnm-kv", "png-kv"])
+def test_cuda_exact_setting_equals_full(name: str) -> None:
+    """On a GPU: the device role stays on the host, the accelerator's part (png-kv's pool)
+    on CUDA; the exact setting's NLLs equal full attention's (float32)."""
+    import dataclasses
+
+    from kvbench.models.weights import load
+    from kvbench.runtime.run import decode_run
+    from kvbench.strategies import STRATEGIES
+
+    cuda = torch.device("cuda")
+    model = load(SPEC, "random", 2, torch.float32, cuda, seed=1).model
+    rows = torch.randint(0, 100, (2, 90), generator=torch.Generator().manual_seed(0)).to(cuda)
+    nll = {}
+    for n in ("full", name):
+        c = RunContext(SPEC, 2, 2, 90, torch.float32, cuda, CPU, Counters(2, 4, cuda=True),
+                       model)
+        cls = STRATEGIES.get(n)
+        params = None if n == "full" else dataclasses.replace(
+            cls.params(), budget_tokens=1 << 20, page_size=8, dense_layers=1)
+        s = cls(params, c)
+        model.setup(s, c.counters, 90)
+        nll[n] = decode_run(model, s, rows, 40, "eval", torch.cuda.synchronize).nll
+    assert max(abs(a - b) for a, b in zip(nll["full"], nll[name], strict=True)) < 1e-4
