@@ -168,6 +168,8 @@ def main() -> None:
                   "step (its window plus the host entries it selects, measured in its run "
                   "above): what hgca's host tier buys at equal attention work.", "",
                   "| strategy | budget (tokens) | ppl (attended) |", "|---|---|---|"]
+        lines += [f"| hgca, GPU share 0.25, β=1.0 | window 512 + host | "
+                  f"{cell('hgca-s0.25-b1.0')} |"]
         lines += [f"| {k.split('-t')[0]} | {k.split('-t')[1]} | {cell(k)} |" for k in matched]
     lines += ["", "## Selected share of host entries per (layer, KV head), attention error",
               "",
