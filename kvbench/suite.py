@@ -46,6 +46,7 @@ import itertools
 import json
 import re
 import shlex
+from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -227,15 +228,23 @@ class _Sink:
         return self.writers[env["env_id"]]
 
     def ratios(self, results: ResultSet) -> None:
-        """The suite's ratios not yet in the file, from each machine's own records."""
+        """The suite's ratios not yet in the file, from each machine's own records. A
+        machine is a fleet node by name, else a host: a resumed run's records pool with the
+        interrupted run's even where their environments differ (threads, git state), and
+        the ratio is filed under the machine's latest environment."""
+        machines: dict[str, list[str]] = defaultdict(list)
         for env_id, env in results.envs.items():
-            have = [r for r in results.records if r["env_id"] == env_id]
+            machines[(env.get("node") or {}).get("name") or env.get("hostname", "")].append(
+                env_id)
+        for ids in machines.values():
+            have = [r for r in results.records if r["env_id"] in ids]
             derived = {r["metric"] for r in have if r["name"] == "ratio"}
             if not any(r["name"] != "ratio" for r in have):
                 continue
+            env_id = ids[-1]
             for spec in self.suite.ratios:
                 if spec.name not in derived:
-                    self._writer({**env, "env_id": env_id}).write_batch(
+                    self._writer({**results.envs[env_id], "env_id": env_id}).write_batch(
                         list(derive_ratio(spec, have)))
 
     def close(self) -> None:

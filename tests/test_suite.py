@@ -94,7 +94,7 @@ def test_failing_case_is_recorded_and_suite_goes_on(tmp_path, monkeypatch, capsy
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
-def test_resume_after_kill_loses_and_repeats_nothing(tmp_path, sig):
+def test_resume_after_kill_loses_and_repeats_nothing(tmp_path, sig, monkeypatch):
     # ~0.15 s a unit: the signal lands mid-suite even on an idle machine (at 20000 calls all
     # 24 units could finish between the poll that saw 3 and the signal)
     path = write(tmp_path, '[[case]]\nprobe = "timer"\nparams = { calls = 100000, reps = 6 }\n'
@@ -120,7 +120,18 @@ def test_resume_after_kill_loses_and_repeats_nothing(tmp_path, sig):
         assert proc.returncode == 143 and b"terminated" in err
         assert not any(r["status"] == "error" for r in load(out).records)
     suite = load_suite(path)
+    # the resumed run's environment differs (here a note; in practice threads or git state):
+    # still one machine, so one ratio from all its records
+    import kvbench.envinfo
+
+    collect = kvbench.envinfo.collect_env
+    def resumed(*a, **k):
+        env = collect(*a, **k)
+        return {**env, "notes": ["resumed"], "env_id": env["env_id"][::-1]}
+
+    monkeypatch.setattr(kvbench.envinfo, "collect_env", resumed)
     assert run_suite(suite, out, resume=True) == 0
+    assert len(load(out).envs) == 2
     recs = load(out).records
     per_unit = Counter(r["method"]["suite_case"] for r in recs if r["name"] == "timer")
     assert set(per_unit) == {u.case_id for u in units(suite)}
