@@ -212,6 +212,25 @@ def load(path: Path | str) -> ResultSet:
     return rs
 
 
+def slim(paths: Iterable[Path], out: Path, keep: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Copy result files into one without their bulky per-layer traces (the committed
+    summary of a results folder): env lines and every record, except `trace.*` metrics
+    other than the decode-phase ones named in `keep`. Returns the run records kept."""
+    kept = []
+    with Path(out).open("w") as f:
+        for p in paths:
+            for line in Path(p).read_text().splitlines():
+                r = json.loads(line)
+                m = r.get("metric", "")
+                if m.startswith("trace.") and not (m in keep and
+                                                   r["params"].get("phase") == "decode"):
+                    continue
+                f.write(line + "\n")
+                if r.get("kind") == "run":
+                    kept.append(r)
+    return kept
+
+
 def to_dataframe(records: Iterable[dict[str, Any]]):  # -> pandas.DataFrame
     """One row per record; params flattened into `param.<name>` columns, stats into `stats.*`."""
     import pandas as pd

@@ -95,3 +95,21 @@ def test_writer_without_records_leaves_no_file(tmp_path: Path) -> None:
     with ResultWriter(path, ENV) as w:
         w.write_batch([])
     assert not path.exists() and not path.parent.exists()
+
+
+def test_slim_keeps_env_lines_records_and_only_the_named_decode_traces(tmp_path) -> None:
+    import json
+
+    from kvbench.store import slim
+
+    rows = [{"kind": "env", "env_id": "e"},
+            {"kind": "run", "metric": "tbt", "params": {}},
+            {"kind": "run", "metric": "trace.pages", "params": {"phase": "decode"}},
+            {"kind": "run", "metric": "trace.pages", "params": {"phase": "prefill"}},
+            {"kind": "run", "metric": "trace.tokens", "params": {"phase": "decode"}}]
+    src = tmp_path / "raw.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    kept = slim([src], tmp_path / "summary.jsonl", ("trace.pages",))
+    assert kept == [rows[1], rows[2]]
+    out = [json.loads(x) for x in (tmp_path / "summary.jsonl").read_text().splitlines()]
+    assert out == [rows[0], rows[1], rows[2]]
