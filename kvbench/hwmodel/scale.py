@@ -28,9 +28,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvbench.hwmodel.schedule import DENSE, Task
+from kvbench.hwmodel.schedule import DENSE
 from kvbench.models import ModelSpec
-from kvbench.runtime.trace import dense_work
+from kvbench.runtime.trace import Task, dense_work
 
 
 @dataclass(frozen=True)

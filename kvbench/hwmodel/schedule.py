@@ -29,20 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbench.hwmodel.profile import Profile
+from kvbench.runtime.trace import Task
 
 DENSE = ("pre", "post", "head")
-
-
-@dataclass
-class Task:
-    id: int
-    step: int
-    layer: int
-    resource: str
-    op: str
-    work: dict[str, float]
-    after: list[int]
-    background: bool
 
 
 @dataclass
