@@ -10,8 +10,10 @@ setup(
             "kvbench._native",
             sources=sorted(glob("probes/*.c")),
             depends=sorted(glob("probes/*.h")),
-            extra_compile_args=["-O2", "-std=c11", "-pthread", "-fno-strict-aliasing"],
-            extra_link_args=["-pthread"],
+            # OpenMP: the attention kernel and read loop run on torch's own thread pool
+            extra_compile_args=["-O2", "-std=c11", "-pthread", "-fno-strict-aliasing",
+                                "-fopenmp"],
+            extra_link_args=["-pthread", "-fopenmp"],
         )
     ]
 )

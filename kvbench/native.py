@@ -37,6 +37,10 @@ def lib() -> ctypes.CDLL:
     else:
         raise KvbenchError("native probes are not built: run `pip install -e .` in the kvbench "
                            "checkout (needs a C compiler)")
+    # torch first: the library's OpenMP runtime (libgomp.so.1) then resolves to the one torch
+    # loaded, so the kernels run on torch's own thread pool (probes/attn.c)
+    import torch  # noqa: F401
+
     so = ctypes.CDLL(str(path))
     so.kvb_abi_version.restype = ctypes.c_int
     if so.kvb_abi_version() != ABI_VERSION:

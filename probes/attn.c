@@ -11,8 +11,8 @@
  * fewer than SPLIT_ROWS rows per thread (decode at batch 1: a few KV heads on all cores),
  * every row's keys are split into S chunks (split-K, as FlashDecoding) whose partial
  * (max, sum, accumulator) are merged exactly afterwards, so all threads stay busy. Threads
- * take tasks from a shared counter and write disjoint parts of one output buffer; the call
- * returns when the tasks are done, not when every helper thread has run (see kvb_attn).
+ * of one OpenMP parallel region take tasks from a shared counter and write disjoint parts of
+ * one output buffer (see kvb_attn).
  *
  * The inner loops (attn_loops.c) have an AVX2/FMA version chosen at run time on x86 CPUs
  * that have it and a portable one (kvb_attn_isa reports or forces the choice).
@@ -22,15 +22,9 @@
  */
 #define _GNU_SOURCE
 #pragma GCC optimize("O3")
-#include <pthread.h>
-#include <sched.h>
 #include <stdlib.h>
 
 #include "attn.h"
-
-/* probes/copy.c */
-int kvb_spawn_detached(void *(*fn)(void *), void *arg, int *refs, int n);
-void kvb_wait_done(const int64_t *done, int64_t target);
 
 #define SPLIT_ROWS 8  /* below this many rows per thread, rows are split along the keys */
 #define MIN_CHUNK 256 /* fewest keys per split chunk */
@@ -52,8 +46,6 @@ typedef struct {
     const isa_t *isa;     /* the inner loops (attn_loops.c) */
     int64_t next;         /* shared task counter */
     int failed;
-    int64_t done;         /* tasks finished */
-    int refs;             /* threads still holding the job (the last one frees it) */
 } job_t;
 
 static int g_isa = -1; /* -1: not chosen yet, 0: portable, 1: AVX2/FMA */
@@ -162,8 +154,8 @@ static void finish_row(job_t *j, int64_t r, const float *m, const float *l, cons
     }
 }
 
-/* Take tasks from the shared counter until none is left, counting each one done (a thread
- * that could not get its work buffers still counts the tasks it takes, as failed). */
+/* Take tasks from the shared counter until none is left (a thread that could not get its
+ * work buffers still takes its tasks, marking the job failed). */
 static void run_tasks(job_t *j) {
     const int64_t nr = (j->Hq / j->Hkv) * j->Lq, D = j->D;
     const isa_t *isa = j->isa;
@@ -200,23 +192,8 @@ static void run_tasks(job_t *j) {
                 memcpy(part + t * (D + 2) + 2, w.acc + t * D, sizeof(float) * D);
             }
         }
-        __atomic_add_fetch(&j->done, 1, __ATOMIC_RELEASE);
     }
     free(mem);
-}
-
-/* Drop one reference to the job; the last one frees it. */
-static void release(job_t *j) {
-    if (__atomic_sub_fetch(&j->refs, 1, __ATOMIC_ACQ_REL) == 0) {
-        free(j->part);
-        free(j);
-    }
-}
-
-static void *worker(void *arg) {
-    run_tasks((job_t *)arg);
-    release((job_t *)arg);
-    return NULL;
 }
 
 /* Exact merge of row r's split partials (HGCA section 3.3's log-sum-exp merge) into chunk 0's
@@ -251,20 +228,19 @@ static void merge_row(job_t *j, int64_t r) {
 
 /* Returns 0, or -1 when a buffer could not be had (outputs then undefined).
  *
- * The calling thread works too and returns once every task is done, without joining the
- * helper threads: they are detached and hold a reference to the job (on the heap), so a
- * helper that the scheduler starts late (another process on its CPU) finds no task left and
- * exits on its own instead of holding the call up until it gets a CPU. */
+ * The tasks run in an OpenMP parallel region: the library links the OpenMP runtime that torch
+ * has already loaded (kvbench.native loads torch first), so the kernel's threads are torch's
+ * own intra-op threads. Threads of a second pool would compete for the cores with torch's
+ * workers, which spin for a while after each torch op (OMP_WAIT_POLICY). */
 int kvb_attn(int dtype, const void *q, const void *k, const void *v, void *out, float *lse,
              int64_t B, int64_t Hq, int64_t Hkv, int64_t Lq, int64_t Lk, int64_t D,
              const int64_t *kstrides, const int64_t *vstrides, const int32_t *idx,
              const int32_t *lens, int64_t nmax, float scale, int causal, int64_t q_start,
              int64_t group, int threads) {
-    job_t *j = malloc(sizeof *j);
-    if (!j) return -1;
+    job_t job, *j = &job;
     *j = (job_t){dtype, q, k, v, out, lse, B, Hq, Hkv, Lq, Lk, D, kstrides, vstrides, idx, lens,
                  nmax, scale, causal, q_start, group < 1 ? 1 : group, 0, 1, 0, NULL,
-                 kvb_attn_loops(dtype, D, kvb_attn_isa(-1)), 0, 0, 0, 1};
+                 kvb_attn_loops(dtype, D, kvb_attn_isa(-1)), 0, 0};
     const int64_t rows = B * Hkv, n = idx ? nmax : Lk;
     int nt = threads < 1 ? 1 : threads > 256 ? 256 : threads;
     if (nt > 1 && rows < SPLIT_ROWS * nt && n >= 2 * MIN_CHUNK) {
@@ -279,20 +255,15 @@ int kvb_attn(int dtype, const void *q, const void *k, const void *v, void *out, 
     if (j->split > 1) {
         j->ntasks = rows * j->split;
         j->part = malloc(sizeof(float) * j->ntasks * (Hq / Hkv) * Lq * (D + 2));
-        if (!j->part) {
-            free(j);
-            return -1;
-        }
+        if (!j->part) return -1;
     } else {
         j->ntasks = (rows + j->group - 1) / j->group;
     }
     if (nt > j->ntasks) nt = (int)j->ntasks;
-    kvb_spawn_detached(worker, j, &j->refs, nt - 1);
+#pragma omp parallel num_threads(nt)
     run_tasks(j);
-    kvb_wait_done(&j->done, j->ntasks);
     if (j->split > 1 && !j->failed)
         for (int64_t r = 0; r < rows; r++) merge_row(j, r);
-    const int rc = j->failed ? -1 : 0;
-    release(j);
-    return rc;
+    free(j->part);
+    return j->failed ? -1 : 0;
 }

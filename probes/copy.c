@@ -142,58 +142,18 @@ uint64_t kvb_memcpy_threads(void *dst, const void *src, size_t n, size_t iters, 
  * it when done, the last holder frees the job); returns how many started. The attention
  * kernel and the read loop hand work to helpers this way, so a call never waits for a
  * helper the scheduler has not started yet. */
-int kvb_spawn_detached(void *(*fn)(void *), void *arg, int *refs, int n) {
-    pthread_attr_t attr;
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    int started = 0;
-    for (; started < n; started++) {
-        pthread_t tid;
-        __atomic_add_fetch(refs, 1, __ATOMIC_RELAXED);
-        if (pthread_create(&tid, &attr, fn, arg) != 0) {
-            __atomic_sub_fetch(refs, 1, __ATOMIC_RELAXED);
-            break;
-        }
-    }
-    pthread_attr_destroy(&attr);
-    return started;
-}
-
-/* Wait until *done reaches target (the attention kernel's and the read loop's calling
- * thread, once no task is left to take): spin for up to SPIN_NS, as the other threads' last
- * tasks are short, then yield the CPU between checks. Yielding at once would hand the CPU
- * to whatever else is runnable for a whole time slice on a loaded machine. */
-#define SPIN_NS 200000
-
-void kvb_wait_done(const int64_t *done, int64_t target) {
-    const uint64_t t0 = kvb_now_ns();
-    while (__atomic_load_n(done, __ATOMIC_ACQUIRE) < target) {
-        if (kvb_now_ns() - t0 > SPIN_NS) {
-            sched_yield();
-            continue;
-        }
-        for (int i = 0; i < 64; i++) {
-#if defined(__x86_64__) || defined(__i386__)
-            __builtin_ia32_pause();
-#endif
-        }
-    }
-}
-
-/* Read-only bandwidth (the roof of decode attention, which reads K and V once): the calling
- * thread and nthreads - 1 helpers sum the 64-bit words of src, `iters` times over, taking
- * READ_CHUNK-byte pieces from a shared counter, with AVX2 loads where the CPU has them.
- * Threaded like the attention kernel (probes/attn.c): detached helpers holding a reference
- * to a heap job, the call returning once every piece is read; timed the same way, around
- * the whole call with thread creation, so the two compare like with like. Returns elapsed
- * ns, or 0 when the job could not be allocated. */
+/* Read-only bandwidth (the roof of decode attention, which reads K and V once): nthreads
+ * threads sum the 64-bit words of src, `iters` times over, taking READ_CHUNK-byte pieces
+ * from a shared counter, with AVX2 loads where the CPU has them. Threaded like the attention
+ * kernel (probes/attn.c: one OpenMP parallel region on torch's runtime) and timed the same
+ * way, around the whole call, so the two compare like with like. Returns elapsed ns (0 for
+ * bad arguments). */
 #define READ_CHUNK ((size_t)1 << 20)
 
 typedef struct {
     const char *p;
     size_t n, pieces;
-    int64_t next, done; /* pieces taken, pieces read */
-    int refs;          /* threads still holding the job (the last one frees it) */
+    int64_t next;       /* pieces taken */
     uint64_t sum;
 } read_job;
 
@@ -237,33 +197,18 @@ static void read_pieces(read_job *j) {
         if (k >= j->pieces) break;
         const size_t off = (k % per) * READ_CHUNK;
         sum += fn(j->p + off, j->n - off < READ_CHUNK ? j->n - off : READ_CHUNK);
-        __atomic_add_fetch(&j->done, 1, __ATOMIC_RELEASE);
     }
     __atomic_add_fetch(&j->sum, sum, __ATOMIC_RELAXED);
-}
-
-static void read_release(read_job *j) {
-    if (__atomic_sub_fetch(&j->refs, 1, __ATOMIC_ACQ_REL) == 0) free(j);
-}
-
-static void *read_worker(void *p) {
-    read_pieces(p);
-    read_release(p);
-    return NULL;
 }
 
 uint64_t kvb_read_threads(const void *src, size_t n, size_t iters, int nthreads) {
     if (nthreads < 1 || nthreads > 1024 || n == 0) return 0;
     const uint64_t t0 = kvb_now_ns();
-    read_job *j = malloc(sizeof *j);
-    if (!j) return 0;
-    *j = (read_job){src, n, iters * ((n + READ_CHUNK - 1) / READ_CHUNK), 0, 0, 1, 0};
-    kvb_spawn_detached(read_worker, j, &j->refs, nthreads - 1);
-    read_pieces(j);
-    kvb_wait_done(&j->done, (int64_t)j->pieces);
+    read_job job = {src, n, iters * ((n + READ_CHUNK - 1) / READ_CHUNK), 0, 0};
+#pragma omp parallel num_threads(nthreads)
+    read_pieces(&job);
     const uint64_t ns = kvb_now_ns() - t0;
-    __asm__ volatile("" : : "r"(__atomic_load_n(&j->sum, __ATOMIC_RELAXED)));
-    read_release(j);
+    __asm__ volatile("" : : "r"(__atomic_load_n(&job.sum, __ATOMIC_RELAXED)));
     return ns;
 }
 
