@@ -26,6 +26,17 @@ class CopyJob(ctypes.Structure):
                 ("fence", ctypes.c_int), ("allowed", ctypes.c_int)]
 
 
+def openmp_runtimes() -> list[str]:
+    """Paths of the OpenMP runtimes mapped into this process (Linux; [] elsewhere). The
+    native kernels must share torch's: two runtimes mean two thread pools on the same cores."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return []
+    libs = {line.split()[-1] for line in maps.splitlines() if "omp" in line.split("/")[-1]}
+    return sorted(x for x in libs if x.startswith("/") and ".so" in x)
+
+
 @lru_cache(maxsize=1)
 def lib() -> ctypes.CDLL:
     """Load the native library; a one-line error if the package was installed without it."""

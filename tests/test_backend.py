@@ -85,6 +85,21 @@ def test_probe_records_state_backend(tmp_path: Path) -> None:
     assert x.method["backend"] == {"decode": "native"} and "backend" not in y.method
 
 
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux /proc")
+def test_native_kernels_share_torchs_openmp_runtime() -> None:
+    """probes/attn.c runs on torch's thread pool: one OpenMP runtime in the process, the one
+    torch loaded (a second runtime's threads would fight torch's spinning workers)."""
+    from kvbench.native import lib, openmp_runtimes
+
+    lib()
+    omp = openmp_runtimes()
+    assert len(omp) == 1, omp
+    bundled = list((Path(torch.__file__).parent / "lib").glob("lib*omp*.so*"))
+    if bundled:  # torch ships its own runtime: the kernels must use that one
+        assert Path(omp[0]).resolve() in {p.resolve() for p in bundled}, (omp, bundled)
+    assert native_status().endswith(f"OpenMP {omp[0]})")
+
+
 def test_env_says_whether_native_loaded(monkeypatch: pytest.MonkeyPatch,
                                         capsys: pytest.CaptureFixture[str]) -> None:
     assert native_status().startswith("loaded (ABI ")

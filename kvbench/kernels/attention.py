@@ -53,15 +53,16 @@ def backend_use(reset: bool = False) -> dict[str, str]:
 
 
 def native_status() -> str:
-    """'loaded (ABI n)' or why the native CPU kernel library is unavailable."""
+    """'loaded (ABI n, OpenMP runtime)' or why the native CPU kernel library is unavailable."""
     from kvbench.errors import KvbenchError
-    from kvbench.native import ABI_VERSION, lib
+    from kvbench.native import ABI_VERSION, lib, openmp_runtimes
 
     try:
         lib()
     except KvbenchError as e:
         return f"not loaded: {e}"
-    return f"loaded (ABI {ABI_VERSION})"
+    omp = openmp_runtimes()
+    return f"loaded (ABI {ABI_VERSION}, OpenMP {' + '.join(omp) if omp else 'not found'})"
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
