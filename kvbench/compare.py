@@ -14,6 +14,14 @@ for a quantity its record declares exact (`method["exact"]`, e.g. a deterministi
 perplexity) or when the caller vouches for the threshold as that quantity's tolerance (suite
 guards, `thresholded=True`); otherwise the row is "untestable" and never regresses.
 Quantities with direction "none" (diagnostics such as a sweep's CV) are informational.
+
+Runs: every record of a quantity in a file is one run of it (files appended to by several
+invocations, a probe's --repeat sweeps, suite repetitions). Samples within one run share
+that run's machine state, so a machine that drifts between runs (a shared VM: 5-30% over
+minutes, results/compare-noise) makes two unchanged single runs differ significantly. When
+each side holds enough runs for the test to reach alpha (4 and 4 at 0.05), the test runs on
+the runs' medians instead ("mann-whitney runs"), judging the change against the
+run-to-run spread; with fewer, on the pooled samples ("mann-whitney").
 Records whose environment, probe version or attention backend (method.backend: the native
 kernel or the torch fallback) differ are compared and visibly marked.
 """
@@ -125,6 +133,12 @@ def _samples(recs: list[dict[str, Any]]) -> list[float]:
     return out
 
 
+def _run_medians(recs: list[dict[str, Any]]) -> list[float]:
+    """One value per run (record) that measured: the median of its samples."""
+    return [statistics.median(r.get("samples") or [r["value"]]) for r in recs
+            if r["status"] == "ok" and r["value"] is not None]
+
+
 def _backends(recs: list[dict[str, Any]]) -> set[str]:
     """The attention backends (method.backend, per phase) that the records ran."""
     return {f"{phase}={b}" for r in recs
@@ -177,6 +191,10 @@ def _judge(row: Row, rb: list[dict[str, Any]], rn: list[dict[str, Any]], thresho
     if not sb:
         row.verdict = "added"
         return
+    test = "mann-whitney"
+    mb, mn = _run_medians(rb), _run_medians(rn)
+    if min(len(mb), len(mn)) >= 2 and min_p_value(len(mb), len(mn)) <= alpha:
+        sb, sn, test = mb, mn, "mann-whitney runs"
     row.base, row.new = statistics.median(sb), statistics.median(sn)
     if row.direction == "none":
         row.test, row.verdict = "informational", "same"
@@ -197,7 +215,7 @@ def _judge(row: Row, rb: list[dict[str, Any]], rn: list[dict[str, Any]], thresho
     else:  # beyond the threshold with significance: against the base moved by it
         moved = [x * (1 + math.copysign(threshold, row.new - row.base)) for x in sb]
         row.p_value = mann_whitney_p(moved, sn)
-        row.test = "mann-whitney"
+        row.test = test
         significant = row.p_value < alpha
     if beyond and significant:
         row.verdict = "improved" if row.change > 0 else "regressed"

@@ -231,3 +231,32 @@ def test_two_machines_of_one_fleet_file(tmp_path, capsys):
     assert "improved" in capsys.readouterr().out
     with pytest.raises(KvbenchError, match=r"no environment 'tpu'.*id-n1 = a100 \(n1\)"):
         select_env(rs, "tpu")
+
+
+def runs_of(medians: list[float], spread: float = 0.002) -> ResultSet:
+    """One record (run) per median, each with 9 tight samples around it: a machine whose
+    speed drifts between runs far more than within one."""
+    recs = []
+    for m in medians:
+        rec = measured("probe", "bandwidth", "bandwidth", "GB/s", "higher",
+                       [m * (1 + spread * (i - 4)) for i in range(9)], {"size": 1 << 20})
+        recs.append({**rec.to_dict(), "env_id": "e1"})
+    return ResultSet(Path("x"), records=recs)
+
+
+def test_runs_are_judged_against_their_spread() -> None:
+    """Four runs a side: the test runs on run medians. Drift between runs (run medians
+    spread 10%) with an 8% lower median is noise, where one run a side of the same values
+    regresses; a shift beyond the runs' spread regresses."""
+    base, drifted = [100.0, 110.0, 90.0, 105.0], [92.0, 101.0, 88.0, 96.0]
+    (row,) = compare_sets(runs_of(base), runs_of(drifted))
+    assert row.test == "mann-whitney runs" and row.verdict == "noise", row
+    assert row.change is not None and row.change < -0.05
+    # one run a side: its tight samples cannot see the drift, so 100 -> 92 regresses
+    (row,) = compare_sets(runs_of(base[:1]), runs_of(drifted[:1]))
+    assert row.test == "mann-whitney" and row.verdict == "regressed", row
+    (row,) = compare_sets(runs_of(base), runs_of([70.0, 75.0, 68.0, 72.0]))
+    assert row.test == "mann-whitney runs" and row.verdict == "regressed", row
+    # three runs a side cannot reach alpha on run medians: pooled samples decide
+    (row,) = compare_sets(runs_of(base[:3]), runs_of([70.0, 75.0, 68.0]))
+    assert row.test == "mann-whitney" and row.verdict == "regressed", row
