@@ -66,6 +66,16 @@ def _check_reachable(address: str) -> None:
                            f"{CONNECT_TIMEOUT_S:.0f} s: {why}") from None
 
 
+def _auth_hint(address: str | None) -> str:
+    """Ray >= 2.59 turns token authentication on for `ray start --head` where a token exists
+    (~/.ray/auth_token, written by any local ray.init()), but a driver joining an explicit
+    address only authenticates under RAY_AUTH_MODE=token: name that when it is not set."""
+    if address in (None, "auto") or os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
+        return ""
+    return (" (a cluster with token authentication needs RAY_AUTH_MODE=token and its token "
+            "here, in ~/.ray/auth_token or RAY_AUTH_TOKEN_PATH)")
+
+
 def _nodes(ray: Any) -> dict[str, dict[str, Any]]:
     """Alive nodes by id: {'name', 'class' (None: from hardware), 'resources'}."""
     alive = [n for n in ray.nodes() if n.get("Alive")]
@@ -289,7 +299,7 @@ def connect(address: str | None, on: str | list[str] | None) -> Iterator[Fleet]:
     except (ConnectionError, RuntimeError, ValueError) as e:
         first = (str(e).strip().splitlines() or [""])[0]
         where = f"join the Ray cluster at '{address}'" if address else "start a local Ray cluster"
-        raise KvbenchError(f"cannot {where}: {first}") from None
+        raise KvbenchError(f"cannot {where}: {first}{_auth_hint(address)}") from None
     try:
         fleet = Fleet(ray, on)
         yield fleet

@@ -20,7 +20,7 @@ ray = pytest.importorskip("ray")
 
 from kvbench.cli import main  # noqa: E402
 from kvbench.compare import compare_sets, select_env  # noqa: E402
-from kvbench.fleet import connect  # noqa: E402
+from kvbench.fleet import _auth_hint, connect  # noqa: E402
 from kvbench.store import load  # noqa: E402
 from kvbench.suite import load_suite, recorded_units, run_suite, units  # noqa: E402
 
@@ -235,3 +235,14 @@ def test_local_cluster_without_address(tmp_path):
     envs = [ln["env"] for ln in lines if ln["kind"] == "env"]
     assert len(envs) == 1 and envs[0]["node"]["resources"]["CPU"] == 1
     assert {ln["env_id"] for ln in lines if ln["kind"] == "probe"} == {envs[0]["env_id"]}
+
+
+def test_explicit_address_without_token_mode_names_it(monkeypatch):
+    """Ray >= 2.59 enables token auth on a head node where a token exists, but a driver
+    joining an explicit address authenticates only under RAY_AUTH_MODE=token: the error of a
+    failed join says so (`auto` and a local cluster enable it themselves)."""
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    assert "RAY_AUTH_MODE=token" in _auth_hint("10.0.0.1:6379")
+    assert _auth_hint("auto") == _auth_hint(None) == ""
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    assert _auth_hint("10.0.0.1:6379") == ""
