@@ -14,7 +14,7 @@ from __future__ import annotations
 import base64
 from html import escape
 
-from kvbench.report import REFERENCE, Report, env_summary, record_row
+from kvbench.report import REFERENCE, Report, env_summary
 from kvbench.summary import COLUMNS, Summary
 
 _STYLE = """
@@ -95,7 +95,7 @@ def render(rep: Report) -> str:
             parts.append(f"<details><summary>{len(ok)} records of {escape(g.title)}"
                          "</summary>")
             parts.append(_table(["name", "metric", "params", "value", "status"],
-                                [record_row(r) for r in ok],
+                                [rep.row(r) for r in ok],
                                 ["projected" if r["provenance"] == "projected" else ""
                                  for r in ok]))
             parts.append("</details>")
@@ -103,7 +103,7 @@ def render(rep: Report) -> str:
         if bad:
             parts.append("<p>Not measured here:</p>" + _table(
                 ["name", "metric", "params", "value", "status and reason"],
-                [record_row(r) for r in bad], [r["status"] for r in bad]))
+                [rep.row(r) for r in bad], [r["status"] for r in bad]))
     if rep.accuracy:
         parts.append("<h2>Accuracy (perplexity, lower is better)</h2>")
         parts.append(_table(["strategy", "params", "perplexity", f"{REFERENCE} reference",

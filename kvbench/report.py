@@ -24,7 +24,7 @@ from kvbench.plots import pyplot, save
 from kvbench.plots.budget import budget_figures
 from kvbench.schema import RecordKey, record_key
 from kvbench.store import load
-from kvbench.summary import REFERENCE, Summary, reference_value, summarize
+from kvbench.summary import REFERENCE, Summary, machine_label, reference_value, summarize
 from kvbench.units import format_bytes
 
 FORMATS = ("table", "markdown", "html")
@@ -66,6 +66,11 @@ class Report:
     warnings: list[str]
     accuracy: list[list[str]]
     summary: Summary = field(default_factory=Summary)
+    machines: dict[str, str] = field(default_factory=dict)  # env id -> label, if several
+
+    def row(self, r: dict[str, Any]) -> list[str]:
+        """record_row, the name tagged with its machine when the files hold several."""
+        return record_row(r, self.machines.get(r.get("env_id", "")))
 
 
 def commands(records: list[dict[str, Any]]) -> list[str]:
@@ -155,20 +160,26 @@ def samples_figure(group: Group, out_dir: Path) -> list[Figure]:
     return [Figure(f"{group.title}: samples per quantity", path, commands(group.ok()))]
 
 
-def accuracy_table(records: list[dict[str, Any]]) -> list[list[str]]:
+def accuracy_table(records: list[dict[str, Any]], machines: dict[str, str] | None = None
+                   ) -> list[list[str]]:
     """Rows [strategy, params, perplexity, reference, change] with the full-attention
-    reference at the same parameters minus the strategy's own (HGCA Table 1)."""
+    reference at the same parameters minus the strategy's own (HGCA Table 1), from the same
+    machine; `machines` (env id -> label) tags each strategy with its machine."""
+    machines = machines or {}
     ppl = [r for r in records if r["metric"] == "perplexity" and r["status"] == "ok"]
-    ref = {}
+    refs: dict[str | None, dict] = defaultdict(dict)
     for r in ppl:
         if r["name"] == REFERENCE:
-            ref[tuple(sorted(r["params"].items(), key=str))] = r["value"]
+            m = machines.get(r.get("env_id", ""))
+            refs[m][tuple(sorted(r["params"].items(), key=str))] = r["value"]
     rows = []
     for r in sorted(ppl, key=lambda r: (r["name"] != REFERENCE, r["name"], str(r["params"]))):
-        base = reference_value(ref, r["params"])
+        m = machines.get(r.get("env_id", ""))
+        base = reference_value(refs[m], r["params"])
         change = "-" if base is None or r["name"] == REFERENCE else \
             f"{(r['value'] - base) / base:+.2%}"
-        rows.append([r["name"], params_text(r["params"]), f"{r['value']:.4g}",
+        rows.append([r["name"] + (f" @ {m}" if m else ""), params_text(r["params"]),
+                     f"{r['value']:.4g}",
                      "-" if base is None else f"{base:.4g}", change])
     return rows
 
@@ -205,7 +216,10 @@ def build(files: list[Path], fig_dir: Path) -> Report:
         run_group = next(g for g in groups if g.kind == "run")
         run_group.figures.append(Figure("runs: per-layer work traces", summary.traces,
                                         commands(runs)))
-    return Report(files, envs, groups, warnings, accuracy_table(runs), summary)
+    labels = {eid: machine_label(env) for eid, env in envs.items()}
+    machines = labels if len(set(labels.values())) > 1 else {}
+    return Report(files, envs, groups, warnings, accuracy_table(runs, machines), summary,
+                  machines)
 
 
 def env_summary(env: dict[str, Any]) -> dict[str, str]:
@@ -230,13 +244,15 @@ def env_summary(env: dict[str, Any]) -> dict[str, str]:
     }
 
 
-def record_row(r: dict[str, Any]) -> list[str]:
-    """[name, metric (projected labelled), params, value with spread, status]."""
+def record_row(r: dict[str, Any], machine: str | None = None) -> list[str]:
+    """[name (@ machine, when given), metric (projected labelled), params, value with spread,
+    status]."""
     value = value_text(r["value"], r["unit"], r.get("stats")) if r["status"] == "ok" else "-"
     metric = label(r)
     if "cpu" in (r["params"].get("accel"), r["params"].get("device")):  # the role, not a GPU
         metric = metric.replace("gpu", "accel (cpu)")
-    return [r["name"], metric, params_text(r["params"]), value,
+    return [r["name"] + (f" @ {machine}" if machine else ""), metric, params_text(r["params"]),
+            value,
             r["status"] + (f": {r['reason']}" if r.get("reason") else "")]
 
 
@@ -257,10 +273,10 @@ def _markdown(rep: Report, fig_rel: Path | None) -> str:
     for g in rep.groups:
         lines += [f"## {g.title}", ""]
         if g.ok():
-            lines += table(cols, [record_row(r) for r in g.ok()])
+            lines += table(cols, [rep.row(r) for r in g.ok()])
         if g.not_ok():
             lines += ["Not measured:", ""]
-            lines += table(cols, [record_row(r) for r in g.not_ok()])
+            lines += table(cols, [rep.row(r) for r in g.not_ok()])
         for f in g.figures if fig_rel is not None else []:
             lines += [f"![{f.title}]({fig_rel / f.path.name})", ""]
         cmds = commands(g.records)
@@ -294,7 +310,7 @@ def _table(rep: Report) -> None:
         for col in ("name", "metric", "params", "value", "status"):
             t.add_column(col)
         for r in g.records:
-            row = record_row(r)
+            row = rep.row(r)
             style = {"waived": "yellow", "error": "red"}.get(r["status"]) or (
                 "magenta" if r["provenance"] == "projected" else None)
             t.add_row(*row, style=style)

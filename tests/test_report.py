@@ -189,3 +189,26 @@ def test_html_opens_with_a_summary_and_folds_raw_rows(runs, tmp_path):
     assert "runs: per-layer work traces" in detail
     assert "trace.tokens" not in re.sub(r"<details>.*?</details>", "", detail, flags=re.S)
     assert detail.count("<details><summary>") == 1
+
+
+def test_rows_name_their_machine_when_the_files_hold_several(tmp_path):
+    """A fleet file: every row and the accuracy table say which machine measured it, and
+    each strategy's change is against full attention on its own machine."""
+    from kvbench.report import build
+
+    path = tmp_path / "fleet.jsonl"
+    base = collect_env()
+    for name, cls, full, hgca in (("n1", "small", 12.0, 12.6), ("n2", "big", 10.0, 10.2)):
+        env = {**base, "env_id": f"id-{name}", "node": {"name": name, "class": cls}}
+        with ResultWriter(path, env) as w:
+            for strategy, ppl in (("full", full), ("hgca", hgca)):
+                w.write(measured("run", strategy, "perplexity", "", "lower", [ppl],
+                                 {"context": 512}))
+    rep = build([path], tmp_path)
+    runs = next(g for g in rep.groups if g.kind == "run")
+    assert sorted(rep.row(r)[0] for r in runs.records) == [
+        "full @ big (n2)", "full @ small (n1)", "hgca @ big (n2)", "hgca @ small (n1)"]
+    changes = {row[0]: row[4] for row in rep.accuracy}
+    assert changes["hgca @ small (n1)"] == "+5.00%" and changes["hgca @ big (n2)"] == "+2.00%"
+    assert report([str(path), "--format", "markdown", "--out", str(tmp_path / "md")]) == 0
+    assert "| hgca @ big (n2) |" in (tmp_path / "md" / "report.md").read_text()
