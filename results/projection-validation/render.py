@@ -1,9 +1,11 @@
 """Validation table of issue 14 (a): measured vs projected decode step time (tbt median)
 and prefill time (ttft) per strategy, batch and prompt, on this machine.
 
-Reads measured.jsonl (the suite projection-validation), projected-before.jsonl and
-projected-after.jsonl (`kvbench project ... --hardware this` with the probes taken before
-and after the runs) and load.txt; writes table.md. Error = projected / measured - 1.
+Reads measured.jsonl (the suite projection-validation; ~20 MB with the per-(step, layer)
+task graphs `kvbench project` needs, kept local) into measured-summary.jsonl (committed,
+without the traces), projected-before.jsonl and projected-after.jsonl (`kvbench project
+... --hardware this` with the probes taken before and after the runs), load.txt and
+notes.md (this run's reading); writes table.md. Error = projected / measured - 1.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from kvbench.store import load
+from kvbench.store import load, slim
 
 HERE = Path(__file__).parent
 DROP = ("hardware", "where", "energy_devices")
@@ -42,7 +44,9 @@ def _summary(errors: list[float]) -> str:
 
 
 def main() -> None:
-    meas = _values(HERE / "measured.jsonl", "measured")
+    if (HERE / "measured.jsonl").exists():
+        slim([HERE / "measured.jsonl"], HERE / "measured-summary.jsonl", ())
+    meas = _values(HERE / "measured-summary.jsonl", "measured")
     before = _values(HERE / "projected-before.jsonl", "projected")
     after = _values(HERE / "projected-after.jsonl", "projected")
     lines = ["| strategy | batch | prompt | measured tbt | projected tbt (probes before) | "
@@ -67,14 +71,16 @@ def main() -> None:
                      f"{a.get('tbt', float('nan')) * 1e3:.1f} ms | {ea} | {m['ttft']:.2f} s | "
                      f"{b.get('ttft', float('nan')):.2f} s | {et} |")
     load_txt = (HERE / "load.txt").read_text() if (HERE / "load.txt").exists() else ""
+    # this run's reading of the figures (conditions, what the errors come from)
+    notes = (HERE / "notes.md").read_text().strip() if (HERE / "notes.md").exists() else ""
     text = "\n".join([
         "# Projection validation on this machine (issue 14, validation a)",
         "",
         "Measured decode step time (tbt, median of 8 steps) and prefill time (ttft) of every",
         "strategy against `kvbench project --hardware this`, the profile built from probes",
         "taken just before the runs (and, for comparison, just after). Machine: the 2-core",
-        "CPU VM (no GPU: the accelerator role is the CPU), shared with other agents; runs",
-        "niced. Load average around each phase (1, 5, 15 min):",
+        "CPU VM (no GPU: the accelerator role is the CPU), shared with other agents; the",
+        "priority the runs had and the load average around each phase (1, 5, 15 min):",
         "",
         "```", load_txt.strip(), "```",
         "",
@@ -82,19 +88,10 @@ def main() -> None:
         f"- decode step time, probes after: {_summary(err_a)}",
         f"- prefill time, probes before: {_summary(err_t)}",
         "",
-        "Done-when bar of the issue: 15% median, 25% worst (decode step time). **Not met**",
-        "here, and not assessable on this machine: it was shared with other agents at load",
-        "averages of 18-135 on 2 cores while these ran, and its speed moved several-fold",
-        "between consecutive minutes (the roofline probe's peak went from 34 GFLOP/s at",
-        "01:41 to 12.5 at 02:12; offload and full, whose batch-1 decode steps do the same",
-        "dense work, measured 78 ms and 297 ms minutes apart). A projection from probes",
-        "taken at one moment cannot track that; the errors below are dominated by it. The",
-        "grid was cut at the deadline: all 8 strategies at batch 1 and prompt 32, and full",
-        "at batch 8 (the suite's other 23 cases did not run). Batch 8 also hit a pathology",
-        "of the oneDNN-packed weights under CPU oversubscription (0.04-0.8 GB/s in the",
-        "linear probe against 2-3 GB/s at batch 1). The prefill is far slower measured than",
-        "projected: the decoder packs its weights for the decode batch and the prompt's",
-        "rows run through that layout (not modelled).",
+        "Done-when bar of the issue: 15% median, 25% worst (decode step time).",
+        "",
+        notes,
+        "",
         "Commands: `sh results/projection-validation/run.sh` (probes, the suite",
         "`suites/projection-validation.toml`, probes again, two `kvbench project` calls,",
         "then this script).",

@@ -2,12 +2,13 @@
 # Issue 14, validation (a): measured runs of every strategy on this machine against their
 # projection onto `--hardware this`, built from probes taken just before the runs (and,
 # to show how far the machine drifted meanwhile, from probes taken just after).
-# The 2-core VM is shared with other agents: everything runs under nice -n 10 and the load
-# average is logged around each phase (load.txt).
+# The 2-core VM is shared with other agents: everything runs under $PRIO (default nice -n 10;
+# `PRIO="chrt -f 10" sh run.sh` shields it from them as SCHED_FIFO) and the load average is
+# logged around each phase (load.txt).
 set -e
 cd "$(dirname "$0")/../.."
 D=results/projection-validation
-K="nice -n 10 kvbench"
+K="${PRIO:-nice -n 10} kvbench"
 probes() {
   $K probe timer --out "$1"
   $K probe roofline --model smollm2-135m --tokens 512 --matmul 1024 --linear-rows 1,8,32,128 --out "$1"
@@ -27,6 +28,6 @@ $K suite run suites/projection-validation.toml --resume --out $D/measured.jsonl 
 echo "after runs: $(cat /proc/loadavg)" >> $D/load.txt
 probes $D/probes-after.jsonl
 echo "after probes: $(cat /proc/loadavg)" >> $D/load.txt
-kvbench project $D/measured.jsonl --hardware this --probes $D/probes-before.jsonl --out $D/projected-before.jsonl
-kvbench project $D/measured.jsonl --hardware this --probes $D/probes-after.jsonl --out $D/projected-after.jsonl
+$K project $D/measured.jsonl --hardware this --probes $D/probes-before.jsonl --out $D/projected-before.jsonl
+$K project $D/measured.jsonl --hardware this --probes $D/probes-after.jsonl --out $D/projected-after.jsonl
 python results/projection-validation/render.py
