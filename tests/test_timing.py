@@ -37,3 +37,26 @@ def test_policy_min_time_keeps_repeating() -> None:
                                                    max_reps=10**6))
     assert sum(t.seconds) >= 0.04
     assert all(s > 0 for s in t.seconds)
+
+
+def test_gc_off_inside_the_timed_region_and_restored() -> None:
+    """Decode timing runs with the cyclic GC off (as timeit); the caller's state comes back,
+    also after an exception, and a disabled GC stays disabled."""
+    import gc
+
+    from kvbench.timing import gc_off
+
+    assert gc.isenabled()
+    with gc_off():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), gc_off():
+        raise RuntimeError
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_off():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

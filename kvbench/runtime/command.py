@@ -22,6 +22,7 @@ from kvbench.errors import require
 from kvbench.runtime.run import RunConfig
 from kvbench.schema import Record, measured, not_measured
 from kvbench.strategies import Strategy, supports_append
+from kvbench.timing import GC_OFF, gc_off
 
 _HELP = {
     "model": "Model spec name (see `kvbench list`).",
@@ -161,7 +162,7 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
 
     meter = Meter(cuda=cuda)
     meter.start()
-    with Interrupts() as stop, Progress(console=err_console, transient=True) as bar:
+    with Interrupts() as stop, Progress(console=err_console, transient=True) as bar, gc_off():
         err_console.print(f"decoding {turns * g} steps (SIGTERM or Ctrl-C: stop after the "
                           "current step and store the records so far, marked partial)")
         task = bar.add_task(f"{cls.name}: decode", total=turns * g)
@@ -193,7 +194,9 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
         cache.close()
     if cfg.compare_hf and stop.signum is None:
         def again() -> list[float]:  # one more greedy decode of ours, for interleaving
-            return decode_run(model, start(length), rows[:, :p], g, "generate", sync).steps
+            with gc_off():
+                return decode_run(model, start(length), rows[:, :p], g, "generate",
+                                  sync).steps
 
         recs += compare_hf(cls.name, params, loaded.hf_model, rows[:, :p], outcome, again,
                            device, sync)
@@ -278,9 +281,10 @@ def compare_hf(name: str, params: dict, hf: Any, prompt: Any, ours: Any,
 
     def gen(n: int) -> tuple[list[float], Any]:
         stamps = Stamps()
-        seq = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                          max_new_tokens=n, min_new_tokens=n, pad_token_id=0,
-                          logits_processor=LogitsProcessorList([stamps]))
+        with gc_off():  # as for ours
+            seq = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                              max_new_tokens=n, min_new_tokens=n, pad_token_id=0,
+                              logits_processor=LogitsProcessorList([stamps]))
         return [(t1 - t0) * 1e-9 for t0, t1 in pairwise(stamps.ns)], seq
 
     gen(3)  # warm-up
@@ -290,7 +294,8 @@ def compare_hf(name: str, params: dict, hf: Any, prompt: Any, ours: Any,
             ours_steps += again()
         hf_steps, seq = gen(g + 1)  # stamp #0 follows the prefill, then one per step
         steps += hf_steps
-    method = {"timer": "perf_counter_ns", "warmup": 1, "reps": len(steps), "rounds": rounds,
+    method = {"timer": "perf_counter_ns", "gc": GC_OFF, "warmup": 1, "reps": len(steps),
+              "rounds": rounds,
               "statistic": "median", "per": "batch / decode step time (logits-processor stamps)"}
     hf_rec = measured("run", name, "hf_decode_tokens_per_s", "tokens/s", "higher",
                       [b / s for s in steps], params, method)

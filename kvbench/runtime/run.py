@@ -31,6 +31,7 @@ from kvbench.errors import KvbenchError, require
 from kvbench.models import ModelSpec, get_spec
 from kvbench.schema import ParamValue, Record, measured, not_measured
 from kvbench.strategies import Strategy
+from kvbench.timing import GC_OFF
 from kvbench.units import dtype_name, format_bytes
 
 MODES = ("generate", "eval", "passkey")
@@ -244,7 +245,7 @@ def records(name: str, params: dict[str, ParamValue], o: Outcome, batch: int,
     peak memory, which holds the reference's cache, is waived."""
     import numpy as np
 
-    timer = {"timer": "perf_counter_ns", "warmup": 1}
+    timer = {"timer": "perf_counter_ns", "gc": GC_OFF, "warmup": 1}
     if shadowed:
         timer["shadow"] = ("full-attention reference computed between steps, outside the "
                            "timed region (inputs copied inside it)")
