@@ -2,7 +2,7 @@
 
 Usage: .venv/bin/python results/wave1-speed/render.py   (writes table.md)
 attention-*.jsonl: `kvbench probe attention --modes cpu-dense --query 1` per head shape
-(commands in each record); decode-vs-hf.jsonl: `kvbench run full --compare-hf` at batch 1 and 8.
+(commands in each record); decode-vs-hf*.jsonl: `kvbench run full --compare-hf` at batch 1 and 8.
 """
 
 from __future__ import annotations
@@ -41,16 +41,15 @@ def attention_rows() -> list[str]:
 
 
 def decode_rows() -> list[str]:
-    rows = ["| batch | kvbench tokens/s | transformers tokens/s | kvbench / transformers "
-            "(bar >= 1.2) |", "|---|---|---|---|"]
-    rs = load(HERE / "decode-vs-hf.jsonl").records
-    for b in sorted({r["params"]["batch"] for r in rs if r["kind"] == "run"}):
-        m = {r["metric"]: r for r in rs if r["kind"] == "run" and r["params"]["batch"] == b
-             and r["metric"] in ("decode_tokens_per_s", "hf_decode_tokens_per_s",
-                                 "decode_speed_vs_hf")}
-        rows.append(f"| {b} | " + " | ".join(
-            spread(m[k]) if k in m else "-" for k in
-            ("decode_tokens_per_s", "hf_decode_tokens_per_s", "decode_speed_vs_hf")) + " |")
+    rows = ["| file | commit | batch | kvbench tokens/s | transformers tokens/s | kvbench / "
+            "transformers (bar >= 1.2) |", "|---|---|---|---|---|---|"]
+    for path in sorted(HERE.glob("decode-vs-hf*.jsonl")):
+        rs = [r for r in load(path).records if r["kind"] == "run"]
+        for b in sorted({r["params"]["batch"] for r in rs}):
+            m = {r["metric"]: r for r in rs if r["params"]["batch"] == b}
+            rows.append(f"| {path.name} | {rs[0]['git_commit'][:7]} | {b} | " + " | ".join(
+                spread(m[k]) if k in m else "-" for k in
+                ("decode_tokens_per_s", "hf_decode_tokens_per_s", "decode_speed_vs_hf")) + " |")
     return rows
 
 
@@ -65,7 +64,10 @@ def main() -> None:
              "`chrt -f 10` (SCHED_FIFO) to shield them from niced background jobs on the "
              "shared 2-core VM.", "", "## CPU dense decode attention (item 1)", "",
              *attention_rows(), "", "## Decode vs transformers `generate` (item 2)", "",
-             "Bundled model (smollm2-135m), fp32, 2 threads, prompt 256, 32 decode steps.",
+             "Bundled model (smollm2-135m), fp32, 2 threads, prompt 256, 32 decode steps; "
+             "decode-vs-hf-gcoff.jsonl: both decoders timed with the cyclic GC off (3e395b2 "
+             "with that change, committed as e02717b; "
+             "the machine was slower then: read the ratios).",
              "", *decode_rows(), ""]
     (HERE / "table.md").write_text("\n".join(lines))
 
