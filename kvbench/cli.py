@@ -210,6 +210,10 @@ def project_cmd(
     dtype: str = typer.Option("float16", help="With --model: the target dtype."),
     bookkeeping: str = typer.Option("measured", help="Bookkeeping without a work model: "
                                     "measured (carried over) or none."),
+    gpus: int | None = typer.Option(None, help="Accelerators (tensor parallel, ideal) in "
+                                    "place of the profile's one (CXL-PNM GPU counts)."),
+    pnms: int | None = typer.Option(None, help="PNM devices (data parallel, ideal) in place "
+                                    "of the profile's one; 0 drops them (baseline)."),
 ) -> None:
     """Re-time every run of RESULTS on hardware profiles; projected records."""
     from kvbench.hwmodel.cli import project, target_shape
@@ -217,7 +221,8 @@ def project_cmd(
     if bookkeeping not in ("measured", "none"):
         raise KvbenchError(f"--bookkeeping '{bookkeeping}': measured or none")
     project(results, hardware, probes or [], memory, out,
-            target_shape(model, batch, prompt_len, gen_len, dtype), bookkeeping == "measured")
+            target_shape(model, batch, prompt_len, gen_len, dtype), bookkeeping == "measured",
+            gpus, pnms)
 
 
 @app.command("roi")

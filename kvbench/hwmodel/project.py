@@ -94,6 +94,9 @@ def records(recs: list[dict[str, Any]], prof: Profile, memory: str,
     name = first["name"]
     params = {k: v for k, v in first["params"].items() if k not in ("step", "phase")}
     params["hardware"] = prof.name
+    reps = prof.tables.get("replicas")
+    if reps:
+        params.update(gpus=reps["gpus"], pnms=reps["pnms"])
     scaled = {}
     if target is not None:
         src = source_shape(params)
