@@ -14,7 +14,8 @@ op, each tagged with `experiment`; every record has provenance "projected".
 
 The baseline is arkvale (the GPU-CXL-memory ArkVale of section 4) on the GPUs alone (PNM
 count 0, its recalls over the GPUs' PCIe 4.0 links); png-kv's steady ratio is #GPU /
-(#GPU + #PNM), the source run at that ratio.
+(#GPU + #PNM), the source run at the nearest ratio measured (the rack's 16 GPUs + 48
+PNMs, 1/4, takes the 1/5 run's selections; its own run was cut for time).
 """
 
 from __future__ import annotations
@@ -157,7 +158,10 @@ def tables() -> list[str]:
            f"Not stated by the paper, chosen here: T_Budget = context / {int(1 / RATIO)}, "
            "pages of 16 tokens (source), FP16 KV, batch = the largest that fits "
            "(`kvbench plan`), PNM counts per group, ideal TP/DP scaling, energy = idle power "
-           "over the step plus (peak - idle) over busy time per device (host included).", "",
+           "over the step plus (peak - idle) over busy time per device (host included), "
+           "selection work in hardware (bookkeeping not carried over); png-kv's steady ratio "
+           "#GPU / (#GPU + #PNM) from the source run at the nearest ratio (16 GPUs + 48 "
+           "PNMs: the 1/5 run for 1/4).", "",
            "| model | #GPU | context | #PNM | batch base / pnm / png | tokens/s base | "
            "pnm-kv | png-kv | J/token base | pnm-kv | png-kv |", "|---|---|---|---|---|---|"
            "---|---|---|---|---|"]

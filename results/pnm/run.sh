@@ -1,6 +1,6 @@
 #!/bin/sh
-# Issue 15's measured runs, one at a time, niced, one torch thread (a shared 2-core VM).
-# Usage: sh results/pnm/run.sh  (from the repository root; PYTHONPATH pointing at it)
+# Issue 15's runs, one at a time, niced, one torch thread (a shared 2-core VM), then the
+# projections and the tables. Usage: PYTHONPATH=. sh results/pnm/run.sh (repository root)
 set -e
 K="nice -n 19 .venv/bin/kvbench"
 D=results/pnm
@@ -12,8 +12,11 @@ for s in pnm-kv png-kv; do
       --threads 1 --budget-tokens 128 --page-size 16 --out $D/shapes-$s-$m.jsonl
   done
 done
+# source runs of the Figs. 10-14 projections, then the projections (seconds)
 $K suite run suites/pnm-project.toml --resume
+nice -n 19 .venv/bin/python $D/project.py
 $K suite run suites/pnm-passkey.toml --resume
 # pnm-kv's perplexity: suites/pnm-ppl.toml's case, one thread
 $K run pnm-kv --mode eval --prompt-len 1 --gen-len 511 --threads 1 --budget-tokens 64 \
   --page-size 16 --sinks 1 --window-pages 2 --out $D/ppl-pnm-kv.jsonl
+nice -n 19 .venv/bin/python $D/render.py
