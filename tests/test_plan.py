@@ -96,7 +96,8 @@ def test_project_replicates_gpus_and_pnms() -> None:
 
 def test_project_cli_gpu_and_pnm_counts(tmp_path: Path, capsys) -> None:
     """`kvbench project --gpus/--pnms` on a pnm-kv trace: the counts in every record's
-    params, more PNMs a faster projected step at the paper's 8B shape, bad counts exit 2."""
+    params, more PNMs a faster projected step at the paper's 8B shape, `--skip-steps` the
+    warm-up left out, bad counts exit 2."""
     from kvbench.store import load
 
     src, outs = tmp_path / "src.jsonl", {}
@@ -110,15 +111,17 @@ def test_project_cli_gpu_and_pnm_counts(tmp_path: Path, capsys) -> None:
         with pytest.raises(SystemExit) as e:
             main(["project", str(src), "--hardware", "a100-pnm", "--gpus", "1", "--pnms",
                   str(n), "--model", "llama-3.1-8b", "--batch", "64", "--prompt-len",
-                  "131072", "--gen-len", "2", "--bookkeeping", "none", "--out", str(outs[n])])
+                  "131072", "--gen-len", "3", "--bookkeeping", "none", "--skip-steps", "1",
+                  "--out", str(outs[n])])
         assert e.value.code == 0
     tbt = {}
     for n, path in outs.items():
         recs = [r for r in load(path).records if r.get("kind") == "run"]
         assert {(r["params"]["gpus"], r["params"]["pnms"], r["provenance"]) for r in recs} \
             == {(1, n, "projected")}
-        tbt[n] = next(r["value"] for r in recs if r["metric"] == "tbt")
-    assert tbt[8] < tbt[1] / 2  # the device's KV reads dominate at 128K
+        tbt[n] = next(r for r in recs if r["metric"] == "tbt")
+        assert len(tbt[n]["samples"]) == 2 and tbt[n]["method"]["skipped_steps"] == 1
+    assert tbt[8]["value"] < tbt[1]["value"] / 2  # the device's KV reads dominate at 128K
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         main(["project", str(src), "--hardware", "a100-pnm", "--gpus", "0"])
