@@ -9,8 +9,9 @@ ideal tensor parallel GPUs, ideal data-parallel PNMs), the source run scaled to 
 paper's model, context and the largest batch the configuration fits (kvbench.plan
 .max_batch, T_Budget = context / 16), bookkeeping without a work model dropped (the paper's
 selection runs in hardware). Writes projected.jsonl: decode tokens/s, energy per token,
-tokens per $ (kvbench.hwmodel.project.records) and busy seconds per step by resource and
-op, each tagged with `experiment`; every record has provenance "projected".
+tokens per $ (kvbench.hwmodel.project.records) and, for Fig. 13's configurations, busy
+seconds per step by resource and op, each tagged with `experiment`; every record has
+provenance "projected".
 
 The baseline is arkvale (the GPU-CXL-memory ArkVale of section 4) on the GPUs alone (PNM
 count 0, its recalls over the GPUs' PCIe 4.0 links); png-kv's steady ratio is #GPU /
@@ -36,6 +37,8 @@ HERE = Path(__file__).parent
 K = 1024
 RATIO = 1 / 16  # T_Budget / context (unstated in the paper; 8192 at 128K)
 GEN = 4  # projected decode steps (the source runs' four)
+SKIP = 1  # left out of the metrics: png-kv's pool starts empty after our prefill and fills
+#           at step 1 (the paper's GPU keeps its steady set from the prefill it computes)
 # (experiment, model, #GPU, context, #PNM counts): Fig. 10/11's server groups (the paper
 # starts each group at #PNM = #GPU; its exact PNM counts are unstated), Fig. 12's rack
 # (2 GPU nodes of 8, 1-4 PNM nodes of 16), Fig. 14's GPU scaling at 128K.
@@ -96,12 +99,14 @@ def project() -> None:
             recs = source(src, name, ratio)
             prof = replicate(base, g, n)
             tgt = Shape(spec, batch, ctx, GEN, 2)
-            for r in records(recs, prof, "pinned", tgt, carried=False):
+            for r in records(recs, prof, "pinned", tgt, carried=False, skip=SKIP):
                 if r.metric in METRICS:
                     d = r.to_dict()
                     d["params"].update(tag)
                     f.write(json.dumps(d) + "\n")
-            _, dec = project_run(recs, prof, "pinned", tgt, carried=False)
+            if (exp, g) not in (("fig10a", 1), ("fig12", 16)):  # Fig. 13's configurations
+                continue
+            _, dec = project_run(recs, prof, "pinned", tgt, carried=False, skip=SKIP)
             for op in sorted({k for s in dec for k in s.ops}):
                 r = measured("run", name, "busy_seconds_per_step", "s", "none",
                              [s.ops.get(op, 0.0) for s in dec],
@@ -159,7 +164,8 @@ def tables() -> list[str]:
            "pages of 16 tokens (source), FP16 KV, batch = the largest that fits "
            "(`kvbench plan`), PNM counts per group, ideal TP/DP scaling, energy = idle power "
            "over the step plus (peak - idle) over busy time per device (host included), "
-           "selection work in hardware (bookkeeping not carried over); png-kv's steady ratio "
+           "selection work in hardware (bookkeeping not carried over), decode steps 2-4 (step 1 "
+           "fills png-kv's empty pool, an artefact of our prefill); png-kv's steady ratio "
            "#GPU / (#GPU + #PNM) from the source run at the nearest ratio (16 GPUs + 48 "
            "PNMs: the 1/5 run for 1/4).", "",
            "| model | #GPU | context | #PNM | batch base / pnm / png | tokens/s base | "
@@ -192,7 +198,17 @@ def tables() -> list[str]:
             v = _ratio(idx, pk, base, "decode_tokens_per_s")
             if n == g and v is not None and v < 1:
                 low.append(f"{model.split('-')[-1]} {g} GPU")
-    out += ["", *_claims(idx, thr, pvb, ener, bve, low), "", *_fig13(idx), "", *_fig14(idx)]
+    out += ["", *_claims(idx, thr, pvb, ener, bve, low), "",
+            "Why ours differ (projected, read off Fig. 13's rows below): the source runs "
+            "attend their first two layers densely on the device (ArkVale's default; the "
+            "paper does not say), 37% of the device's bytes per step (12.6 of 34.1 MB at "
+            "4K), so PNM time hardly falls when png-kv moves steady pages to the GPU; the "
+            "device still scores every page (min/max digests of 16-token pages: 1/8 of the "
+            "keys) and the steady recall over PCIe (25 GB/s per GPU) precedes the device's "
+            "attention in our graph. GPU scaling is ideal (no all-reduce), so our 8-GPU "
+            "baseline keeps its tokens per $ where the paper's falls to 0.4x; energy counts "
+            "idle power of every device and the host, which the paper may not.", "",
+            *_fig13(idx), "", *_fig14(idx)]
     return out
 
 
@@ -230,8 +246,8 @@ def _fig13(idx: dict) -> list[str]:
     out = ["Fig. 13 (projected): per-step latency and busy time per part, ms per decode step "
            "(busy times overlap; the paper: hidden-state transfer and Top-K negligible, the "
            "baseline dominated by attention and recall, PnG-KV below PNM-KV).", "",
-           "| model | #GPU | #PNM | strategy | batch | step | GPU FC | GPU attention | "
-           "PCIe copies | PNM |", "|---|---|---|---|---|---|---|---|---|---|"]
+           "| model | #GPU | #PNM | strategy | batch | step | GPU FC | GPU attention + scoring | "
+           "PCIe copies | PNM (scoring + attention) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for exp, model, g, ctx in (("fig10a", "llama-3.1-8b", 1, 128 * K),
                                ("fig12", "llama-3.1-405b", 16, 1024 * K)):
         for key in sorted((k for k in idx if k[:4] == (exp, model, g, ctx)),
