@@ -88,7 +88,7 @@ def passkey_table(recs: list[dict]) -> list[str]:
         return ["(no passkey records yet: run `kvbench suite run suites/pnm-passkey.toml`)"]
     out = ["| strategy | budget | prompt | passkeys retrieved (of 4) | tokens attended per "
            "step and layer |", "|---|---|---|---|---|"]
-    for key in sorted(acc, key=lambda k: (k[0] != "full", str(k[1]), k[0])):
+    for key in sorted(acc, key=lambda k: (k[0] != "full", k[1] if k[1] != "-" else 0, k[0])):
         src = " (issue 12's record)" if key[3] else ""
         out.append(f"| {key[0]}{src} | {key[1]} | {key[2]} | {acc[key] * 4:.0f} | "
                    f"{tok[key]:.0f} |")
