@@ -210,6 +210,12 @@ def project_cmd(
     dtype: str = typer.Option("float16", help="With --model: the target dtype."),
     bookkeeping: str = typer.Option("measured", help="Bookkeeping without a work model: "
                                     "measured (carried over) or none."),
+    gpus: int | None = typer.Option(None, help="Accelerators (tensor parallel, ideal) in "
+                                    "place of the profile's one (CXL-PNM GPU counts)."),
+    pnms: int | None = typer.Option(None, help="PNM devices (data parallel, ideal) in place "
+                                    "of the profile's one; 0 drops them (baseline)."),
+    skip_steps: int = typer.Option(0, help="Leave the first N decode steps out of the "
+                                   "decode metrics (warm-up, e.g. png-kv's pool fill)."),
 ) -> None:
     """Re-time every run of RESULTS on hardware profiles; projected records."""
     from kvbench.hwmodel.cli import project, target_shape
@@ -217,7 +223,8 @@ def project_cmd(
     if bookkeeping not in ("measured", "none"):
         raise KvbenchError(f"--bookkeeping '{bookkeeping}': measured or none")
     project(results, hardware, probes or [], memory, out,
-            target_shape(model, batch, prompt_len, gen_len, dtype), bookkeeping == "measured")
+            target_shape(model, batch, prompt_len, gen_len, dtype), bookkeeping == "measured",
+            gpus, pnms, skip_steps)
 
 
 @app.command("roi")

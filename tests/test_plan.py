@@ -1,5 +1,6 @@
 """`kvbench plan`: the CXL-PNM paper's Table 3 dollar figures, its batch of 96 for
-Llama3.1-70B on 8 PNMs at 128K, capacity arithmetic by hand, and bad input."""
+Llama3.1-70B on 8 PNMs at 128K, capacity arithmetic by hand, and bad input; the GPU and
+PNM counts of `kvbench project` (kvbench.hwmodel.profile.replicate)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvbench.cli import main
+from kvbench.errors import KvbenchError
 from kvbench.plan import PlanConfig, device_cost, plan
 
 GiB = 1 << 30
@@ -66,3 +68,62 @@ def test_cli_json_and_bad_input(capsys, tmp_path: Path) -> None:
             main(["plan", *args])
         err = capsys.readouterr().err.strip()
         assert e.value.code == 2 and message in err and len(err.splitlines()) == 1, err
+
+
+def test_project_replicates_gpus_and_pnms() -> None:
+    """2 GPUs + 8 PNMs: rates, power and price times the counts; a PNM-bound step takes an
+    eighth of one PNM's time; 0 PNMs drops the device (the GPU-CXL-memory baseline)."""
+    from kvbench.hwmodel.profile import load, replicate
+    from kvbench.hwmodel.schedule import Timer
+    from kvbench.runtime.trace import Task
+
+    one = load("a100-pnm")
+    p = replicate(one, 2, 8)
+    assert p.get("accel", "memory_gbps") == 4000 and p.tflops("float16") == 624
+    assert p.get("pnm", "memory_gbps") == 8800 and p.get("power", "pnm_peak_w") == 1200
+    assert p.get("price", "usd_per_hour") + p.get("price", "pnm_usd_per_hour") == \
+        pytest.approx(2 * 0.833 + 8 * 0.293)
+    assert p.get("h2d", "pinned") == {"peak_gbps": 50.0, "latency_us": 10.0}  # a link per GPU
+    t = Task(0, 1, 0, "pnm", "attention", {"bytes_read": 1.1e12})
+    assert Timer(one, "float16", "pinned").seconds(t) == pytest.approx(1.0)
+    assert Timer(p, "float16", "pinned").seconds(t) == pytest.approx(1 / 8)
+    base = replicate(one, 4, 0)
+    assert "pnm" not in base.tables and "pnm_peak_w" not in base.tables["power"]
+    assert base.tables["replicas"] == {**base.tables["replicas"], "gpus": 4, "pnms": 0}
+    with pytest.raises(KvbenchError, match="at least 1 GPU"):
+        replicate(one, 0, 1)
+
+
+def test_project_cli_gpu_and_pnm_counts(tmp_path: Path, capsys) -> None:
+    """`kvbench project --gpus/--pnms` on a pnm-kv trace: the counts in every record's
+    params, more PNMs a faster projected step at the paper's 8B shape, `--skip-steps` the
+    warm-up left out, bad counts exit 2."""
+    from kvbench.store import load
+
+    src, outs = tmp_path / "src.jsonl", {}
+    with pytest.raises(SystemExit) as e:
+        main(["run", "pnm-kv", "--weights", "random", "--layers", "3", "--prompt-len", "64",
+              "--gen-len", "2", "--budget-tokens", "32", "--page-size", "8", "--threads", "1",
+              "--out", str(src)])
+    assert e.value.code == 0
+    for n in (1, 8):
+        outs[n] = tmp_path / f"p{n}.jsonl"
+        with pytest.raises(SystemExit) as e:
+            main(["project", str(src), "--hardware", "a100-pnm", "--gpus", "1", "--pnms",
+                  str(n), "--model", "llama-3.1-8b", "--batch", "64", "--prompt-len",
+                  "131072", "--gen-len", "3", "--bookkeeping", "none", "--skip-steps", "1",
+                  "--out", str(outs[n])])
+        assert e.value.code == 0
+    tbt = {}
+    for n, path in outs.items():
+        recs = [r for r in load(path).records if r.get("kind") == "run"]
+        assert {(r["params"]["gpus"], r["params"]["pnms"], r["provenance"]) for r in recs} \
+            == {(1, n, "projected")}
+        tbt[n] = next(r for r in recs if r["metric"] == "tbt")
+        assert len(tbt[n]["samples"]) == 2 and tbt[n]["method"]["skipped_steps"] == 1
+    assert tbt[8]["value"] < tbt[1]["value"] / 2  # the device's KV reads dominate at 128K
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["project", str(src), "--hardware", "a100-pnm", "--gpus", "0"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "at least 1 GPU" in err and len(err.splitlines()) == 1

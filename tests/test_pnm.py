@@ -123,6 +123,35 @@ def test_png_kv_steady_select_is_algorithm_1() -> None:
     assert c.counters.step_total("tokens", "accel", 12) > 0  # the GPU attended its pages
 
 
+def test_png_kv_device_attention_runs_beside_the_gpu_in_the_trace() -> None:
+    """Section 3.3: the device's attention and the GPU's steady attention of a layer run
+    concurrently: neither waits (transitively) for the other in the stage graph."""
+    g = torch.Generator().manual_seed(3)
+    c = ctx()
+    s = PngKV(PngParams(budget_tokens=24, page_size=4, sinks=1, window_pages=1,
+                        dense_layers=1, steady_tokens=12), c)
+    k, v = torch.randn(2, 2, 30, 8, generator=g), torch.randn(2, 2, 30, 8, generator=g)
+    s.prefill(1, torch.randn(2, 6, 30, 8, generator=g), k, v)
+    for _ in _steps(s, g, k, v, 3, c):
+        pass
+    tasks = c.counters.graph.tasks
+    after = {t.id: t.after for t in tasks}
+
+    def ancestors(i: int) -> set[int]:
+        seen, todo = set(), list(after[i])
+        while todo:
+            a = todo.pop()
+            if a not in seen:
+                seen.add(a)
+                todo += after[a]
+        return seen
+
+    last = [t for t in tasks if t.step == 3]  # scoring, recall, device and GPU attention
+    gpu = [t.id for t in last if t.resource == "accel"]
+    dev = [t.id for t in last if t.resource == "pnm"][-1]  # its attention, after scoring
+    assert gpu and dev not in ancestors(gpu[0]) and gpu[0] not in ancestors(dev)
+
+
 @pytest.mark.parametrize("devices", [1, 4])
 def test_tp_counts_sorts_and_reductions_dp_none(devices: int) -> None:
     """Same outputs under dp and tp; tp with 4 devices over 6 query heads (shards 0,0,1,2,
@@ -171,6 +200,22 @@ def test_device_role_on_memory_only_node(fake_sysfs: Path, monkeypatch, tmp_path
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     assert {r["params"]["device_node"] for r in recs if r["kind"] == "run"} == {2}
     assert set(placed) == {2}
+
+
+def test_device_buffers_really_placed_on_this_machine() -> None:
+    """Unfaked allocation: every KV and digest buffer of the device role sits on the node
+    the strategy chose (libnuma's placement check), the first memory-only node if this
+    machine has one, else the local node."""
+    from kvbench.topology import libnuma, read_nodes
+
+    if libnuma() is None:
+        pytest.skip("libnuma unavailable: buffers are plain host memory")
+    s = PnmKV(PnmParams(budget_tokens=16, page_size=4, dense_layers=0), ctx())
+    cxl = [n.id for n in read_nodes("/") if n.memory_only]
+    assert s.dev.node == (cxl[0] if cxl else s.dev.node)
+    assert len(s.dev.buffers) == 8  # k, v, lo, hi per layer
+    assert {b.node for b in s.dev.buffers} == {s.dev.node}
+    assert {b.placement for b in s.dev.buffers} == {"verified"}
 
 
 def _no_memory_node(root: Path) -> None:

@@ -70,7 +70,8 @@ def target_shape(model: str | None, batch: int, prompt_len: int, gen_len: int,
 
 
 def project(results: Path, hardware: list[str], probe_files: list[Path], memory: str,
-            out: Path | None, target: Shape | None = None, carried: bool = True) -> None:
+            out: Path | None, target: Shape | None = None, carried: bool = True,
+            gpus: int | None = None, pnms: int | None = None, skip: int = 0) -> None:
     from kvbench.console import wrote
     from kvbench.envinfo import collect_env
     from kvbench.hwmodel.project import records, runs
@@ -78,15 +79,21 @@ def project(results: Path, hardware: list[str], probe_files: list[Path], memory:
     from kvbench.store import load as load_results
 
     require(memory in ("pinned", "pageable"), f"--memory '{memory}': pinned or pageable")
+    require(skip >= 0, f"--skip-steps {skip}: must be >= 0")
     src = load_results(results).records
     groups = runs(src, str(results))
     profiles = [resolve(h, probe_files, src) for h in hardware]
+    if gpus is not None or pnms is not None:
+        from kvbench.hwmodel.profile import replicate
+
+        profiles = [replicate(p, 1 if gpus is None else gpus, 1 if pnms is None else pnms)
+                    for p in profiles]
     path = out or default_out_path("project")
     n = 0
     with ResultWriter(path, collect_env()) as w:
         for prof in profiles:
             for recs in groups.values():
-                for rec in records(recs, prof, memory, target, carried):
+                for rec in records(recs, prof, memory, target, carried, skip):
                     w.write(rec)
                     n += 1
     wrote(path)

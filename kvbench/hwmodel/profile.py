@@ -188,3 +188,49 @@ def rows(p: Profile) -> list[tuple[str, str, str]]:
                         f"{max(v['gbps']):.3g} GB/s"
                 out.append((f"{table}.{k}", str(v), str(src.get(k, ""))))
     return out
+
+
+def replicate(p: Profile, gpus: int, pnms: int) -> Profile:
+    """`p` with `gpus` accelerators (tensor parallel) and `pnms` near-memory devices (data
+    parallel) in place of its one each, for CXL-PNM's GPU and PNM counts: rates, peaks,
+    memory, power and price of each multiplied by its count, the copy links as well (one
+    link per GPU). Ideal scaling: no tensor-parallel all-reduce, requests balanced over
+    the PNMs; `pnms` 0 drops the PNM (the GPU-CXL-memory baseline). Recorded in
+    tables["replicas"]."""
+    import copy
+
+    require(gpus >= 1 and pnms >= 0, f"--gpus {gpus} / --pnms {pnms}: at least 1 GPU, "
+            "0 or more PNMs")
+    t = copy.deepcopy(p.tables)
+
+    def mul(table: str, keys: tuple[str, ...], n: int) -> None:
+        for k in keys:
+            v = t.get(table, {}).get(k)
+            if isinstance(v, (int, float)):
+                t[table][k] = v * n
+            elif isinstance(v, dict) and "sizes" in v:
+                v["gbps"] = [g * n for g in v["gbps"]]
+            elif isinstance(v, dict):
+                for kk, vv in v.items():  # peak_tflops per dtype; a link's peak_gbps
+                    if kk != "latency_us" and isinstance(vv, (int, float)):
+                        v[kk] = vv * n
+
+    mul("accel", ("memory_gbps", "attention_gbps", "peak_tflops", "memory_gib"), gpus)
+    for link in ("h2d", "d2h"):
+        mul(link, ("pinned", "pageable"), gpus)
+    mul("power", ("accel_idle_w", "accel_peak_w"), gpus)
+    mul("price", ("usd_per_hour",), gpus)
+    if pnms == 0:
+        t.pop("pnm", None)
+        for table, keys in (("power", ("pnm_idle_w", "pnm_peak_w")),
+                            ("price", ("pnm_usd_per_hour",))):
+            for k in keys:
+                t.get(table, {}).pop(k, None)
+    else:
+        mul("pnm", ("memory_gbps", "peak_tflops", "memory_gib"), pnms)
+        mul("power", ("pnm_idle_w", "pnm_peak_w"), pnms)
+        mul("price", ("pnm_usd_per_hour",), pnms)
+    t["replicas"] = {"gpus": gpus, "pnms": pnms, "source": {
+        "gpus": "kvbench project --gpus (ideal tensor parallel: no all-reduce modelled)",
+        "pnms": "kvbench project --pnms (ideal data parallel: requests balanced)"}}
+    return Profile(f"{p.name}:{gpus}gpu+{pnms}pnm", t, p.path)

@@ -68,9 +68,10 @@ def source_shape(params: dict[str, Any]) -> Shape:
 
 
 def project_run(recs: list[dict[str, Any]], prof: Profile, memory: str,
-                target: Shape | None = None, carried: bool = True
+                target: Shape | None = None, carried: bool = True, skip: int = 0
                 ) -> tuple[StepTime, list[StepTime]]:
-    """(prefill, decode steps) of one run on one profile (scaled to `target` if given)."""
+    """(prefill, decode steps after the first `skip`) of one run on one profile (scaled to
+    `target` if given)."""
     first = recs[0]
     dtype = str(first["params"].get("dtype", "float32"))
     if target is not None:
@@ -84,16 +85,22 @@ def project_run(recs: list[dict[str, Any]], prof: Profile, memory: str,
         tasks = scale(tasks, source_shape(first["params"]), target)
     steps = schedule(tasks, timer)
     pre = next((s for s in steps if s.step == 0), StepTime(0))
-    return pre, [s for s in steps if s.step > 0]
+    return pre, [s for s in steps if s.step > skip]
 
 
 def records(recs: list[dict[str, Any]], prof: Profile, memory: str,
-            target: Shape | None = None, carried: bool = True) -> Iterator[Record]:
-    """The projected records of one run on one profile (on `target`'s shape if given)."""
+            target: Shape | None = None, carried: bool = True, skip: int = 0
+            ) -> Iterator[Record]:
+    """The projected records of one run on one profile (on `target`'s shape if given),
+    decode metrics over the steps after the first `skip` (warm-up: a pool filled at
+    step 1)."""
     first = recs[0]
     name = first["name"]
     params = {k: v for k, v in first["params"].items() if k not in ("step", "phase")}
     params["hardware"] = prof.name
+    reps = prof.tables.get("replicas")
+    if reps:
+        params.update(gpus=reps["gpus"], pnms=reps["pnms"])
     scaled = {}
     if target is not None:
         src = source_shape(params)
@@ -106,13 +113,13 @@ def records(recs: list[dict[str, Any]], prof: Profile, memory: str,
                        "prompt_len": target.prompt, "gen_len": target.gen,
                        "dtype": {4: "float32"}.get(target.elem, "float16"),
                        "weights": "projected"})
-    pre, dec = project_run(recs, prof, memory, target, carried)
+    pre, dec = project_run(recs, prof, memory, target, carried, skip)
     require(bool(dec), f"run {name} has no decode step in its trace")
     batch = int(params.get("batch", 1))  # type: ignore[arg-type]
     method = {"profile": prof.name, "profile_file": prof.path, "host_memory": memory,
               "source_run": first.get("command", ""), "source_time": first.get("time", ""),
               "source_env": first.get("env_id", ""), "trace_version": TRACE_VERSION,
-              "carried_over": CARRIED if carried else DROPPED,
+              "carried_over": CARRIED if carried else DROPPED, "skipped_steps": skip,
               "model": "kvbench.hwmodel.schedule", **scaled}
 
     def rec(metric: str, unit: str, direction: str, samples: list[float],

@@ -22,7 +22,9 @@ the paper merges before the FC layers): the attended set is the budget set, so t
 equals PNM-KV's; only where the work runs, and the recalls, differ. Every page entering P
 is a recall from CXL memory (the accelerator keeps no copy of the pages it produced),
 counted per step and layer ("pages", "recalled"/"evicted", summed over sequences and KV
-heads, bytes on "h2d"), with the device's lse returned beside its output.
+heads, bytes on "h2d"), with the device's lse returned beside its output. In the stage
+graph the device's attention is a fork ("pnm") beside the accelerator's steady attention,
+which run concurrently (section 3.3); the layer's output waits for both.
 
 Exact setting: a budget covering the context. Layout per sparse layer: pool k/v [B, Hkv,
 C, S, D] and slot -> page ids [B, Hkv, C] (-1: empty) on the accelerator, C = T_Steady / S.
@@ -170,8 +172,9 @@ class PngKV(PnmKV):
             resident = self.steady_select(layer, mask, ranked, nf)
         rest = mask.clone()
         rest[:, :, :nf] &= ~resident.to(mask.device)
-        o2, s2 = self._device_attention(layer, q, mask_tokens(rest, size, n), n)
-        self.dev.activations_back(q.shape[0], lse=True)
+        with counters.fork("pnm"):  # the device attends beside the GPU's steady pages
+            o2, s2 = self._device_attention(layer, q, mask_tokens(rest, size, n), n)
+            self.dev.activations_back(q.shape[0], lse=True)
         sp = self.slot_page[layer]
         b, h, c, d = sp.shape[0], sp.shape[1], self.c, self.dev.d
         order = (sp < 0).to(torch.int8).argsort(dim=-1, stable=True)  # resident slots first

@@ -1,13 +1,15 @@
-"""Render issue 15's CPU experiments (suites/pnm-*.toml) and the capacity/cost arithmetic.
+"""Render issue 15's experiments (suites/pnm-*.toml, run.sh, project.py) into table.md.
 
 Usage: PYTHONPATH=. .venv/bin/python results/pnm/render.py
-Reads recalls*.jsonl, ppl*.jsonl and parallel.jsonl beside this file (the suites' outputs;
+Reads the raw outputs beside this file (RAW: recalls*, ppl*, parallel, passkey, shapes-*;
 on the loaded machine some cases ran as single `kvbench run` commands with the suite's
-parameters into files of their own, e.g. ppl-arkvale.jsonl; any may be missing),
-writes summary.jsonl (the records the tables use, committed; the raw files stay local)
-and table.md: recalls per layer of arkvale vs png-kv's steady selection (CXL-PNM Figs.
-3a, 8a analogs, measured counts), perplexity at budget 64 (measured), and `kvbench plan`'s
-projected Table 3 and batch sizes, each with the paper's values beside ours.
+parameters into files of their own, e.g. ppl-arkvale.jsonl; any may be missing), folds
+them into summary.jsonl (committed: traces other than the decode-phase KEEP ones dropped,
+the device counters summed over layers; records of files not here are kept) and writes
+table.md: recalls per layer of arkvale vs png-kv's steady selection (Figs. 3a, 8a
+analogs), perplexity and passkey at equal budgets, dp vs tp counts (Fig. 7), the runs on
+the papers' model shapes (all measured), `kvbench plan`'s Table 3 and batch sizes, and
+project.py's Figs. 10-14 (projected), each with the paper's values beside ours.
 """
 
 from __future__ import annotations
@@ -18,24 +20,35 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from measured import parallel_table, passkey_table, ppl_table, shapes_table  # beside this
+from project import tables as projection_tables  # results/pnm/project.py, beside this file
+
 from kvbench.plan import PlanConfig, plan
 
 HERE = Path(__file__).parent
 
 
-RAW = ("recalls*.jsonl", "ppl*.jsonl", "parallel.jsonl")  # raw outputs, kept local
+RAW = ("recalls*.jsonl", "ppl*.jsonl", "parallel.jsonl", "passkey.jsonl",
+       "shapes-*.jsonl")  # raw outputs, kept local
+SUMMED = ("trace.topk_sorts", "trace.reductions", "trace.device_load", "trace.bytes_moved")
 KEEP = ("trace.pages", "trace.topk_sorts", "trace.reductions", "trace.device_load",
         "trace.bytes_moved")  # decode-phase traces summary.jsonl keeps
 
 
 def summarise() -> None:
     """Rewrite summary.jsonl (committed) from the raw files when any is here: environment
-    lines and every record but the traces outside KEEP, each tagged with its file."""
+    lines and every record but the traces outside KEEP, each tagged with its file; the
+    summary's records of files not here (run elsewhere or earlier) are kept."""
     raw = sorted({p for pattern in RAW for p in HERE.glob(pattern)})
     if not raw:
         return
-    with (HERE / "summary.jsonl").open("w") as f:
+    out, names = HERE / "summary.jsonl", {p.name for p in raw}
+    old = [x for x in out.read_text().splitlines() if json.loads(x).get("file") not in names
+           ] if out.exists() else []
+    with out.open("w") as f:
+        f.writelines(x + "\n" for x in old)
         for path in raw:
+            summed: dict[tuple, dict] = {}  # device counters summed over layers
             for line in path.read_text().splitlines():
                 r = json.loads(line)
                 m, phase = r.get("metric", ""), r.get("params", {}).get("phase")
@@ -43,6 +56,20 @@ def summarise() -> None:
                     continue
                 if m == "trace.bytes_moved" and r["params"]["where"] != "pnm_reduce":
                     continue
+                if m in SUMMED:
+                    p = {k: v for k, v in r["params"].items() if k != "layer"}
+                    key = (r.get("command"), m, json.dumps(p, sort_keys=True))
+                    if key in summed:
+                        acc = summed[key]
+                        acc["samples"] = [a + b for a, b in zip(acc["samples"], r["samples"],
+                                                                strict=True)]
+                    else:
+                        summed[key] = {**r, "params": {**p, "layer": "all"}}
+                    continue
+                f.write(json.dumps({**r, "file": path.name}) + "\n")
+            for r in summed.values():
+                r.pop("stats", None)
+                r["value"] = statistics.median(r["samples"])
                 f.write(json.dumps({**r, "file": path.name}) + "\n")
 
 
@@ -114,96 +141,6 @@ def recall_tables(recs: list[dict]) -> list[str]:
     return out
 
 
-def issue12(names: set[str]) -> list[dict]:
-    """Budget-64 (or reference) eval records of `names` from issue 12's run of the same
-    protocol (results/page-sparse/summary.jsonl), for cases our suite did not reach."""
-    path = HERE.parent / "page-sparse" / "summary.jsonl"
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        r = json.loads(line)
-        p = r.get("params", {})
-        if (r.get("kind") == "run" and r["name"] in names and p.get("mode") == "eval"
-                and p.get("prompt_len") == 1 and p.get("gen_len") == 511
-                and p.get("budget_tokens", 64) == 64 and r.get("status") == "ok"):
-            out.append({**r, "issue12": True})
-    return out
-
-
-def ppl_table(recs: list[dict]) -> list[str]:
-    ours = {r["name"] for r in recs if r["metric"] == "perplexity"}
-    recs = recs + issue12({"full", "quest"} - ours)
-    ppl = {r["name"]: r for r in recs if r["metric"] == "perplexity"}
-    tok = defaultdict(float)
-    for r in recs:
-        if r["metric"] == "tokens_attended_per_step":
-            tok[r["name"]] += r["value"]
-    if not ppl:
-        return ["(no perplexity records yet: run `kvbench suite run suites/pnm-ppl.toml`)"]
-    full = ppl.get("full", {}).get("value")
-    out = ["| strategy | perplexity | vs full | tokens attended per step and layer (accel + "
-           "device) | top-10 recall |", "|---|---|---|---|---|"]
-    top10 = {r["name"]: r["value"] for r in recs if r["metric"] == "top10_recall"}
-    for name in ("full", "pnm-kv", "png-kv", "arkvale", "quest"):
-        if name not in ppl:
-            continue
-        v = ppl[name]["value"]
-        done = ppl[name]["params"].get("steps_completed")
-        d = f"{v / full - 1:+.1%}" if full and done is None else "-"
-        # stopped early: a perplexity over fewer tokens, not comparable with full's
-        label = name if done is None else f"{name} (partial: {done} of 511 steps)"
-        t10 = f"{top10[name]:.2f}" if name in top10 else "-"
-        src = " (issue 12's record)" if ppl[name].get("issue12") else ""
-        out.append(f"| {label}{src} | {v:.3f} | {d} | {tok[name]:.0f} | {t10} |")
-    if "pnm-kv" not in ppl:
-        out += ["", "pnm-kv: no record (its 511-step run on the loaded machine was lost when "
-                "the suite around it was stopped). It attends the same budget set as png-kv, "
-                "whose output tests/test_pnm.py checks equal to pnm-kv's at every step."]
-    out += ["", "Budget 64 tokens in pages of 16, sinks 1, window 2, two dense layers (quest: "
-            "its defaults, top pages per query head, no sinks, the current page); 511 "
-            "teacher-forced decode steps over the first 512 tokens of the license texts "
-            "(HGCA's whole-text protocol). The paper reports no perplexity: it argues "
-            "accuracy from ArkVale-style non-eviction selection (Fig. 1b, LongBench, no "
-            "numbers in the text). pnm-kv and png-kv attend the same budget set, so their "
-            "perplexities must agree; they differ only in where the work runs. Rows marked "
-            "issue 12's record come from results/page-sparse/summary.jsonl (same protocol, "
-            "text, model and machine, measured earlier) where our suite did not reach them."]
-    return out
-
-
-def parallel_table(recs: list[dict]) -> list[str]:
-    """Per decode step, summed over layers: sorts, reductions, reduction bytes, and the
-    busiest device's bytes over the mean device's (1.0: balanced)."""
-    acc: dict[tuple, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    loads: dict[tuple, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    for r in recs:
-        p = r["params"]
-        if not r["metric"].startswith("trace.") or p.get("phase") != "decode":
-            continue
-        key = (p["devices"], p["parallel"], p["batch"])
-        q = r["metric"][6:]
-        if q in ("topk_sorts", "reductions"):
-            acc[key][q] += statistics.fmean(r["samples"])
-        elif q == "bytes_moved" and p["where"] == "pnm_reduce":
-            acc[key]["reduce_bytes"] += statistics.fmean(r["samples"])
-        elif q == "device_load":
-            loads[key][p["where"]] += statistics.fmean(r["samples"])
-    if not acc:
-        return ["(no records yet: run `kvbench suite run suites/pnm-parallel.toml`)"]
-    out = ["| #PNM | mapping | batch | top-k sorts/step | reductions/step | reduction B/step "
-           "| busiest / mean device bytes |", "|---|---|---|---|---|---|---|"]
-    for key in sorted(acc):
-        a, ld = acc[key], loads[key]
-        imb = max(ld.values()) / statistics.fmean(ld.values()) if ld else float("nan")
-        out.append(f"| {key[0]} | {key[1]} | {key[2]} | {a['topk_sorts']:.0f} | "
-                   f"{a['reductions']:.0f} | {a['reduce_bytes']:,.0f} | {imb:.2f} |")
-    out += ["", "Summed over the 28 sparse layers, one decode step. The paper (Fig. 7): "
-            "TP->TP costs N x the Top-K sorting and (N-1) reduction messages, TP->DP none, "
-            "with the same data volume. With GQA, a KV group whose query heads sit on one "
-            "device needs no reduction: at 3 devices the 3 groups map whole, at 9 each is "
-            "split over 3 devices."]
-    return out
-
-
 def plan_tables() -> list[str]:
     r = plan(PlanConfig(model="llama-3.1-8b", contexts="128K", gpus=1, pnms=8))
     g, p = r["cost"]["a100-80gb"], r["cost"]["cxl-pnm"]
@@ -248,17 +185,25 @@ def sensitivity() -> list[str]:
 
 def main() -> None:
     summarise()
-    lines = ["# CXL-PNM (issue 15): recalls, perplexity, capacity and cost", "",
-             "Generated by `render.py` from `recalls*.jsonl` and `ppl*.jsonl` (suites "
-             "`suites/pnm-recalls.toml`, `suites/pnm-ppl.toml`; measured on the bundled "
-             "SmolLM2-135M, fp32, on a 2-core CPU VM shared with other jobs) and "
-             "`kvbench plan` (projected arithmetic).", "",
+    lines = ["# CXL-PNM (issue 15): recalls, accuracy, DP vs TP, capacity, cost and the "
+             "paper's Figs. 10-14", "",
+             "Generated by `render.py` from the suites `suites/pnm-*.toml` and `run.sh` "
+             "(measured on the bundled SmolLM2-135M, fp32, on a 2-core CPU VM shared with "
+             "other jobs, niced, one or two threads), `kvbench plan` (projected arithmetic) "
+             "and `project.py` (projected: `kvbench project`'s model on the a100-pnm "
+             "profile). Measured and projected numbers are in separate sections, each "
+             "labelled.", "",
              "## Recalls per layer: arkvale vs png-kv steady selection (Figs. 3a, 8a analogs; "
              "measured counts)", "", *recall_tables(records("recalls*.jsonl")), "",
              "## Perplexity at equal budget (measured)", "", *ppl_table(records("ppl*.jsonl")),
+             "", "## Passkey retrieval (measured)", "", *passkey_table(records("passkey.jsonl")),
              "", "## DP vs TP over the device roles (Fig. 7; measured counts)", "",
              *parallel_table(records("parallel.jsonl")),
-             "", "## Table 3 and capacity (projected)", "", *plan_tables(), ""]
+             "", "## On the papers' model shapes (measured)", "",
+             *shapes_table(records("shapes-*.jsonl")),
+             "", "## Table 3 and capacity (projected)", "", *plan_tables(), "",
+             "## Throughput, energy, latency and cost: Figs. 10-14 (PROJECTED)", "",
+             *projection_tables(), ""]
     (HERE / "table.md").write_text("\n".join(lines))
     print(f"wrote {HERE / 'table.md'}")
 
