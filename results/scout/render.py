@@ -203,6 +203,14 @@ def pred_error_table(records: list[dict]) -> list[str]:
     if not runs:
         return ["(no --pred-error run yet)"]
     out = []
+    proto = {"mode": "eval", "prompt_len": 1, "gen_len": 511}
+    ppl = {(_budget(r), _label(r)): r["value"] for r in pick(records, "perplexity", **proto)}
+    for b in sorted({b for b, _ in ppl}):
+        if (b, "scout") in ppl and (b, "scout, no precompute") in ppl:
+            out.append(f"- End to end, budget {b}: perplexity {ppl[b, 'scout']:.3f} with the "
+                       f"predicted query vs {ppl[b, 'scout, no precompute']:.3f} with the real "
+                       f"one ({ppl[b, 'scout'] / ppl[b, 'scout, no precompute'] - 1:+.1%}).")
+    out += [""] if out else []
     for r in runs:
         p = r["params"]
         extra = {k: p[k] for k in ("mode", "budget_tokens", "prompt_len") if k in p}
