@@ -144,7 +144,9 @@ def passkey_table(idx: dict) -> list[str]:
         out.append(f"| {k[2][1]} | {k[2][2]} | {idx[k]['passkey_accuracy']:.2f} |")
     budgets = sorted({k[1] for k in rows if k[1] is not None})
     out += ["", "Strategies at 2048 prompt tokens, depth 0.5, 4 keys per cell (accuracy, tokens "
-            "attended per step and layer):", "",
+            "attended per step and layer: the mean over all 30 layers, so the two dense layers "
+            "of quest, arkvale and infinigen, 2048+ tokens each, add about 137 to their "
+            "budget; hgca's count includes the host entries it selects):", "",
             "| strategy | " + " | ".join(f"budget {b}" for b in budgets) + " |",
             "|---|" + "---|" * len(budgets)]
     for name in ORDER[1:]:
