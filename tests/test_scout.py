@@ -58,11 +58,13 @@ def test_decode_matches_algorithm_1(per: str) -> None:
     """Layer 1 of a 2-layer run (layer 0 dense): resident = top C blocks by the prompt's last
     query; the predicted query picks the blocks (window + top); the accelerator attends the
     resident ones with the real query, the host the others with the predicted one; merged
-    by lse. A recall (R = 1) then makes the real query's top C resident."""
+    by lse. A recall (R = 1) then makes the real query's top C resident. --pred-error: the
+    error against the real query's own selection attended whole, and the blocks it shares."""
     g = torch.Generator().manual_seed(0)
     s_, n0, c_res = 4, 22, 2  # blocks of 4; 5 full blocks + 2 tokens in the window block
     s = Scout(ScoutParams(budget_tokens=16, page_size=s_, resident_blocks=c_res,
-                          dense_layers=1, recall_interval=1, topk_per=per), _ctx(40))
+                          dense_layers=1, recall_interval=1, topk_per=per,
+                          pred_error=True), _ctx(40))
     k = torch.randn(2, 2, n0, 8, generator=g)
     v = torch.randn(2, 2, n0, 8, generator=g)
     qp = torch.randn(2, 6, n0, 8, generator=g)
@@ -78,7 +80,7 @@ def test_decode_matches_algorithm_1(per: str) -> None:
     s.ctx.counters.layer = 1
     out = s.decode(1, q, kn, vn)
     k, v = torch.cat([k, kn], 2), torch.cat([v, vn], 2)
-    recalled = 0
+    recalled, err2, ref2, shared = 0, 0.0, 0.0, []
     for b in range(2):
         for kh in range(2):
             blocks = [k[b, kh, p * s_:(p + 1) * s_] for p in range(5)]
@@ -99,6 +101,13 @@ def test_decode_matches_algorithm_1(per: str) -> None:
                     w = 1 / (1 + math.exp(lh - la))
                     oa = w * oa + (1 - w) * oh
                 assert torch.allclose(out[b, h, 0].double(), oa, atol=1e-5)
+                real = _top([sum(_bound(q[b, x, 0], blk) for x in heads) for blk in blocks], 3)
+                every = [t for p in sorted(real) for t in range(p * s_, p * s_ + s_)]
+                every += [20, 21, 22]  # the window block
+                ref = _part(q[b, h, 0], k[b, kh, every], v[b, kh, every])[0]
+                err2 += float(((out[b, h, 0].double() - ref) ** 2).sum())
+                ref2 += float((ref ** 2).sum())
+                shared.append((len(real & chosen) + 1) / 4)  # the window block is in both
             want = _top([sum(_bound(q[b, h, 0], x) for h in group) for x in blocks], c_res)
             got = set(s.res[1][b, kh, :5].nonzero().flatten().tolist())
             assert got == want  # after the recall
@@ -111,6 +120,9 @@ def test_decode_matches_algorithm_1(per: str) -> None:
     assert c.step_total("bytes_moved", "h2d.recall", 1) == recalled * 2 * s_ * 8 * 4
     cos = torch.nn.functional.cosine_similarity(pred, q, dim=-1).mean()
     assert abs(c.step_total("q_cosine", "predicted", 1) - float(cos)) < 1e-6
+    assert err2 > 0
+    assert abs(c.step_total("pred_error", "predicted", 1) / math.sqrt(err2 / ref2) - 1) < 1e-4
+    assert abs(c.step_total("pred_overlap", "predicted", 1) - sum(shared) / len(shared)) < 1e-6
 
 
 @pytest.mark.parametrize("rule", ["score", "lru"])
@@ -200,12 +212,18 @@ def test_no_precompute_with_full_budget_equals_full(bundled, full) -> None:
 
 def test_precompute_error_is_reported_per_layer(bundled, full) -> None:
     """Same setting with the predicted query on the host: not exact, and the cosine of
-    predicted vs real query is recorded for every sparse layer (layers 2..29)."""
-    ppl, c, _ = _run(bundled, budget_tokens=1 << 20, resident_blocks=1, page_size=16)
+    predicted vs real query is recorded for every sparse layer (layers 2..29); --pred-error:
+    so is the output's error against the real query's (every block selected by both here)."""
+    ppl, c, _ = _run(bundled, budget_tokens=1 << 20, resident_blocks=1, page_size=16,
+                     pred_error=True)
     assert ppl / full - 1 > 1e-3
     cos = _per_layer(c, "q_cosine")
     assert sorted(cos) == list(range(2, 30))
     assert all(0.5 < x < 1 for x in cos.values())
+    err = _per_layer(c, "pred_error")
+    assert sorted(err) == list(range(2, 30))
+    assert all(0 < x < 1 for x in err.values())
+    assert set(_per_layer(c, "pred_overlap").values()) == {1.0}
 
 
 def test_recall_lowers_the_cpu_ratio_and_calibrates(bundled, tmp_path: Path) -> None:

@@ -72,7 +72,9 @@ def derived(name: str, params: dict[str, ParamValue], steps: list[float],
     for quantity, metric, direction, worst_of in (
             ("rel_error", "attention_rel_error", "lower", max),
             ("topk_recall", "top10_recall", "higher", min),
-            ("q_cosine", "query_cosine", "higher", min)):
+            ("q_cosine", "query_cosine", "higher", min),
+            ("pred_error", "predicted_query_rel_error", "lower", max),
+            ("pred_overlap", "predicted_block_overlap", "higher", min)):
         by_layer = {layer: statistics.fmean(v) for (q, _, layer), v in per_layer.items()
                     if q == quantity and v}
         if by_layer and quantity == "q_cosine" and params.get("weights") == "random":

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 UNITS = {"tokens": "tokens", "flops": "FLOP", "bytes_read": "B", "bytes_moved": "B",
          "time": "s", "rel_error": "ratio", "pages": "pages",
          "topk_recall": "ratio", "cpu_ratio": "ratio", "q_cosine": "ratio",
+         "pred_error": "ratio", "pred_overlap": "ratio",
          "topk_sorts": "sorts", "topk_candidates": "pages", "reductions": "messages",
          "device_load": "B"}
 

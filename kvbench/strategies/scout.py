@@ -35,7 +35,10 @@ group, what a resident set and a block-sparse kernel share; "query": per query h
 first `--dense-layers` (default 2, as Quest) keep all KV on the accelerator, the layer-0
 rule (`layer0`), the accelerator's set (`accel_blocks`).
 Records: per layer "q_cosine" (predicted vs real query, mean over batch and heads), per step
-"cpu_ratio" (host tokens / min(budget, context)), pages recalled/evicted and their bytes
+"cpu_ratio" (host tokens / min(budget, context)); with `--pred-error`, per layer
+"pred_error" (||out - out_real|| / ||out_real||, out_real being the layer's output when the
+real query selects and attends, i.e. --no-precompute's) and "pred_overlap" (share of the
+real query's blocks that the predicted query selected), pages recalled/evicted and their bytes
 (link "h2d.recall"), `accel_idle`, worker seconds "host_attention".
 Exact setting: a budget covering the context (every block resident, nothing on the host).
 Layout per layer: host k/v [B, Hkv, max_len, D] (pinned on CUDA; sparse layers); accelerator
@@ -110,6 +113,11 @@ class ScoutParams:
         "help": "CPU compute ratio threshold of the recall calibration, in (0, 1)."})
     calibrate_recall: str = field(default="", metadata={
         "help": "Run without recall and write per-layer intervals R_l for --tau to this file."})
+    pred_error: bool = field(default=False, metadata={
+        "help": "Also compute each predicted layer's output with the real query (its own "
+                "selection, every selected block attended) and record the relative error "
+                "and block overlap the predicted query adds, per layer (accuracy runs: a "
+                "second attention per layer, inside the step's time)."})
     layer0: str = field(default="host part synchronous, real query", metadata={
         "derived": True, "help": "What a sparse layer without a layer ahead does."})
     accel_blocks: str = field(default="predicted & resident", metadata={
@@ -363,12 +371,45 @@ class Scout(Strategy):
         if q_pred is not None:
             cos = F.cosine_similarity(q_pred.float(), q.float(), dim=-1)  # [B, Hq, 1]
             c.add("q_cosine", "predicted", float(cos.mean()))
+            if p.pred_error:
+                self._pred_error(layer, q, pages, out, n_tot)
         self.last[layer] = pages
         if p.recall and not p.calibrate_recall and self.r[layer] \
                 and self.step % self.r[layer] == 0:
             self._recall(layer, q)
         self._finish(layer, n_tot)
         return out
+
+    def _pred_error(self, layer: int, q: torch.Tensor, pages: torch.Tensor,
+                    out: torch.Tensor, n_tot: int) -> None:
+        """--pred-error: the output the real query q would give (it selects, and every
+        selected block is attended from the host's full copy: --no-precompute's output,
+        whose accelerator/host split merges to the same attention) against this layer's
+        out; counts "pred_error" (relative Frobenius error) and "pred_overlap" (share of
+        the real selection the predicted pages [B, H, K] hit)."""
+        import torch
+
+        from kvbench.runtime.context import Counters
+
+        p, host = self.p, self.ctx.host
+        n_pages = -(-n_tot // p.page_size)
+        dig = self.dig[layer]
+        scores = page_scores(q, dig.lo[:, :, :n_pages], dig.hi[:, :, :n_pages], p.topk_per)
+        real = select_pages(scores, n_pages, p.budget_tokens // p.page_size, p.sinks,
+                            p.window_pages)
+        pos, lens = page_tokens(real, p.page_size, n_tot)
+        private = Counters(self.ctx.counters.kv_heads, self.ctx.elem_bytes)
+        ref, _ = attend_selected(q.to(host), self.host_k[layer][:, :, :n_tot],
+                                 self.host_v[layer][:, :, :n_tot], pos.to(host),
+                                 lens.to(host), private, "host")
+        ref = ref.to(out.device).float()
+        err = torch.linalg.vector_norm((out.float() - ref).flatten())
+        norm = torch.linalg.vector_norm(ref.flatten()).clamp_min(1e-30)
+        c = self.ctx.counters
+        c.add("pred_error", "predicted", float(err / norm))
+        hit = torch.zeros(*real.shape[:2], n_pages, dtype=torch.bool, device=real.device)
+        hit.scatter_(2, pages, True)
+        c.add("pred_overlap", "predicted", float(hit.gather(2, real).float().mean()))
 
     def _recall(self, layer: int, q: torch.Tensor) -> None:
         """Section 3.4: make the top C full blocks below the window (by the real query q's
