@@ -342,10 +342,12 @@ def main() -> None:
           *pred_error_table(recs), "",
           "### Passkey retrieval (2048 tokens, depth 0.5)", "", *passkey_table(recs), "",
           "## 4. Decode time and accelerator idle share, batch 1, CPU only (not Fig. 11)", "",
-          "Measured with the accelerator role on the CPU: the host worker and the "
-          "'accelerator' share 2 loaded cores, so idle shares and times are this machine's, "
-          "not a GPU's; with load averages of 20-40 on the 2 cores while these ran, the "
-          "step times of different runs are not comparable to each other either.", "",
+          "Measured with the accelerator role on the CPU (`kvbench suite run "
+          "suites/scout-speed.toml` under `chrt -f 10`, one after another in one sweep, "
+          "prompt 1024, budget 256): the host worker and the 'accelerator' share the "
+          "2 cores, so moving attention to the host adds work instead of overlapping it and "
+          "every strategy is slower than full here; idle shares and times are this "
+          "machine's, not a GPU's.", "",
           *speed_table(recs), ""]
     (HERE / "table.md").write_text("\n".join(md))
     subprocess.run([sys.executable, "-m", "kvbench.cli", "report", str(HERE / "summary.jsonl"),
