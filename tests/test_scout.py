@@ -328,3 +328,40 @@ def test_cuda_no_precompute_equals_full() -> None:
         model.setup(s, c.counters, 90)
         nll.append(decode_run(model, s, rows, 40, "eval", torch.cuda.synchronize).nll)
     assert max(abs(a - b) for a, b in zip(*nll, strict=True)) < 1e-4
+
+
+def test_host_part_runs_beside_the_accelerator_in_the_trace() -> None:
+    """Fig. 4: the host's attention over the blocks it holds and the accelerator's over the
+    resident ones run concurrently: in the stage graph neither waits for the other, and
+    the layer's later work waits for both (hints for `kvbench project`)."""
+    g = torch.Generator().manual_seed(1)
+    s = Scout(ScoutParams(budget_tokens=16, page_size=4, resident_blocks=1, dense_layers=1,
+                          recall=False), _ctx(40))
+    k, v = torch.randn(2, 2, 22, 8, generator=g), torch.randn(2, 2, 22, 8, generator=g)
+    s.prefill(1, torch.randn(2, 6, 22, 8, generator=g), k, v)
+    s.ctx.model.q = torch.randn(2, 6, 1, 8, generator=g)
+    c = s.ctx.counters
+    s.begin_step(1)
+    c.step = 1
+    s.layer_input(0, torch.zeros(2, 1, 48))
+    c.layer = 1
+    s.decode(1, s.ctx.model.q, torch.randn(2, 2, 1, 8, generator=g),
+             torch.randn(2, 2, 1, 8, generator=g))
+    tasks = [t for t in c.graph.tasks if t.step == 1]
+    after = {t.id: t.after for t in c.graph.tasks}
+
+    def ancestors(i: int) -> set[int]:
+        seen, todo = set(), list(after[i])
+        while todo:
+            a = todo.pop()
+            if a not in seen:
+                seen.add(a)
+                todo += after[a]
+        return seen
+
+    host = [t.id for t in tasks if t.resource == "host" and t.op == "compute"]
+    accel = [t.id for t in tasks if t.resource == "accel" and t.work.get("flops")]
+    assert host and accel
+    assert all(h not in ancestors(a) and a not in ancestors(h) for h in host for a in accel)
+    merge = next(t for t in tasks if t.op == "bookkeeping.merge")
+    assert set(host + accel) <= ancestors(merge.id)

@@ -354,15 +354,22 @@ class Scout(Strategy):
                 torch.cuda.current_stream().wait_event(self.recalling.pop(layer))
         n_pages = -(-n_tot // p.page_size)
         pos, lens = page_tokens(pages.masked_fill(~on, n_pages), p.page_size, n_tot)
-        out, lse = attend_selected(q, self.acc_k[layer][:, :, :n_tot],
-                                   self.acc_v[layer][:, :, :n_tot], pos, lens, c)
+        # the stage graph (kvbench project): the accelerator's part and the host's are two
+        # forks of the layer, neither waiting for the other (Fig. 4); the merge joins them
+        with c.fork("resident"):
+            out, lse = attend_selected(q, self.acc_k[layer][:, :, :n_tot],
+                                       self.acc_v[layer][:, :, :n_tot], pos, lens, c)
         if job is not None:
             with c.timed("accel_idle"):
                 out_h, lse_h, seconds, private = job.result()
-            for quantity, where, _, steps in private.series():
-                c.add(quantity, where, sum(steps.values()))
+            with c.fork("host"):
+                for quantity, where, _, steps in private.series():
+                    c.add(quantity, where, sum(steps.values()))
+                c.moved("h2d", 1.0 * out_h.numel() * self.ctx.elem_bytes
+                        + 4.0 * lse_h.numel())
             c.add("time", "host_attention", seconds)
-            c.moved("h2d", 1.0 * out_h.numel() * self.ctx.elem_bytes + 4.0 * lse_h.numel())
+        c.join()
+        if job is not None:
             with c.timed("bookkeeping.merge"):
                 out = merge(out, lse, out_h, lse_h)[0]
         ratio = host_tokens / min(p.budget_tokens, n_tot)
