@@ -230,6 +230,13 @@ def main() -> None:
           *ppl_table(idx), "", "## Passkey retrieval", "", *passkey_table(idx), "",
           "## ArkVale page recalls", "", *recall_table(records), "",
           "## Decode speed (prompt 1024, 16 steps, budget 256; accel role on the CPU)", "",
+          "Measured in two sittings of `kvbench suite run suites/page-sparse-speed.toml "
+          "--resume` on the 2-core VM (each record's time is in summary.jsonl): full, "
+          "offload, quest and infinigen at batch 1 on 2026-11-23 00:51-00:57 with the "
+          "machine idle, infinigen at batch 8 and the other strategies at 06:26-06:36 under "
+          "`chrt -f 10` with a test suite running beside. The accelerator role is the CPU: "
+          "the host's part and the 'accelerator's' share two cores, so offloading adds "
+          "work here; compare within a sitting. No GPU was lent.", "",
           *speed_table(records), ""]
     (HERE / "table.md").write_text("\n".join(md))
     subprocess.run([sys.executable, "-m", "kvbench.cli", "report", str(HERE / "summary.jsonl"),
