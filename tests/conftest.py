@@ -61,6 +61,19 @@ def bundled():
     return load(get_spec("smollm2-135m"), "bundled", 30, torch.float32, torch.device("cpu"))
 
 
+def ancestors(tasks: list, i: int) -> set[int]:
+    """Ids of every task that task i waits for, transitively, in a stage graph
+    (kvbench.runtime.trace: each task's `after`)."""
+    after = {t.id: t.after for t in tasks}
+    seen, todo = set(), list(after[i])
+    while todo:
+        a = todo.pop()
+        if a not in seen:
+            seen.add(a)
+            todo += after[a]
+    return seen
+
+
 def cuda_available() -> bool:
     try:
         import torch

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ancestors
 
 from kvbench.cli import main
 from kvbench.models import ModelSpec
@@ -135,21 +136,12 @@ def test_png_kv_device_attention_runs_beside_the_gpu_in_the_trace() -> None:
     for _ in _steps(s, g, k, v, 3, c):
         pass
     tasks = c.counters.graph.tasks
-    after = {t.id: t.after for t in tasks}
-
-    def ancestors(i: int) -> set[int]:
-        seen, todo = set(), list(after[i])
-        while todo:
-            a = todo.pop()
-            if a not in seen:
-                seen.add(a)
-                todo += after[a]
-        return seen
 
     last = [t for t in tasks if t.step == 3]  # scoring, recall, device and GPU attention
     gpu = [t.id for t in last if t.resource == "accel"]
     dev = [t.id for t in last if t.resource == "pnm"][-1]  # its attention, after scoring
-    assert gpu and dev not in ancestors(gpu[0]) and gpu[0] not in ancestors(dev)
+    assert gpu and dev not in ancestors(tasks, gpu[0])
+    assert gpu[0] not in ancestors(tasks, dev)
 
 
 @pytest.mark.parametrize("devices", [1, 4])

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ancestors
 
 from kvbench.cli import main
 from kvbench.errors import KvbenchError
@@ -348,20 +349,11 @@ def test_host_part_runs_beside_the_accelerator_in_the_trace() -> None:
     s.decode(1, s.ctx.model.q, torch.randn(2, 2, 1, 8, generator=g),
              torch.randn(2, 2, 1, 8, generator=g))
     tasks = [t for t in c.graph.tasks if t.step == 1]
-    after = {t.id: t.after for t in c.graph.tasks}
-
-    def ancestors(i: int) -> set[int]:
-        seen, todo = set(), list(after[i])
-        while todo:
-            a = todo.pop()
-            if a not in seen:
-                seen.add(a)
-                todo += after[a]
-        return seen
 
     host = [t.id for t in tasks if t.resource == "host" and t.op == "compute"]
     accel = [t.id for t in tasks if t.resource == "accel" and t.work.get("flops")]
     assert host and accel
-    assert all(h not in ancestors(a) and a not in ancestors(h) for h in host for a in accel)
+    up = {i: ancestors(c.graph.tasks, i) for i in host + accel}
+    assert all(h not in up[a] and a not in up[h] for h in host for a in accel)
     merge = next(t for t in tasks if t.op == "bookkeeping.merge")
-    assert set(host + accel) <= ancestors(merge.id)
+    assert set(host + accel) <= ancestors(c.graph.tasks, merge.id)
