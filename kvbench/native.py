@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.machinery
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -33,8 +34,10 @@ def openmp_runtimes() -> list[str]:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return []
-    libs = {line.split()[-1] for line in maps.splitlines() if "omp" in line.split("/")[-1]}
-    return sorted(x for x in libs if x.startswith("/") and ".so" in x)
+    # GNU (libgomp), Intel (libiomp5) and LLVM (libomp) runtimes, torch's hashed copies too
+    runtime = re.compile(r"lib[gi]?omp[\w.-]*\.so")
+    libs = {line.split()[-1] for line in maps.splitlines()}
+    return sorted(x for x in libs if x.startswith("/") and runtime.match(x.rsplit("/", 1)[-1]))
 
 
 @lru_cache(maxsize=1)
