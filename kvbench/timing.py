@@ -7,7 +7,9 @@ all samples and the method that produced them, so a record can say how it was me
 
 from __future__ import annotations
 
+import functools
 import gc
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -115,6 +117,42 @@ def gc_off() -> Iterator[None]:
     finally:
         if was:
             gc.enable()
+
+
+class _KernelClock(threading.local):
+    ns = 0  # wall time inside modelled kernels on this thread, summed
+    depth = 0  # nesting: a kernel that calls another counts once
+
+
+_CLOCK = _KernelClock()
+
+
+def kernel_ns() -> int:
+    """Wall nanoseconds this thread has spent inside `kernel`-wrapped calls so far.
+
+    A CPU run's trace (kvbench.runtime.context.Counters) subtracts it from each step's
+    wall time: what is left of the step is dispatch (Python, small torch ops), carried into
+    projections as measured; the kernels themselves are modelled from their work."""
+    return _CLOCK.ns
+
+
+def kernel(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator: `fn`'s wall time (outermost call on this thread) goes into kernel_ns()."""
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        c = _CLOCK
+        if c.depth:
+            return fn(*args, **kwargs)
+        c.depth = 1
+        t0 = time.perf_counter_ns()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            c.ns += time.perf_counter_ns() - t0
+            c.depth = 0
+
+    return wrapped
 
 
 def time_host(fn: Callable[[], object], policy: Policy = DEFAULT) -> Timing:

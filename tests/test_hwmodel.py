@@ -68,6 +68,18 @@ def test_schedule_overlaps_forks_and_serialises_a_shared_host() -> None:
     assert shared == pytest.approx(pre + host + 2e-3 + pre)  # one CPU does both
 
 
+def test_dispatch_is_carried_onto_a_cpu_accelerator_only_and_replaces_launches() -> None:
+    dense = {"flops": 2e9, "launches": 10.0}  # 2 ms compute + 10 launches
+    graph = [_task(0, "accel", "pre", [], **dense),
+             _task(1, "host", "dispatch", [0], seconds=5e-3)]
+    cpu = Timer(_profile(True), "float32", "pageable", dispatch=True)
+    assert schedule(graph, cpu)[0].seconds == pytest.approx(2e-3 + 5e-3)  # no launch cost
+    gpu = Timer(_profile(False), "float32", "pageable", dispatch=True)
+    assert schedule(graph, gpu)[0].seconds == pytest.approx(2e-3 + 10e-6)  # launches only
+    dropped = Timer(_profile(True), "float32", "pageable", carried=False, dispatch=True)
+    assert schedule(graph, dropped)[0].seconds == pytest.approx(2e-3)
+
+
 def test_background_work_delays_the_next_step_only_through_its_resource() -> None:
     graph = [_task(0, "accel", "pre", [], flops=1e9),  # 1 ms
              _task(1, "d2h", "copy", [0], bg=True, bytes_moved=5e7),  # 10 ms, in background

@@ -2,7 +2,7 @@ import statistics
 
 import pytest
 
-from kvbench.timing import Policy, Stats, time_host
+from kvbench.timing import Policy, Stats, kernel, kernel_ns, time_host
 
 
 def test_stats_match_definitions() -> None:
@@ -60,3 +60,61 @@ def test_gc_off_inside_the_timed_region_and_restored() -> None:
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_kernel_clock_counts_outermost_calls_on_this_thread_only() -> None:
+    import threading
+    import time
+
+    @kernel
+    def inner() -> None:
+        time.sleep(0.02)
+
+    @kernel
+    def outer() -> None:
+        inner()
+        time.sleep(0.01)
+
+    k0 = kernel_ns()
+    outer()  # 30 ms once, not 50 ms (inner nested)
+    took = (kernel_ns() - k0) * 1e-9
+    assert 0.03 <= took < 0.045
+    k0 = kernel_ns()
+    t = threading.Thread(target=inner)
+    t.start()
+    t.join()
+    assert kernel_ns() == k0  # another thread's kernels are its own
+
+
+def test_step_dispatch_is_wall_less_kernels_waits_and_carried_blocks() -> None:
+    import time
+
+    from kvbench.runtime.context import Counters
+
+    @kernel
+    def matmul() -> None:
+        time.sleep(0.03)
+
+    c = Counters(kv_heads=1, elem_bytes=4, n_layers=1)
+    c.step = 1
+    c.step_begin()
+    t0 = time.perf_counter_ns()
+    matmul()
+    with c.timed("attention"):  # a wrapper: its Python is dispatch, its kernel is not
+        matmul()
+        time.sleep(0.02)
+    with c.timed("accel_idle"):  # a wait
+        time.sleep(0.02)
+    with c.timed("bookkeeping.x"):  # carried as its own task
+        time.sleep(0.01)
+        with c.timed("accel_idle"):  # nested in a carried block: counted once
+            time.sleep(0.01)
+    time.sleep(0.015)
+    c.step_end((time.perf_counter_ns() - t0) * 1e-9)
+    last = c.graph.tasks[-1]
+    assert (last.resource, last.op) == ("host", "dispatch")
+    assert 0.035 <= last.work["seconds"] < 0.05  # 20 + 15 ms
+    gpu = Counters(kv_heads=1, elem_bytes=4, cuda=True, n_layers=1)
+    gpu.step_begin()
+    gpu.step_end(0.1)
+    assert not gpu.graph.tasks  # CUDA issues asynchronously: no dispatch task

@@ -25,8 +25,10 @@ from kvbench.runtime.trace import TRACE_VERSION
 from kvbench.schema import Record, measured, not_measured
 
 CARRIED = ("bookkeeping seconds without a work model (host tasks of measured time) are "
-           "carried over as measured on the source machine; the strategy's selections "
-           "(tokens attended, bytes moved) are the source run's")
+           "carried over as measured on the source machine, and so is a CPU run's per-step "
+           "dispatch (Python and small torch ops) onto a profile whose accelerator is the "
+           "host CPU; the strategy's selections (tokens attended, bytes moved) are the "
+           "source run's")
 DROPPED = ("bookkeeping without a work model dropped (--bookkeeping none); the "
            "strategy's selections are the source run's")
 RUN_CMD = "kvbench run STRATEGY --out FILE"
@@ -76,11 +78,11 @@ def project_run(recs: list[dict[str, Any]], prof: Profile, memory: str,
     dtype = str(first["params"].get("dtype", "float32"))
     if target is not None:
         dtype = {4: "float32"}.get(target.elem, "float16")
-    timer = Timer(prof, dtype, memory, carried)
     tasks = []
     for r in recs:
         m = r["method"]
         tasks += tasks_of(m["tasks"], m["columns"], int(r["params"]["step"]))
+    timer = Timer(prof, dtype, memory, carried, any(t.op == "dispatch" for t in tasks))
     if target is not None:
         tasks = scale(tasks, source_shape(first["params"]), target)
     steps = schedule(tasks, timer)

@@ -17,6 +17,11 @@ Durations (kvbench.hwmodel.profile fields):
     carried          measured seconds, as recorded (bookkeeping without a work model), or 0
                      with `carried=False` (`kvbench project --bookkeeping none`: a bound
                      for a machine where that work runs off the critical path)
+    dispatch         a CPU run's per-step Python and small torch ops (Counters.step_end):
+                     carried as measured onto a profile whose accelerator role is the host
+                     CPU (`accel.shares_host`, as `--hardware this` on a CPU-only machine),
+                     and then no launch costs (they are in it); 0 on a GPU profile, whose
+                     host issues kernels asynchronously (launch_us per launch stands for it)
 plus launches * launch_us on the accelerator and host. A step ends when its last non-
 background task ends; its time is that minus the previous step's end (the first step:
 from 0). Background work keeps its resource busy into later steps.
@@ -49,16 +54,21 @@ class StepTime:
 class Timer:
     """Task durations on one profile (the module docstring's formulas)."""
 
-    def __init__(self, prof: Profile, dtype: str, memory: str, carried: bool = True) -> None:
+    def __init__(self, prof: Profile, dtype: str, memory: str, carried: bool = True,
+                 dispatch: bool = False) -> None:
         self.p = prof
         self.memory = memory
         self.carried = carried  # False: bookkeeping without a work model takes no time
+        # the run carries its measured dispatch and this profile's accelerator is the host
+        self.dispatch = dispatch and bool(prof.get("accel", "shares_host"))
         self.eff = float(prof.get("accel", "efficiency", 1.0))
         self.flops = prof.tflops(dtype) * 1e12 * self.eff
         self.mem = float(prof.need("accel", "memory_gbps", "accelerator tasks' bytes")) \
             * 1e9 * self.eff
         self.launch = float(prof.need("accel", "launch_us", "task launches")) * 1e-6
         self.host_launch = float(prof.need("host", "launch_us", "host task launches")) * 1e-6
+        if self.dispatch:  # launch overheads are part of the carried dispatch
+            self.launch = self.host_launch = 0.0
 
     def dense(self, rows: float) -> float:
         """B/s of dense layers at `rows` rows: accel.dense_gbps (a curve over rows, from the
@@ -72,6 +82,8 @@ class Timer:
 
     def seconds(self, t: Task) -> float:
         w = t.work
+        if t.op == "dispatch":
+            return w.get("seconds", 0.0) if self.dispatch and self.carried else 0.0
         if w.get("seconds"):
             return w["seconds"] if self.carried else 0.0
         flops, rd = w.get("flops", 0.0), w.get("bytes_read", 0.0)

@@ -24,6 +24,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from kvbench.errors import KvbenchError, require
+from kvbench.timing import kernel
 
 if TYPE_CHECKING:
     import torch
@@ -98,6 +99,7 @@ def empty_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device))
 
 
+@kernel
 def dense_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -135,6 +137,7 @@ def dense_attention(
     return torch_attention(q, k, v, scale, causal, start)
 
 
+@kernel
 def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                     causal: bool, q_start: int, key_pos: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,6 +193,7 @@ def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return out.view(b, hq, lq, d), lse.view(b, hq, lq)
 
 
+@kernel
 def merge(
     o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from kvbench.errors import require
 from kvbench.kernels.attention import check_qkv, empty_result, note_backend, torch_attention
+from kvbench.timing import kernel
 
 if TYPE_CHECKING:
     import torch
@@ -75,6 +76,7 @@ def pack_indices(
     return Selection(idx.contiguous(), lens.contiguous(), lk)
 
 
+@kernel
 def sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,

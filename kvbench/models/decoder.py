@@ -27,6 +27,7 @@ from torch import nn
 
 from kvbench.models import ModelSpec
 from kvbench.models.linear import Linear, Packed, matmul, packed
+from kvbench.timing import kernel
 
 if TYPE_CHECKING:
     from kvbench.runtime.context import Counters
@@ -164,6 +165,7 @@ class Decoder(nn.Module):
         """The embedding [vocab, hidden] a tied head multiplies by, else None."""
         return None
 
+    @kernel
     def tied_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, hidden] @ embedding^T [B, vocab], through the packed copy if any."""
         return F.linear(x, self.tied()) if self._head is None else matmul(x, self._head, None)

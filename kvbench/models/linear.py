@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvbench.timing import kernel
+
 Packed = tuple[torch.Tensor, str]  # (weight in its layout, "t" or "dnn")
 
 
@@ -60,6 +62,7 @@ class Linear(nn.Linear):
         if self.fast is not None and self.fast[1] == "t":
             self.weight.data = self.fast[0].t()  # one storage, [out, in] view
 
+    @kernel
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fast is None:
             return F.linear(x, self.weight, self.bias)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvbench.runtime.trace import LAUNCHES, RESOURCES, WAIT_PHASES, TaskLog, dense_work
+from kvbench.timing import kernel_ns
 
 if TYPE_CHECKING:
     import torch
@@ -57,6 +58,8 @@ class Counters:
         self._v: dict[tuple[str, str, int], dict[int, float]] = defaultdict(
             lambda: defaultdict(float))
         self._events: list[tuple[str, int, int, Any, Any, Any]] = []
+        self._k0 = 0  # kernel clock at the step's start (CPU runs' dispatch account)
+        self._excluded = 0.0  # seconds of the step in waits and carried blocks
 
     def add(self, quantity: str, where: str, value: float) -> None:
         """Add `value` (in UNITS[quantity]) to the current step and layer.
@@ -147,16 +150,34 @@ class Counters:
             task = self._carry(phase, wait, n0, 0.0)
             self._events.append((phase, self.layer, self.step, e0, e1, task))
             return
-        t0 = time.perf_counter_ns()
+        t0, k0, x0 = time.perf_counter_ns(), kernel_ns(), self._excluded
         yield
         s = (time.perf_counter_ns() - t0) * 1e-9
         self._v[("time", phase, self.layer)][self.step] += s
-        self._carry(phase, wait, n0, s)
+        if self._carry(phase, wait, n0, s) is not None or wait or phase == "accel_idle":
+            # already in the graph (carried) or a wait: not dispatch (its kernels are
+            # subtracted from the step through the kernel clock)
+            self._excluded = x0 + s - (kernel_ns() - k0) * 1e-9
 
     def _carry(self, phase: str, wait: bool, n0: int, seconds: float) -> Any:
         if wait or phase in WAIT_PHASES or len(self.graph.tasks) != n0:
             return None
         return self.graph.record(self.step, self.layer, "host", phase, {"seconds": seconds})
+
+    def step_begin(self) -> None:
+        """Open a step's dispatch account (see `step_end`)."""
+        self._k0, self._excluded = kernel_ns(), 0.0
+
+    def step_end(self, seconds: float) -> None:
+        """Close the step (`seconds`: its wall time). On a CPU run, what kernels
+        (kvbench.timing.kernel: matmuls, attention, merges), waits and carried blocks leave
+        of it becomes one chained "host" task "dispatch" of that many measured seconds: the
+        Python and small torch ops of the decoder and the strategy, which the accelerator
+        role shares with them here. (On CUDA the host issues asynchronously: none.)"""
+        if self.cuda:
+            return
+        rest = seconds - (kernel_ns() - self._k0) * 1e-9 - self._excluded
+        self.graph.record(self.step, self.layer, "host", "dispatch", {"seconds": max(rest, 0.0)})
 
     def resolve(self) -> None:
         """Turn recorded CUDA event pairs into seconds (call after a synchronize)."""

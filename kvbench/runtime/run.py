@@ -208,18 +208,22 @@ def decode_run(model: Any, strategy: Strategy, rows: Any, gen_len: int, mode: st
         counters.step = 0
         strategy.begin_step(0)
         sync()
+        counters.step_begin()
         t0 = time.perf_counter_ns()
         score(model(seq[:, start:base + p], start), base + p)
         sync()
         firsts.append((time.perf_counter_ns() - t0) * 1e-9)
+        counters.step_end(firsts[-1])
         for s in range(1, gen_len + 1):
             counters.step = turn * gen_len + s
             strategy.begin_step(counters.step)
             pos = base + p + s - 1
+            counters.step_begin()
             t0 = time.perf_counter_ns()
             score(model(seq[:, pos:pos + 1], pos), pos + 1)
             sync()
             steps.append((time.perf_counter_ns() - t0) * 1e-9)
+            counters.step_end(steps[-1])
             if on_step():
                 return Outcome(firsts[0], firsts[1:], steps, nll, seq)
     return Outcome(firsts[0], firsts[1:], steps, nll, seq)

@@ -28,6 +28,11 @@ Where tasks come from (no strategy edit needed):
     timed(phase)       a "host" task of the block's seconds when no modelled work was
                        recorded inside it ("attention" and "accel_idle" are waits, as is
                        any block timed with `wait=True`)
+    step_end(s)        CPU runs: a "host" task "dispatch" closing the step, of the step's
+                       wall time less the kernels' (kvbench.timing.kernel: matmuls,
+                       attention, merges), the waits' and the carried blocks': the Python
+                       and small torch ops of decoder and strategy, measured (projected
+                       onto a CPU accelerator as is, dropped on a GPU: kvbench.hwmodel)
 
 Dependencies. By default tasks form one chain in the order they are recorded (what a
 single CPU thread does). Hints, for strategies that overlap work:
