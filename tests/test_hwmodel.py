@@ -119,7 +119,8 @@ def test_project_on_a_toml_profile_writes_labelled_projected_records(tmp_path: P
                     'launch_us = 2.0\n[h2d]\npageable = 5.0\n[d2h]\npageable = 5.0\n'
                     '[power]\naccel_idle_w = 10.0\naccel_peak_w = 110.0\n')
     src = _trace_file(tmp_path / "run.jsonl",
-                      [_row(0, "accel", "head", [], flops=4e9, launches=0.0)])  # 4 ms
+                      [_row(0, "accel", "head", [], flops=3e9, launches=0.0),  # 3 ms
+                       _row(1, "accel", "bookkeeping", [0], seconds=1e-3)])  # carried 1 ms
     out = tmp_path / "proj.jsonl"
     with pytest.raises(SystemExit) as e:
         main(["project", str(src), "--hardware", str(prof), "--out", str(out)])
@@ -129,6 +130,7 @@ def test_project_on_a_toml_profile_writes_labelled_projected_records(tmp_path: P
     assert all(r["provenance"] == "projected" and r["params"]["hardware"] == "mine"
                and r["method"]["source_run"] == "x" for r in recs.values())
     assert recs["tbt"]["value"] == pytest.approx(4e-3)
+    assert recs["carried_share"]["value"] == pytest.approx(0.25)  # 1 of 4 ms measured
     assert recs["decode_tokens_per_s"]["value"] == pytest.approx(2 / 4e-3)
     # busy the whole step: 110 W * 4 ms over 2 tokens
     assert recs["energy_per_token"]["value"] == pytest.approx(110 * 4e-3 / 2)

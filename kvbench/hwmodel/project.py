@@ -5,7 +5,9 @@ profile, the scheduler (kvbench.hwmodel.schedule) gives the prefill and every de
 the records written are `provenance: "projected"`, params = the source run's plus
 `hardware`, method naming the profile (and its file), the source run (command, time,
 environment) and what is carried over unmodelled. Metrics: ttft, tbt (per-step samples),
-decode_tokens_per_s, accel_idle_share, link_seconds_per_step and link_bytes_per_step
+decode_tokens_per_s, accel_idle_share, carried_share (the share of a step's projected
+time that is measured seconds carried over, not modelled), link_seconds_per_step and
+link_bytes_per_step
 (where = h2d/d2h/cxl), and when the profile has power figures energy_per_token (J/token:
 sum over devices of idle power over the decode time plus (peak - idle) over each
 device's busy time, divided by the tokens) and, with a price, tokens_per_usd.
@@ -138,6 +140,9 @@ def records(recs: list[dict[str, Any]], prof: Profile, memory: str,
     total = sum(times)
     busy = sum(s.busy.get("accel", 0.0) for s in dec)
     yield rec("accel_idle_share", "ratio", "lower", [max(0.0, 1 - busy / total)])
+    # how much of the projection is measured time carried over rather than modelled
+    yield rec("carried_share", "ratio", "none",
+              [s.carried / s.seconds for s in dec if s.seconds] or [0.0])
     for link in ("h2d", "d2h", "cxl"):
         if any(s.moved.get(link) for s in dec):
             yield rec("link_seconds_per_step", "s", "none", [s.busy.get(link, 0.0) for s in dec],

@@ -42,10 +42,11 @@ DENSE = ("pre", "post", "head")
 @dataclass
 class StepTime:
     """One step re-timed: seconds, busy seconds per resource (and per "resource:op"),
-    bytes per link."""
+    bytes per link, and `carried`: busy seconds taken as measured (not modelled)."""
 
     step: int
     seconds: float = 0.0
+    carried: float = 0.0
     busy: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     ops: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     moved: dict[str, float] = field(default_factory=lambda: defaultdict(float))
@@ -141,6 +142,8 @@ def schedule(tasks: list[Task], timer: Timer) -> list[StepTime]:
         st = out[t.step]
         st.busy[res] += dur
         st.ops[f"{t.resource}:{t.op}"] += dur
+        if t.work.get("seconds"):
+            st.carried += dur
         if t.resource in ("h2d", "d2h", "cxl"):
             st.moved[t.resource] += t.work.get("bytes_moved", 0.0)
         if not t.background:
