@@ -49,14 +49,16 @@ def main() -> None:
     meas = _values(HERE / "measured-summary.jsonl", "measured")
     before = _values(HERE / "projected-before.jsonl", "projected")
     after = _values(HERE / "projected-after.jsonl", "projected")
+    pooled = _values(HERE / "projected-pooled.jsonl", "projected")
     lines = ["| strategy | batch | prompt | measured tbt | projected tbt (probes before) | "
-             "error | carried share | projected tbt (probes after) | error | measured ttft | "
-             "projected ttft (before) | error |", "|---" * 12 + "|"]
-    err_b, err_a, err_t = [], [], []
+             "error | carried share | projected tbt (probes after) | error | projected tbt "
+             "(pooled) | error | measured ttft | projected ttft (before) | error |",
+             "|---" * 14 + "|"]
+    err_b, err_a, err_p, err_t = [], [], [], []
     for key in sorted(meas, key=lambda k: (k[0], str(meas[k]["_params"]["batch"]),
                                             str(meas[k]["_params"]["prompt_len"]))):
         m, p = meas[key], meas[key]["_params"]
-        b, a = before.get(key, {}), after.get(key, {})
+        b, a, pl = before.get(key, {}), after.get(key, {}), pooled.get(key, {})
 
         def err(proj: dict, metric: str, acc: list[float], m: dict = m) -> str:
             if metric not in proj:
@@ -66,10 +68,12 @@ def main() -> None:
             return f"{e:+.1%}"
 
         eb, ea, et = err(b, "tbt", err_b), err(a, "tbt", err_a), err(b, "ttft", err_t)
+        ep = err(pl, "tbt", err_p)
         lines.append(f"| {key[0]} | {p['batch']} | {p['prompt_len']} | {m['tbt'] * 1e3:.1f} ms | "
                      f"{b.get('tbt', float('nan')) * 1e3:.1f} ms | {eb} | "
                      f"{b.get('carried_share', float('nan')):.0%} | "
-                     f"{a.get('tbt', float('nan')) * 1e3:.1f} ms | {ea} | {m['ttft']:.2f} s | "
+                     f"{a.get('tbt', float('nan')) * 1e3:.1f} ms | {ea} | "
+                     f"{pl.get('tbt', float('nan')) * 1e3:.1f} ms | {ep} | {m['ttft']:.2f} s | "
                      f"{b.get('ttft', float('nan')):.2f} s | {et} |")
     load_txt = (HERE / "load.txt").read_text() if (HERE / "load.txt").exists() else ""
     # this run's reading of the figures (conditions, what the errors come from)
@@ -87,6 +91,7 @@ def main() -> None:
         "",
         f"- decode step time, probes before: {_summary(err_b)}",
         f"- decode step time, probes after: {_summary(err_a)}",
+        f"- decode step time, both probe sets pooled: {_summary(err_p)}",
         f"- prefill time, probes before: {_summary(err_t)}",
         "",
         "Done-when bar of the issue: 15% median, 25% worst (decode step time). Carried share:",

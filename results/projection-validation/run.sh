@@ -30,4 +30,8 @@ probes $D/probes-after.jsonl
 echo "after probes: $(cat /proc/loadavg)" >> $D/load.txt
 $K project $D/measured.jsonl --hardware this --probes $D/probes-before.jsonl --out $D/projected-before.jsonl
 $K project $D/measured.jsonl --hardware this --probes $D/probes-after.jsonl --out $D/projected-after.jsonl
+# both probe sets pooled: the machine's speed over the whole window (medians of the two)
+cat $D/probes-before.jsonl $D/probes-after.jsonl > $D/probes-pooled.jsonl
+$K project $D/measured.jsonl --hardware this --probes $D/probes-pooled.jsonl --out $D/projected-pooled.jsonl
+rm $D/probes-pooled.jsonl
 python results/projection-validation/render.py
