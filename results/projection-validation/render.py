@@ -43,6 +43,30 @@ def _summary(errors: list[float]) -> str:
     return f"median {statistics.median(a):.1%}, worst {max(a):.1%} (n={len(a)})"
 
 
+def per_case() -> tuple[str, list[str]]:
+    """(summary line, table) of per_case.py's runs: each case against its projection from
+    the roofline and timer probes taken right before it."""
+    d = HERE / "per-case"
+    raw = sorted(d.glob("measured-*.jsonl"))
+    if raw:
+        slim(raw, d / "measured-summary.jsonl", ())
+    meas = _values(d / "measured-summary.jsonl", "measured")
+    proj = _values(HERE / "projected-per-case.jsonl", "projected")
+    lines = ["| strategy | batch | prompt | measured tbt | projected tbt | error | carried share |",
+             "|---" * 7 + "|"]
+    errs: list[float] = []
+    for key in sorted(meas, key=lambda k: (k[0], str(meas[k]["_params"]["batch"]),
+                                            str(meas[k]["_params"]["prompt_len"]))):
+        m, p, j = meas[key], meas[key]["_params"], proj.get(key, {})
+        if "tbt" not in j:
+            continue
+        e = j["tbt"] / m["tbt"] - 1
+        errs.append(e)
+        lines.append(f"| {key[0]} | {p['batch']} | {p['prompt_len']} | {m['tbt'] * 1e3:.1f} ms | "
+                     f"{j['tbt'] * 1e3:.1f} ms | {e:+.1%} | {j.get('carried_share', 0):.0%} |")
+    return f"- decode step time, each case from its own probes: {_summary(errs)}", lines
+
+
 def main() -> None:
     if (HERE / "measured.jsonl").exists():
         slim([HERE / "measured.jsonl"], HERE / "measured-summary.jsonl", ())
@@ -75,6 +99,7 @@ def main() -> None:
                      f"{a.get('tbt', float('nan')) * 1e3:.1f} ms | {ea} | "
                      f"{pl.get('tbt', float('nan')) * 1e3:.1f} ms | {ep} | {m['ttft']:.2f} s | "
                      f"{b.get('ttft', float('nan')):.2f} s | {et} |")
+    own, own_lines = per_case()
     load_txt = (HERE / "load.txt").read_text() if (HERE / "load.txt").exists() else ""
     # this run's reading of the figures (conditions, what the errors come from)
     notes = (HERE / "notes.md").read_text().strip() if (HERE / "notes.md").exists() else ""
@@ -92,6 +117,7 @@ def main() -> None:
         f"- decode step time, probes before: {_summary(err_b)}",
         f"- decode step time, probes after: {_summary(err_a)}",
         f"- decode step time, both probe sets pooled: {_summary(err_p)}",
+        own,
         f"- prefill time, probes before: {_summary(err_t)}",
         "",
         "Done-when bar of the issue: 15% median, 25% worst (decode step time). Carried share:",
@@ -104,7 +130,14 @@ def main() -> None:
         "`suites/projection-validation.toml`, probes again, two `kvbench project` calls,",
         "then this script).",
         "",
-        *lines, ""])
+        *lines, "",
+        "## Each case from probes taken right before it",
+        "",
+        "`per_case.py`: per case, `kvbench probe timer` and `kvbench probe roofline` (the",
+        "dense layers' linear GB/s), then the run, then `kvbench project --hardware this`",
+        "with those probes and the attention and copy curves of `probes-before.jsonl`.",
+        "",
+        *own_lines, ""])
     (HERE / "table.md").write_text(text)
     print(text)
 
