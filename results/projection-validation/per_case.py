@@ -7,7 +7,10 @@ case runs right after its own roofline (linear GB/s: the dense layers) and timer
 attention and copy curves come from `probes-before.jsonl` (run.sh takes it). Writes
 per-case/measured-NN.jsonl (local), per-case/probes.jsonl and projected-per-case.jsonl.
 
-    PRIO="chrt -f 10" python results/projection-validation/per_case.py
+    PRIO="chrt -f 10" python results/projection-validation/per_case.py [FIRST LAST]
+
+FIRST LAST (case indices, inclusive) re-run those cases only; their new projections are
+appended and read last.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import json
 import os
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 from kvbench.suite import units
@@ -37,8 +41,12 @@ def main() -> None:
     base = [line for line in (HERE / "probes-before.jsonl").read_text().splitlines()
             if json.loads(line).get("name") not in OWN]
     projected = HERE / "projected-per-case.jsonl"
-    projected.unlink(missing_ok=True)
-    for i, unit in enumerate(units(load_suite(SUITE))):
+    todo = list(enumerate(units(load_suite(SUITE))))
+    if len(sys.argv) == 3:
+        todo = todo[int(sys.argv[1]):int(sys.argv[2]) + 1]
+    else:
+        projected.unlink(missing_ok=True)
+    for i, unit in todo:
         probes, meas = out / f"probes-{i:02d}.jsonl", out / f"measured-{i:02d}.jsonl"
         for f in (probes, meas):
             f.unlink(missing_ok=True)
