@@ -158,7 +158,8 @@ def test_hardware_this_from_probe_records(tmp_path: Path) -> None:
     src = _trace_file(tmp_path / "run.jsonl", [
         _row(0, "accel", "pre", [], flops=2e6, bytes_read=8e6, launches=5.0),  # 1 ms + 20 us
         _row(1, "h2d", "copy", [0], bytes_moved=2048.0, copies=2.0),  # 2 x 1 KiB at 1 GB/s
-        _row(2, "host", "attention", [1], bytes_read=4096.0, launches=1.0)])  # shares the CPU
+        _row(2, "host", "attention", [1], bytes_read=4096.0, launches=1.0),  # shares the CPU
+        _row(3, "pnm", "attention", [], bytes_read=8e5)])  # the PNM role: this CPU, 0.1 ms
     out = tmp_path / "proj.jsonl"
     with pytest.raises(SystemExit) as e:
         main(["project", str(src), "--hardware", "this", "--probes", str(probes),
@@ -166,7 +167,8 @@ def test_hardware_this_from_probe_records(tmp_path: Path) -> None:
     assert e.value.code == 0
     recs = {r["metric"]: r for r in map(json.loads, out.read_text().splitlines())
             if r["kind"] == "run"}
-    expect = 1e-3 + 20e-6 + 2048 / 1e9 + 4096 / 4e9 + 4e-6
+    # the PNM task waits for nothing but runs on the one CPU, after the others
+    expect = 1e-3 + 20e-6 + 2048 / 1e9 + 4096 / 4e9 + 4e-6 + 8e5 / 8e9
     assert recs["tbt"]["value"] == pytest.approx(expect)
     assert recs["energy_per_token"]["status"] == "waived"
 

@@ -5,7 +5,8 @@ when every task it waits for has finished and its resource is free, and holds th
 resource for its duration. Resources: the accelerator's compute stream (in order), one
 copy engine per direction ("h2d", "d2h"), the host thread pool ("host"; the same resource
 as "accel" when the profile says `accel.shares_host`, as on a CPU-only machine), a CXL
-link and a PNM device.
+link and a PNM device (the host pool when `pnm.shares_host`: the PNM role run on the host
+CPU, as `--hardware this` has it).
 
 Durations (kvbench.hwmodel.profile fields):
     accel dense      max(flops / (peak * eff), bytes read + written / (dense_gbps(rows) *
@@ -79,6 +80,10 @@ class Timer:
         return self.p.rate("accel", "dense_gbps", rows, "dense tasks") * 1e9 * self.eff
 
     def resource(self, res: str) -> str:
+        """The resource a task occupies: the PNM device is the host CPU when the profile's
+        pnm.shares_host (`--hardware this`), the host the accelerator when accel.shares_host."""
+        if res == "pnm" and self.p.get("pnm", "shares_host"):
+            res = "host"
         return "accel" if res == "host" and self.p.get("accel", "shares_host") else res
 
     def seconds(self, t: Task) -> float:

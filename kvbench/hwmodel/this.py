@@ -6,8 +6,11 @@ dense layers' GB/s over rows), `attention` (KV-read GB/s
 against KV bytes: the accelerator's mode "gpu" or "cpu-dense", the host's "cpu-sparse"
 then "cpu-dense"), `bandwidth` (the h2d and d2h curves: host:0 -> gpu:0 and back, pinned
 and pageable; host:0 -> host:0 on a CPU-only machine, where the "copies" are memcpys) and
-`timer` (op_overhead: per-launch cost). Every field's source names the probe record it
-came from. Power is left out (no probe measures it): projected energy is then waived.
+`timer` (op_overhead: per-launch cost). The PNM device role of pnm-kv and png-kv, which
+kvbench runs on host memory and threads, is this machine's CPU: [pnm] takes the CPU's
+roofline memory GB/s and peak, `shares_host` (its tasks take the host's time). Every
+field's source names the probe record it came from. Power is left out (no probe measures
+it): projected energy is then waived.
 """
 
 from __future__ import annotations
@@ -102,6 +105,19 @@ def build(records: list[dict[str, Any]]) -> Profile:
                             "launch_us": _src(host_op)}},
         **links,
     }
+    cpu_mem = [r for r in _ok(records, "roofline", "memory_gbps")
+               if r["params"].get("device") == "cpu"]
+    cpu_peak = [r for r in _ok(records, "roofline", "peak_flops")
+                if r["params"].get("device") == "cpu" and r["params"].get("dtype",
+                                                                        "float32") == "float32"]
+    if cpu_mem and cpu_peak:
+        tables["pnm"] = {"name": "this machine's CPU in the PNM device role",
+                         "memory_gbps": cpu_mem[-1]["value"],
+                         "peak_tflops": cpu_peak[-1]["value"], "shares_host": True,
+                         "source": {"memory_gbps": _src(cpu_mem[-1]),
+                                    "peak_tflops": _src(cpu_peak[-1]),
+                                    "shares_host": "kvbench runs the PNM role on host "
+                                                   "memory and threads"}}
     if lin:
         tables["accel"]["dense_gbps"] = _curve(lin, "rows")
         tables["accel"]["source"]["dense_gbps"] = _src(lin[0]) + " by rows"
