@@ -34,6 +34,11 @@ def _ok(records: list[dict[str, Any]], probe: str, metric: str) -> list[dict[str
             and r.get("value") is not None]
 
 
+def _on(records: list[dict[str, Any]], metric: str, device: str) -> list[dict[str, Any]]:
+    """The roofline probe's ok records of `metric` measured on `device`."""
+    return [r for r in _ok(records, "roofline", metric) if r["params"].get("device") == device]
+
+
 def _need(found: list[dict[str, Any]], probe: str, what: str) -> list[dict[str, Any]]:
     if not found:
         raise KvbenchError(f"--hardware this needs {what} from the {probe} probe of this "
@@ -60,9 +65,8 @@ def build(records: list[dict[str, Any]]) -> Profile:
     peak = _need(_ok(records, "roofline", "peak_flops"), "roofline", "peak_flops")
     dev = "cuda:0" if any(r["params"].get("device") == "cuda:0" for r in peak) else "cpu"
     gpu = dev != "cpu"
-    peak = [r for r in peak if r["params"].get("device") == dev]
-    mem = _need([r for r in _ok(records, "roofline", "memory_gbps")
-                 if r["params"].get("device") == dev], "roofline", "memory_gbps")
+    peak = _on(records, "peak_flops", dev)
+    mem = _need(_on(records, "memory_gbps", dev), "roofline", "memory_gbps")
     ops = _need(_ok(records, "timer", "op_overhead"), "timer", "op_overhead")
     att = _ok(records, "attention", "kv_read_gbps")
     acc_att = _need([r for r in att if r["params"].get("mode") == ("gpu" if gpu else
@@ -86,7 +90,7 @@ def build(records: list[dict[str, Any]]) -> Profile:
             _need([], "bandwidth", f"a {src} -> {dst} pageable curve")
         links[link] = table
     flops = {r["params"].get("dtype", "float32"): r["value"] for r in peak}
-    lin = [r for r in _ok(records, "roofline", "linear_gbps") if r["params"].get("device") == dev]
+    lin = _on(records, "linear_gbps", dev)
     op = {r["params"].get("device"): r for r in ops}
     acc_op = op.get(dev) or ops[0]
     host_op = op.get("cpu") or ops[0]
@@ -105,11 +109,9 @@ def build(records: list[dict[str, Any]]) -> Profile:
                             "launch_us": _src(host_op)}},
         **links,
     }
-    cpu_mem = [r for r in _ok(records, "roofline", "memory_gbps")
-               if r["params"].get("device") == "cpu"]
-    cpu_peak = [r for r in _ok(records, "roofline", "peak_flops")
-                if r["params"].get("device") == "cpu" and r["params"].get("dtype",
-                                                                        "float32") == "float32"]
+    cpu_mem = _on(records, "memory_gbps", "cpu")
+    cpu_peak = [r for r in _on(records, "peak_flops", "cpu")
+                if r["params"].get("dtype", "float32") == "float32"]
     if cpu_mem and cpu_peak:
         tables["pnm"] = {"name": "this machine's CPU in the PNM device role",
                          "memory_gbps": cpu_mem[-1]["value"],
