@@ -87,6 +87,39 @@ def _tokenizer_config(path: Path) -> None:
     (path / "tokenizer_config.json").write_text('{"tokenizer_class": "Qwen2TokenizerFast"}')
 
 
+def test_bundled_weights_cache_equals_the_gguf(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first load de-quantises the GGUF and caches it; the next loads from the cache
+    give the same decoder, tokenizer and transformers model; a damaged entry is rebuilt."""
+    import torch
+
+    from kvbench.models.weights import bundled_gguf, load, weights_cache
+
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path))
+    spec = get_spec("smollm2-135m")
+    entry = weights_cache(bundled_gguf())
+    assert entry is not None and entry.parent.parent == tmp_path and not entry.exists()
+
+    def state() -> tuple[dict[str, torch.Tensor], list[int], torch.Tensor]:
+        got = load(spec, "bundled", spec.n_layers, torch.float32, torch.device("cpu"))
+        ids = got.encode("The secret number is 22534.")
+        with torch.no_grad():
+            logits = got.hf_model(torch.tensor([ids])).logits[0, -1]
+        return got.model.state_dict(), ids, logits
+
+    ref, ids, logits = state()  # from the GGUF
+    assert (entry / "config.json").is_file() and (entry / "model.safetensors").is_file()
+    assert not list(tmp_path.glob("weights/*.tmp*"))  # the scratch entry was renamed
+    for _ in range(2):  # from the cache; then after damaging it, from the GGUF again
+        sd, ids2, logits2 = state()
+        assert ids2 == ids and sorted(sd) == sorted(ref)
+        assert all(torch.equal(sd[k], ref[k]) for k in ref)
+        assert torch.equal(logits2, logits)
+        (entry / "model.safetensors").write_bytes(b"not a checkpoint")
+    monkeypatch.setenv("KVBENCH_CACHE", "off")
+    assert weights_cache(bundled_gguf()) is None
+
+
 @pytest.mark.parametrize("family", ["opt", "neox", "qwen3", "llama"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_decoder_family_matches_transformers(family: str, batch: int, tmp_path: Path) -> None:

