@@ -9,13 +9,7 @@ set -e
 cd "$(dirname "$0")/../.."
 D=results/projection-validation
 K="${PRIO:-nice -n 10} kvbench"
-probes() {
-  $K probe timer --out "$1"
-  $K probe roofline --model smollm2-135m --tokens 512 --matmul 1024 --linear-rows 1,8,32,128 --out "$1"
-  $K probe attention --heads 9 --kv-heads 3 --head-dim 64 --gpu-tokens 64 --host-tokens 64,256,1K \
-     --query 1 --dtype float32 --modes cpu-dense,cpu-sparse --batch 1,8 --out "$1"
-  $K probe bandwidth --src host:0 --dst host:0 --memory pageable --quick --no-bars --sizes 1K..16M --out "$1"
-}
+. results/projection-validation/probes.sh
 # `run.sh resume` continues an interrupted suite (probes-before kept)
 if [ "$1" != resume ]; then
   rm -f $D/probes-before.jsonl $D/probes-after.jsonl $D/measured.jsonl $D/projected-*.jsonl
