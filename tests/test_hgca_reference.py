@@ -76,3 +76,47 @@ def test_hgca_decode_at_beta_1_equals_window_plus_kv_ctx(device: str) -> None:
             worst = max(worst, float((out.double().cpu() - ref).abs().max()))
     assert partial
     assert worst < 1e-4
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_hgca_attended_mask_is_what_decode_attended(device: str) -> None:
+    """Strategy.attended (eval mode's top-10 recall) against the output: each step's
+    attention over the whole history [B, Hkv, n, D] restricted to the mask equals decode's
+    output, through ring wraps and evictions (whose selection is still running when the
+    mask is read); the mask holds the window and some, not all, host positions."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    dev = torch.device(device)
+    b = 2
+    ctx = RunContext(SPEC, 1, b, 80, torch.float32, dev, torch.device("cpu"),
+                     Counters(SPEC.n_kv_heads, 4, cuda=dev.type == "cuda"))
+    s = STRATEGIES.get("hgca")(HgcaParams(gpu_tokens=16, block=8, beta=1.0, alpha=0.1), ctx)
+    gen = torch.Generator().manual_seed(4)
+    d, g = SPEC.head_dim, SPEC.n_heads // SPEC.n_kv_heads
+
+    def qkv(t: int) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.randn(b, h, t, d, generator=gen).to(dev)
+                     for h in (SPEC.n_heads, SPEC.n_kv_heads, SPEC.n_kv_heads))
+
+    q, keys, vals = qkv(40)
+    s.prefill(0, q, keys, vals)
+    worst, host_some, host_all = 0.0, False, True
+    for step in range(1, 30):
+        q, k, v = qkv(1)
+        s.begin_step(step)
+        out = s.decode(0, q, k, v).double().cpu()
+        keys, vals = torch.cat([keys, k], dim=2), torch.cat([vals, v], dim=2)
+        mask = s.attended(0).cpu()
+        n = keys.shape[2]
+        assert mask.shape == (b, SPEC.n_heads, n) and mask[:, :, n - 16 + 8:].all()
+        host = mask[:, :, :32]  # the prefill evicted 32 of its 40 tokens to the host
+        host_some |= bool(host.any())
+        host_all &= bool(host.all())
+        kk = keys.double().cpu().repeat_interleave(g, dim=1)  # [B, Hq, n, D]
+        vv = vals.double().cpu().repeat_interleave(g, dim=1)
+        logits = (kk @ q.double().cpu().transpose(-1, -2)).squeeze(-1) * d ** -0.5
+        w = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
+        ref = (w[..., None] * vv).sum(dim=2, keepdim=True)
+        worst = max(worst, float((out - ref).abs().max()))
+    assert host_some and not host_all
+    assert worst < 1e-4

@@ -104,6 +104,8 @@ class LayerKV:
         self.ck = torch.empty(b, hkv, n, d, dtype=hd)  # KV_ctx, contiguous per row
         self.cv = torch.empty_like(self.ck)
         self.lens = torch.zeros(b * hkv, dtype=torch.int32)
+        self.cpos = torch.empty(b * hkv, n, dtype=torch.int32)  # KV_ctx entries' positions
+        self.seen = (0, 0)  # (host entries, resident entries) the last decode step attended
         self.sk = torch.empty(b, hkv, block, d, dtype=hd, pin_memory=pin)  # eviction staging
         self.sv = torch.empty_like(self.sk, pin_memory=pin)
         self.smaw = torch.empty(b, hq, block, dtype=torch.float32, pin_memory=pin)
@@ -120,8 +122,8 @@ class LayerKV:
         hkv, hq, d = s.n_kv_heads, s.n_heads, s.head_dim
         he = host_dtype(ctx.dtype).itemsize
         accel = b * w * (2 * hkv * d * ctx.elem_bytes + hq * 4)  # ring k/v, MAW
-        host = b * hkv * (d * he * (4 * ctx.max_len + 2 * block) + 4)  # KV_cpu, KV_ctx,
-        # staging, KV_ctx row lengths
+        host = b * hkv * (d * he * (4 * ctx.max_len + 2 * block) + 4 * ctx.max_len + 4)
+        # KV_cpu, KV_ctx, staging, KV_ctx positions and row lengths
         host += b * hq * (block * 4 + d * he + 4)  # staging MAW, output and lse
         return accel, host
 
@@ -134,17 +136,19 @@ class LayerKV:
         return ((self.gk[:, :, a:], self.gv[:, :, a:], self.maw[:, :, a:]),
                 (self.gk[:, :, :e], self.gv[:, :, :e], self.maw[:, :, :e]))
 
-    def add_host(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """KV_cpu += k/v [B, Hkv, n, D] (Alg. 1 line 25)."""
+    def add_host(self, k: torch.Tensor, v: torch.Tensor) -> int:
+        """KV_cpu += k/v [B, Hkv, n, D] (Alg. 1 line 25); returns the first one's position."""
         h0, n = self.n_host, k.shape[2]
         self.hk[:, :, h0:h0 + n] = k
         self.hv[:, :, h0:h0 + n] = v
         self.n_host += n
+        return h0
 
     def keep(self, k: torch.Tensor, v: torch.Tensor, weight: torch.Tensor,
-             threshold: float | None) -> None:
-        """KV_ctx[row] += the entries of k/v [B, Hkv, n, D] whose weight [B, Hq, n] exceeds
-        threshold for some query head of the row's KV head (None: every entry), in order."""
+             threshold: float | None, first: int) -> None:
+        """KV_ctx[row] += the entries of k/v [B, Hkv, n, D] (positions first, first + 1, ...)
+        whose weight [B, Hq, n] exceeds threshold for some query head of the row's KV head
+        (None: every entry), in order."""
         import torch
 
         b, hkv, n, d = k.shape
@@ -156,6 +160,7 @@ class LayerKV:
         ck, cv = self.ck.view(b * hkv, -1, d), self.cv.view(b * hkv, -1, d)
         ck[rows, pos] = k.reshape(b * hkv, n, d)[rows, j]
         cv[rows, pos] = v.reshape(b * hkv, n, d)[rows, j]
+        self.cpos[rows, pos] = (first + j).to(torch.int32)
         self.lens += keep.sum(dim=1, dtype=torch.int32)
 
 

@@ -212,8 +212,7 @@ class Hgca(Strategy):
         if copied is not None:
             copied.synchronize()
         with torch.inference_mode():
-            L.add_host(k, v)
-            L.keep(k, v, maw, self._threshold(self.w))
+            L.keep(k, v, maw, self._threshold(self.w), L.add_host(k, v))
         return {"select": time.perf_counter() - t0}
 
     def _reselect(self, L: LayerKV, qh: torch.Tensor, lse: torch.Tensor,
@@ -228,7 +227,7 @@ class Hgca(Strategy):
             hk, hv = L.hk[:, :, :n], L.hv[:, :, :n]
             a_cpu = column_scores(qh, hk, lse, scale=self.scale, q_start=n) / qh.shape[2]
             L.lens.zero_()
-            L.keep(hk, hv, a_cpu, self._threshold(n))
+            L.keep(hk, hv, a_cpu, self._threshold(n), 0)
         return {"reselect": time.perf_counter() - t0}
 
     def _update_maw(self, L: LayerKV, q: torch.Tensor, lse: torch.Tensor) -> None:
@@ -383,8 +382,29 @@ class Hgca(Strategy):
             if evict:
                 self.ctx.counters.moved("d2h", 2 * k[:, :, :evict].numel() * k.element_size())
                 hk, hv = (x[:, :, :evict].to("cpu", hd) for x in (k, v))
-                L.add_host(hk, hv)
-                L.keep(hk, hv, L.maw.new_zeros(k.shape[0], L.maw.shape[1], evict).cpu(), None)
+                L.keep(hk, hv, L.maw.new_zeros(k.shape[0], L.maw.shape[1], evict).cpu(), None,
+                       L.add_host(hk, hv))
+
+    def attended(self, layer: int) -> torch.Tensor:
+        """The last decode step's positions, bool [B, Hq, n]: the resident window (the
+        newest entries) and, per KV head's query heads, the KV_ctx entries it selected then
+        (the step's own eviction, still being selected, adds only newer positions)."""
+        import torch
+
+        L = self.layers[layer]
+        self._join(L)
+        nh, nw = L.seen
+        rows = L.lens.numel()
+        mask = torch.zeros(rows, nh + nw, dtype=torch.bool)
+        mask[:, nh:] = True
+        n = int(L.lens.max()) if nh else 0
+        pos = L.cpos[:, :n].long()
+        valid = (torch.arange(n) < L.lens[:, None]) & (pos < nh)
+        mask[valid.nonzero(as_tuple=True)[0], pos[valid]] = True
+        b, hq = self.ctx.batch, self.ctx.spec.n_heads
+        hkv = rows // b
+        return mask.view(b, hkv, 1, -1).expand(b, hkv, hq // hkv, -1).reshape(b, hq, -1).to(
+            self.ctx.accel)
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
@@ -399,6 +419,7 @@ class Hgca(Strategy):
         L.gv[:, :, slot] = v[:, :, 0]
         L.maw[:, :, slot] = 0
         L.n += 1
+        L.seen = (L.n_host, L.n)
         nmax = int(L.lens.max()) if L.n_host else 0  # longest KV_ctx row
         if L.n_host:
             self._count_selected(L, q.shape[0])
