@@ -13,6 +13,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 from kvbench.store import load, slim
@@ -102,26 +103,38 @@ def attended(v: dict[str, float]) -> float:
     return v.get("tokens_attended_per_step.accel", 0) + v.get("tokens_attended_per_step.host", 0)
 
 
+def budget_grid(idx: dict, rows: list[tuple], names: tuple[str, ...],
+                cell: Callable[[str, int, dict[str, float]], str]) -> list[str]:
+    """Markdown table over `rows` (index keys): a row per strategy of `names` with any
+    result, a column per budget; cell(name, budget, values) gives the text ('-': none)."""
+    budgets = sorted({k[1] for k in rows if k[1] is not None})
+    lines = ["| strategy | " + " | ".join(f"budget {b}" for b in budgets) + " |",
+             "|---|" + "---|" * len(budgets)]
+    for name in names:
+        cells = []
+        for b in budgets:
+            v = next((idx[k] for k in rows if k[0] == name and k[1] == b), None)
+            cells.append("-" if v is None else cell(name, b, v))
+        if any(c != "-" for c in cells):
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def ppl_table(idx: dict) -> list[str]:
     rows = [k for k in idx if k[2][:2] == ("eval", 1)]
     full = next((idx[k]["perplexity"] for k in rows if k[0] == "full"), None)
     budgets = sorted({k[1] for k in rows if k[1] is not None})
-    lines = ["| strategy | " + " | ".join(f"budget {b}" for b in budgets) + " |",
-             "|---|" + "---|" * len(budgets)]
-    for name in ORDER:
-        cells = []
-        for b in budgets:
-            v = next((idx[k] for k in rows if k[0] == name and k[1] == b), None)
-            if v is None or "perplexity" not in v:
-                cells.append("-")
-                continue
-            d = f" ({v['perplexity'] / full - 1:+.1%})" if full else ""
-            rec = v.get("top10_recall")
-            cells.append(f"{v['perplexity']:.3f}{d}, {attended(v):.0f} tok"
-                         + (f", top-10 {rec:.2f}" if rec is not None else "")
-                         + f", mem {v['accel_kv_tokens']:.0f}")
-        if any(c != "-" for c in cells):
-            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+
+    def cell(name: str, b: int, v: dict[str, float]) -> str:
+        if "perplexity" not in v:
+            return "-"
+        d = f" ({v['perplexity'] / full - 1:+.1%})" if full else ""
+        rec = v.get("top10_recall")
+        return (f"{v['perplexity']:.3f}{d}, {attended(v):.0f} tok"
+                + (f", top-10 {rec:.2f}" if rec is not None else "")
+                + f", mem {v['accel_kv_tokens']:.0f}")
+
+    lines = budget_grid(idx, rows, ORDER, cell)
     head = [f"Full attention: {full:.3f}" if full else "Full attention: not run", ""]
     rank = ["", "Ranking by perplexity at each budget (equal budget; in brackets the measured "
             "tokens attended per decode step, layer and sequence, accelerator + host):", ""]
@@ -150,32 +163,26 @@ def topk_table(idx: dict, records: list[dict]) -> list[str]:
         if r["metric"] == "trace.topk_recall" and p.get("prompt_len") == TOPK_PROMPT \
                 and p.get("phase") == "decode" and r["status"] == "ok":
             per[(r["name"], budget(r))][int(p["layer"])] = r["stats"]["mean"]
-    budgets = sorted({k[1] for k in rows if k[1] is not None})
+    mean = {key: sum(layers.values()) / len(layers) for key, layers in per.items()}
+
+    def cell(name: str, b: int, v: dict[str, float]) -> str:
+        layers = per.get((name, b))
+        if not layers:
+            return "-"
+        sparse = {i: x for i, x in layers.items() if x < 1.0} or layers
+        worst = min(sparse, key=sparse.__getitem__)
+        d = f" ({v['perplexity'] / full - 1:+.1%})" if full else ""
+        return (f"top-10 {mean[(name, b)]:.2f} (layer {worst}: {sparse[worst]:.2f}), "
+                f"ppl {v['perplexity']:.2f}{d}, {attended(v):.0f} tok")
+
     out = [f"Full attention's perplexity over the 128 decoded tokens: {full:.3f}"
-           if full else "Full attention: not run", "",
-           "| strategy | " + " | ".join(f"budget {b}" for b in budgets) + " |",
-           "|---|" + "---|" * len(budgets)]
-    for name in ORDER[1:]:
-        cells = []
-        for b in budgets:
-            v = next((idx[k] for k in rows if k[0] == name and k[1] == b), None)
-            layers = per.get((name, b))
-            if v is None or not layers:
-                cells.append("-")
-                continue
-            sparse = {i: x for i, x in layers.items() if x < 1.0} or layers
-            worst = min(sparse, key=sparse.__getitem__)
-            mean = sum(layers.values()) / len(layers)
-            d = f" ({v['perplexity'] / full - 1:+.1%})" if full else ""
-            cells.append(f"top-10 {mean:.2f} (layer {worst}: {sparse[worst]:.2f}), "
-                         f"ppl {v['perplexity']:.2f}{d}, {attended(v):.0f} tok")
-        if any(c != "-" for c in cells):
-            out.append(f"| {name} | " + " | ".join(cells) + " |")
+           if full else "Full attention: not run", "", *budget_grid(idx, rows, ORDER[1:], cell)]
+    budgets = sorted({k[1] for k in rows if k[1] is not None})
     out += ["", "Ranking by top-10 recall at each budget (tokens attended per step and layer "
             "in brackets):", ""]
     for b in budgets:
-        got = sorted((-sum(per[(k[0], b)].values()) / len(per[(k[0], b)]), attended(idx[k]),
-                       k[0]) for k in rows if k[1] == b and per.get((k[0], b)))
+        got = sorted((-mean[(k[0], b)], attended(idx[k]), k[0]) for k in rows
+                     if k[1] == b and (k[0], b) in mean)
         out.append(f"- budget {b}: " + " > ".join(f"{n} {-m:.2f} ({t:.0f} tok)"
                                                   for m, t, n in got))
     out += ["", "Quest Fig. 4, the paper's figure (LongChat-7B-v1.5-32K, a 10K-token passkey "
@@ -198,16 +205,8 @@ def passkey_table(idx: dict) -> list[str]:
             "attended per step and layer: the mean over all 30 layers, so the two dense layers "
             "of quest, arkvale and infinigen, 2048+ tokens each, add about 137 to their "
             "budget; hgca's count includes the host entries it selects):", "",
-            "| strategy | " + " | ".join(f"budget {b}" for b in budgets) + " |",
-            "|---|" + "---|" * len(budgets)]
-    for name in ORDER[1:]:
-        cells = []
-        for b in budgets:
-            v = next((idx[k] for k in rows if k[0] == name and k[1] == b), None)
-            cells.append("-" if v is None else
-                         f"{v['passkey_accuracy']:.2f} ({attended(v):.0f} tok)")
-        if any(c != "-" for c in cells):
-            out.append(f"| {name} | " + " | ".join(cells) + " |")
+            *budget_grid(idx, rows, ORDER[1:], lambda name, b, v:
+                         f"{v['passkey_accuracy']:.2f} ({attended(v):.0f} tok)")]
     out += ["", "Ranking by passkey accuracy at each budget (ties in the order of fewer tokens "
             "attended per step; tokens in brackets):", ""]
     for b in budgets:
