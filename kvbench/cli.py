@@ -61,9 +61,14 @@ def compare_cmd(
     base_env: str | None = typer.Option(None, help="Only BASE's records of this machine: "
                                         "env id, fleet machine name or class, host name."),
     new_env: str | None = typer.Option(None, help="Only NEW's records of this machine."),
+    noise: list[Path] | None = typer.Option(None, help="Noise calibration: a result file of "
+                                            "3+ unchanged runs on this machine class; a "
+                                            "change must exceed their run-to-run spread. "
+                                            "Repeatable."),
 ) -> None:
     """Compare two result files (or two machines of one); exit 1 when anything regressed."""
     from kvbench.compare import compare_sets, regressed, select_env
+    from kvbench.noise import load_calibration
     from kvbench.render import compare_output
     from kvbench.store import load
     from kvbench.units import parse_fraction
@@ -77,7 +82,8 @@ def compare_cmd(
     old, cur = load(base), load(new or base)
     old = select_env(old, base_env) if base_env else old
     cur = select_env(cur, new_env) if new_env else cur
-    rows = compare_sets(old, cur, frac, alpha, metric)
+    spreads = load_calibration([load(p) for p in noise], [old, cur]) if noise else None
+    rows = compare_sets(old, cur, frac, alpha, metric, noise=spreads)
     compare_output(rows, fmt, frac, alpha)
     if regressed(rows):
         raise typer.Exit(1)

@@ -21,7 +21,10 @@ that run's machine state, so a machine that drifts between runs (a shared VM: 5-
 minutes, results/compare-noise) makes two unchanged single runs differ significantly. When
 each side holds enough runs for the test to reach alpha (4 and 4 at 0.05), the test runs on
 the runs' medians instead ("mann-whitney runs"), judging the change against the
-run-to-run spread; with fewer, on the pooled samples ("mann-whitney").
+run-to-run spread; with fewer, on the pooled samples ("mann-whitney"). Given a noise
+calibration (kvbench.noise: N unchanged runs of the quantities on this machine class), a
+change must also exceed the calibrated run-to-run noise (test "+ run noise"), which makes
+single derived values testable too ("run noise").
 Records whose environment, probe version or attention backend (method.backend: the native
 kernel or the torch fallback) differ are compared and visibly marked.
 """
@@ -37,6 +40,7 @@ from functools import lru_cache
 from typing import Any
 
 from kvbench.errors import KvbenchError
+from kvbench.noise import Spread
 from kvbench.schema import RecordKey, record_key
 from kvbench.store import ResultSet
 
@@ -58,7 +62,10 @@ def _u_counts(n1: int, n2: int) -> tuple[int, ...]:
 
 def min_p_value(n1: int, n2: int) -> float:
     """The smallest two-sided p the exact test can give for these sample sizes."""
-    return 1.0 if n1 == 0 or n2 == 0 else min(1.0, 2.0 / math.comb(n1 + n2, n1))
+    if n1 == 0 or n2 == 0:
+        return 1.0
+    log_comb = math.lgamma(n1 + n2 + 1) - math.lgamma(n1 + 1) - math.lgamma(n2 + 1)
+    return min(1.0, 2.0 * math.exp(-log_comb))  # 0.0 where comb overflows a float
 
 
 def mann_whitney_p(x: list[float], y: list[float]) -> float:
@@ -111,6 +118,7 @@ class Row:
     test: str
     verdict: str  # regressed improved same noise missing added error unmeasured
     marks: list[str] = field(default_factory=list)
+    noise: float | None = None  # largest relative change run-to-run noise explains
 
 
 def _pool(rs: ResultSet, pattern: str | Sequence[str] | None,
@@ -146,14 +154,18 @@ def _backends(recs: list[dict[str, Any]]) -> set[str]:
 
 
 def compare_sets(base: ResultSet, new: ResultSet, threshold: float = 0.05, alpha: float = 0.05,
-                 pattern: str | Sequence[str] | None = None, thresholded: bool = False
-                 ) -> list[Row]:
+                 pattern: str | Sequence[str] | None = None, thresholded: bool = False,
+                 noise: dict[RecordKey, Spread] | None = None) -> list[Row]:
     """One row per quantity present in either file, in base-file order then new-only ones.
 
     `pattern` is a glob or a list of globs; a record counts when any matches its metric or
     'name.metric'. `thresholded`: the threshold is the tolerance of every matched quantity,
-    so too few samples to test are judged by the threshold alone (as the module says)."""
+    so too few samples to test are judged by the threshold alone (as the module says).
+    `noise`: calibrated run-to-run spreads (kvbench.noise.load_calibration); the level alpha
+    is shared among the calibrated quantities both files hold (Bonferroni)."""
     b, n = _pool(base, pattern), _pool(new, pattern)
+    noise = noise or {}
+    m = max(1, sum(1 for k in b if k in n and k in noise))
     rows = []
     for key in list(b) + [k for k in n if k not in b]:
         rb, rn = b.get(key, []), n.get(key, [])
@@ -169,12 +181,13 @@ def compare_sets(base: ResultSet, new: ResultSet, threshold: float = 0.05, alpha
                 row.marks.append("version differs")
             if _backends(rb) != _backends(rn):
                 row.marks.append("attention backend differs")
-        _judge(row, rb, rn, threshold, alpha, thresholded)
+        _judge(row, rb, rn, threshold, alpha, thresholded, noise.get(key), alpha / m)
     return rows
 
 
 def _judge(row: Row, rb: list[dict[str, Any]], rn: list[dict[str, Any]], threshold: float,
-           alpha: float, thresholded: bool) -> None:
+           alpha: float, thresholded: bool, spread: Spread | None = None,
+           noise_alpha: float = 0.05) -> None:
     if not rn:
         row.verdict = "missing"
         return
@@ -205,7 +218,14 @@ def _judge(row: Row, rb: list[dict[str, Any]], rn: list[dict[str, Any]], thresho
     else:
         row.change = sign * (row.new - row.base) / abs(row.base)
     beyond = abs(row.change) > threshold
-    if min_p_value(len(sb), len(sn)) > alpha:
+    outside = None  # beyond the calibrated run-to-run noise
+    if spread is not None and row.base > 0 and row.new > 0:
+        bound = spread.bound(len(mb), len(mn), noise_alpha)
+        row.noise = math.expm1(bound)
+        outside = abs(math.log(row.new / row.base)) > bound
+    if min_p_value(len(sb), len(sn)) > alpha and outside is not None:
+        row.test, significant = "run noise", outside
+    elif min_p_value(len(sb), len(sn)) > alpha:
         exact = all((r.get("method") or {}).get("exact") for r in rb + rn)
         if not (exact or thresholded):
             row.test, row.verdict = "untestable", "noise" if beyond else "same"
@@ -215,8 +235,8 @@ def _judge(row: Row, rb: list[dict[str, Any]], rn: list[dict[str, Any]], thresho
     else:  # beyond the threshold with significance: against the base moved by it
         moved = [x * (1 + math.copysign(threshold, row.new - row.base)) for x in sb]
         row.p_value = mann_whitney_p(moved, sn)
-        row.test = test
-        significant = row.p_value < alpha
+        row.test = test + (" + run noise" if outside is not None else "")
+        significant = row.p_value < alpha and outside is not False
     if beyond and significant:
         row.verdict = "improved" if row.change > 0 else "regressed"
     else:

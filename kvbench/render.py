@@ -88,20 +88,25 @@ def _fmt(v: float | None) -> str:
 def _cells(r: Row) -> list[str]:
     change = "-" if r.change is None else f"{r.change:+.1%}"
     p = "-" if r.p_value is None else f"{r.p_value:.3g}"
+    noise = "-" if r.noise is None else f"\u00b1{r.noise:.1%}"
     label = r.metric + ("" if r.provenance == "measured" else " (projected)")
     return [r.name, params_text(r.params), label, r.unit, _fmt(r.base), _fmt(r.new), change, p,
-            r.test, r.verdict, "; ".join(r.marks)]
+            noise, r.test, r.verdict, "; ".join(r.marks)]
 
 
-_HEAD = ["name", "params", "metric", "unit", "base", "new", "change (+ better)", "p", "test",
-         "verdict", "marks"]
+_HEAD = ["name", "params", "metric", "unit", "base", "new", "change (+ better)", "p",
+         "run noise", "test", "verdict", "marks"]
+_VERDICT = _HEAD.index("verdict")
 
 
 def compare_output(rows: list[Row], fmt: str, threshold: float, alpha: float) -> None:
     bad = sum(r.verdict in ("regressed", "error") for r in rows)
+    calibrated = sum(r.noise is not None for r in rows)
     summary = (f"{len(rows)} quantities, {bad} regressed, "
                f"{sum(r.verdict == 'improved' for r in rows)} improved "
-               f"(threshold {threshold:.1%}, Mann-Whitney U at alpha {alpha:g})")
+               f"(threshold {threshold:.1%}, Mann-Whitney U at alpha {alpha:g}"
+               + (f"; {calibrated} judged against calibrated run-to-run noise" if calibrated
+                  else "") + ")")
     if fmt == "json":
         print(json.dumps({"threshold": threshold, "alpha": alpha, "regressions": bad,
                           "rows": rows_to_json(rows)}, indent=2, default=str))
@@ -119,7 +124,7 @@ def compare_output(rows: list[Row], fmt: str, threshold: float, alpha: float) ->
             cells = _cells(r)
             style = _VERDICT_STYLE.get(r.verdict)
             if style:
-                cells[9] = f"[{style}]{cells[9]}[/]"
+                cells[_VERDICT] = f"[{style}]{cells[_VERDICT]}[/]"
             t.add_row(*cells)
         console.print(t)
         console.print(summary)

@@ -1,12 +1,15 @@
 """Issue 11 item 17: false alarms of `kvbench compare` between unchanged runs.
 
-Usage: .venv/bin/python results/compare-noise/render.py RUN_DIR LABEL
+Usage: .venv/bin/python results/compare-noise/render.py RUN_DIR LABEL [CAL_DIR]
 RUN_DIR holds PROBE-i.jsonl, runs i = 0..N-1 of each probe's default (pairs.sh writes
 them; the raw files, ~5 MB, stay local). Writes LABEL.md beside this file: per probe, the
 verdicts of the N-1 consecutive single-run pairs and of run groups four a side (runs
 0-3 vs 4-7 and 4-7 vs 8-10+0, and the odd vs even runs 1-7 / 2-8), all at the default
 threshold, plus the median and 90th percentile of |change| over the single-run pairs, and
 whether runs 4-7 with their GB/s halved regress against runs 0-3 (they must).
+CAL_DIR (other runs of the same probes, taken before RUN_DIR's) adds the single-run pairs
+judged against that noise calibration (`kvbench compare --noise`), and whether each run
+made 2x slower (GB/s halved, times doubled) regresses against the run before it with it.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import sys
 from pathlib import Path
 
 from kvbench.compare import compare_sets, regressed
+from kvbench.noise import load_calibration
 from kvbench.store import ResultSet, load
 
 HERE = Path(__file__).parent
@@ -37,6 +41,36 @@ def halved(rs: ResultSet) -> ResultSet:
     recs = [{**r, "value": r["value"] / 2, "samples": [x / 2 for x in r["samples"]]}
             if r["unit"] == "GB/s" and r["value"] is not None else r for r in rs.records]
     return ResultSet(rs.path, envs=rs.envs, records=recs)
+
+
+TIME_UNITS = {"s", "ms", "us", "ns"}
+
+
+def slowed(rs: ResultSet) -> ResultSet:
+    """rs made 2x slower: every GB/s value and sample halved, every time doubled."""
+    def f(r: dict) -> float:
+        return 0.5 if r["unit"] == "GB/s" else 2.0 if r["unit"] in TIME_UNITS else 1.0
+
+    recs = [{**r, "value": r["value"] * f(r), "samples": [x * f(r) for x in r["samples"]]}
+            if r["value"] is not None and r["direction"] != "none" else r for r in rs.records]
+    return ResultSet(rs.path, envs=rs.envs, records=recs)
+
+
+def calibrated_row(runs: list[ResultSet], cal: ResultSet) -> str:
+    """Single-run pairs judged with the calibration; each run 2x slower against the last."""
+    noise = load_calibration([cal], runs)
+    alarms, caught, within = [], 0, []
+    for a, b in itertools.pairwise(runs):
+        alarms.append(sorted({r.metric for r in regressed(compare_sets(a, b, noise=noise))}))
+        rows = compare_sets(a, slowed(b), noise=noise)
+        caught += bool(regressed(rows))
+        judged = [r for r in rows if r.noise is not None and r.metric != "bar" and
+                  (r.unit == "GB/s" or r.unit in TIME_UNITS)]
+        within.append(sum(r.noise < 1.0 for r in judged) / max(1, len(judged)))
+    runs_cal = max(s.runs for s in noise.values())
+    return (f"{runs_cal} | {sum(bool(x) for x in alarms)}/{len(alarms)} | "
+            f"{', '.join(sorted({m for x in alarms for m in x})) or '-'} | "
+            f"{caught}/{len(alarms)} | {statistics.median(within):.0%}")
 
 
 def probe_row(runs: list[ResultSet]) -> str:
@@ -62,18 +96,33 @@ def probe_row(runs: list[ResultSet]) -> str:
             f"{', '.join(sorted({m for x in grouped for m in x})) or '-'} | {half}")
 
 
-def main(run_dir: Path, label: str) -> None:
+def probe_runs(run_dir: Path, probe: str) -> list[ResultSet]:
+    files = sorted(run_dir.glob(f"{probe}-[0-9]*.jsonl"),
+                   key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+    return [load(f) for f in files]
+
+
+def main(run_dir: Path, label: str, cal_dir: Path | None = None) -> None:
     lines = [f"# compare between unchanged runs: {label}", "",
              "| probe | single-run pairs that exit 1 | metrics flagged | median abs change "
              "| p90 abs change | 4-run groups that exit 1 | metrics flagged | runs 4-7 with GB/s "
              "halved exit 1 |", "|---|---|---|---|---|---|---|---|"]
     probes = sorted({p.name.rsplit("-", 1)[0] for p in run_dir.glob("*-[0-9]*.jsonl")})
     for probe in probes:
-        files = sorted(run_dir.glob(f"{probe}-[0-9]*.jsonl"),
-                       key=lambda p: int(p.stem.rsplit("-", 1)[1]))
-        lines.append(f"| {probe} | " + probe_row([load(f) for f in files]) + " |")
+        lines.append(f"| {probe} | " + probe_row(probe_runs(run_dir, probe)) + " |")
+    if cal_dir is not None:
+        lines += ["", f"With a noise calibration (`kvbench compare --noise`) of the runs in "
+                  f"{cal_dir.name}/, taken before these:", "",
+                  "| probe | calibration runs | single-run pairs that exit 1 | metrics flagged "
+                  "| pairs with the new run 2x slower that exit 1 | rate and time quantities "
+                  "(median over pairs) where 2x is beyond the noise |",
+                  "|---|---|---|---|---|---|"]
+        for probe in probes:
+            cal = merged(probe_runs(cal_dir, probe))
+            lines.append(f"| {probe} | " + calibrated_row(probe_runs(run_dir, probe), cal)
+                         + " |")
     (HERE / f"{label}.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2])
+    main(Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]) if sys.argv[3:] else None)

@@ -1,0 +1,158 @@
+"""Run-to-run noise calibration (kvbench.noise) and compare's use of it (issue 11.17)."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from kvbench.cli import main
+from kvbench.compare import compare_sets, regressed
+from kvbench.errors import KvbenchError
+from kvbench.noise import load_calibration, spreads, t_quantile, t_within
+from kvbench.schema import measured
+from kvbench.store import ResultSet, load
+
+CPU2 = {"cpu": {"logical_cpus": 2, "arch": "x86_64"}}
+CPU8 = {"cpu": {"logical_cpus": 8, "arch": "x86_64"}}
+
+
+def runs(medians: list[float], env: str = "e1", metric: str = "bandwidth",
+         envs: dict | None = None) -> ResultSet:
+    """One record (run) per median, 9 tight samples each: a machine drifting between runs."""
+    recs = [{**measured("probe", "bandwidth", metric, "GB/s", "higher",
+                        [m * (1 + 0.002 * (i - 4)) for i in range(9)],
+                        {"size": 1 << 20}).to_dict(), "env_id": env} for m in medians]
+    return ResultSet(Path("x"), envs=envs or {env: CPU2}, records=recs)
+
+
+@pytest.mark.parametrize(("level", "df", "table"), [
+    (0.95, 1, 12.706), (0.95, 2, 4.303), (0.95, 9, 2.262), (0.99, 5, 4.032),
+    (0.999, 10, 4.587), (0.999, 30, 3.646)])
+def test_t_quantile_matches_tables(level: float, df: int, table: float) -> None:
+    """Two-sided Student t critical values as printed in standard tables."""
+    assert t_quantile(level, df) == pytest.approx(table, abs=1e-3)
+    assert t_within(t_quantile(level, df), df) == pytest.approx(level, abs=1e-9)
+
+
+def test_spread_is_sd_of_log_run_medians() -> None:
+    cal = runs([100.0, 110.0, 90.0, 105.0, 95.0])
+    (s,) = spreads(cal).values()
+    logs = [math.log(x) for x in (100.0, 110.0, 90.0, 105.0, 95.0)]
+    mean = sum(logs) / 5
+    assert s.runs == 5
+    assert s.sd_log == pytest.approx(math.sqrt(sum((x - mean) ** 2 for x in logs) / 4))
+    # two runs are too few to estimate a spread
+    assert spreads(runs([100.0, 110.0])) == {}
+    # the bound shrinks with runs per side
+    assert s.bound(4, 4, 0.05) == pytest.approx(s.bound(1, 1, 0.05) / 2)
+
+
+def test_single_runs_are_judged_against_calibrated_noise() -> None:
+    """Drift between runs (run medians spread ~8%): one run a side of 100 -> 90 is a
+    significant 10% regression by its tight samples alone, and noise against the calibrated
+    spread; a halving is beyond both and regresses."""
+    cal = spreads(runs([100.0, 110.0, 90.0, 105.0, 95.0, 102.0, 88.0, 108.0]))
+    (row,) = compare_sets(runs([100.0]), runs([90.0]))
+    assert row.verdict == "regressed" and row.noise is None
+    (row,) = compare_sets(runs([100.0]), runs([90.0]), noise=cal)
+    assert row.test == "mann-whitney + run noise" and row.verdict == "noise", row
+    assert row.noise is not None and 0.1 < row.noise < 1.0
+    (row,) = compare_sets(runs([100.0]), runs([50.0]), noise=cal)
+    assert row.verdict == "regressed", row
+    (row,) = compare_sets(runs([100.0]), runs([200.0]), noise=cal)
+    assert row.verdict == "improved", row
+
+
+def test_single_values_become_testable() -> None:
+    """A derived single value (one sample per run) is untestable without a calibration and
+    judged by the calibrated noise with one."""
+    def one(values: list[float]) -> ResultSet:
+        recs = [{**measured("probe", "bandwidth", "peak", "GB/s", "higher", [v],
+                            {}).to_dict(), "env_id": "e1"} for v in values]
+        return ResultSet(Path("x"), envs={"e1": CPU2}, records=recs)
+
+    cal = spreads(one([10.0, 10.5, 9.6, 10.2, 9.9]))
+    (row,) = compare_sets(one([10.0]), one([5.0]))
+    assert (row.test, row.verdict) == ("untestable", "noise")
+    (row,) = compare_sets(one([10.0]), one([5.0]), noise=cal)
+    assert (row.test, row.verdict) == ("run noise", "regressed")
+    (row,) = compare_sets(one([10.0]), one([9.4]), noise=cal)
+    assert (row.test, row.verdict) == ("run noise", "noise")
+
+
+def test_bonferroni_over_calibrated_quantities() -> None:
+    """The level is shared among the quantities judged: the same pair judged among many
+    calibrated quantities needs a larger change."""
+    meds = [100.0, 110.0, 90.0, 105.0, 95.0]
+    (few,) = compare_sets(runs([100.0]), runs([80.0]), noise=spreads(runs(meds)))
+    metrics = [f"m{i}" for i in range(50)]
+
+    def many(values: list[float]) -> ResultSet:
+        out = ResultSet(Path("x"), envs={"e1": CPU2})
+        for m in metrics:
+            out.records.extend(runs(values, metric=m).records)
+        return out
+
+    rows = compare_sets(many([100.0]), many([80.0]), noise=spreads(many(meds)))
+    assert few.noise is not None and rows[0].noise is not None
+    assert rows[0].noise > few.noise
+
+
+def test_calibration_must_match_the_machine_class() -> None:
+    cal = runs([100.0, 110.0, 90.0])
+    assert load_calibration([cal], [runs([100.0]), runs([90.0])])
+    with pytest.raises(KvbenchError, match="is from cpu-8c-x86_64, the compared files from "
+                                           "cpu-2c-x86_64"):
+        load_calibration([runs([100.0, 110.0, 90.0], envs={"e1": CPU8})], [runs([100.0])])
+    with pytest.raises(KvbenchError, match="one machine class"):
+        load_calibration([cal], [runs([100.0]), runs([90.0], envs={"e1": CPU8})])
+    with pytest.raises(KvbenchError, match="no quantity with 3 or more runs"):
+        load_calibration([runs([100.0, 110.0])], [runs([100.0])])
+
+
+BANDWIDTH = ["probe", "bandwidth", "--src", "host:0", "--dst", "host:0", "--sizes", "1M,16M",
+             "--no-bars"]
+
+
+def test_real_runs_with_calibration(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Real runs: six unchanged runs appended to one file calibrate; a seventh and eighth
+    compare clean against each other with it, and the eighth with its GB/s halved regresses
+    in exactly the quantities whose calibrated noise is below a halving (at least one)."""
+    cal, a, b = tmp_path / "cal.jsonl", tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    for out in [cal] * 6 + [a, b]:
+        with pytest.raises(SystemExit) as e:
+            main([*BANDWIDTH, "--out", str(out)])
+        assert e.value.code == 0, capsys.readouterr().err
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["compare", str(a), str(b), "--noise", str(cal), "--format", "json"])
+    out = json.loads(capsys.readouterr().out)
+    assert e.value.code == 0, [r for r in out["rows"] if r["verdict"] == "regressed"]
+    assert any(r["noise"] is not None for r in out["rows"])
+    lines = [json.loads(x) for x in b.read_text().splitlines()]
+    for rec in lines:
+        if rec.get("unit") == "GB/s" and rec.get("value") is not None:
+            rec["value"] /= 2
+            rec["samples"] = [s / 2 for s in rec["samples"]]
+    halved = tmp_path / "halved.jsonl"
+    halved.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    rows = compare_sets(load(b), load(halved), noise=spreads(load(cal)))
+    catchable = {(r.metric, str(r.params)) for r in rows if r.unit == "GB/s" and r.noise is not None
+                 and r.noise < 1.0}
+    assert catchable, [(r.metric, r.noise) for r in rows]
+    assert {(r.metric, str(r.params)) for r in regressed(rows)} == catchable
+    with pytest.raises(SystemExit) as e:
+        main(["compare", str(b), str(halved), "--noise", str(cal)])
+    assert e.value.code == 1
+
+
+def test_bad_calibration_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a = tmp_path / "a.jsonl"
+    with pytest.raises(SystemExit) as e:
+        main([*BANDWIDTH, "--out", str(a)])
+    assert e.value.code == 0
+    with pytest.raises(SystemExit) as e:
+        main(["compare", str(a), str(a), "--noise", str(a)])
+    assert e.value.code == 2
+    assert "no quantity with 3 or more runs" in capsys.readouterr().err
