@@ -223,9 +223,10 @@ def _judge(row: Row, rb: list[dict[str, Any]], rn: list[dict[str, Any]], thresho
         bound = spread.bound(len(mb), len(mn), noise_alpha)
         row.noise = math.expm1(bound)
         outside = abs(math.log(row.new / row.base)) > bound
-    if min_p_value(len(sb), len(sn)) > alpha and outside is not None:
+    testable = min_p_value(len(sb), len(sn)) <= alpha
+    if not testable and outside is not None:
         row.test, significant = "run noise", outside
-    elif min_p_value(len(sb), len(sn)) > alpha:
+    elif not testable:
         exact = all((r.get("method") or {}).get("exact") for r in rb + rn)
         if not (exact or thresholded):
             row.test, row.verdict = "untestable", "noise" if beyond else "same"
