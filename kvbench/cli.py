@@ -54,7 +54,8 @@ def compare_cmd(
     new: Path | None = typer.Argument(None, help="New result file (default: BASE, to compare "
                                       "two machines of one fleet file)."),
     threshold: str = typer.Option("5%", help="Smallest relative change that counts."),
-    alpha: float = typer.Option(0.05, min=1e-6, max=0.5, help="Significance level of the test."),
+    alpha: float = typer.Option(0.05, min=1e-6, max=0.5, help="Significance level of the "
+                                "whole comparison (Benjamini-Hochberg over the rows tested)."),
     metric: list[str] | None = typer.Option(None, help="Only metrics matching this glob "
                                             "(against 'metric' or 'name.metric'); repeatable."),
     fmt: str = typer.Option("table", "--format", help="table, markdown or json."),

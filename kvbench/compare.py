@@ -21,7 +21,11 @@ that run's machine state, so a machine that drifts between runs (a shared VM: 5-
 minutes, results/compare-noise) makes two unchanged single runs differ significantly. When
 each side holds enough runs for the test to reach alpha (4 and 4 at 0.05), the test runs on
 the runs' medians instead ("mann-whitney runs"), judging the change against the
-run-to-run spread; with fewer, on the pooled samples ("mann-whitney"). Given a noise
+run-to-run spread; with fewer, on the pooled samples ("mann-whitney"). A record timed in
+passes spread over its run (kvbench.timing.Timing.join, `method.blocks`) gives one unit per
+pass ("mann-whitney passes"). alpha is the level of the whole comparison: the rows' p-values
+pass Benjamini-Hochberg, so unchanged files cry wolf with probability about alpha
+however many quantities they hold, not alpha per quantity. Given a noise
 calibration (kvbench.noise: N unchanged runs of the quantities on this machine class), a
 change must also exceed the calibrated run-to-run noise (test "+ run noise"), which makes
 single derived values testable too ("run noise").
@@ -147,6 +151,39 @@ def _run_medians(recs: list[dict[str, Any]]) -> list[float]:
             if r["status"] == "ok" and r["value"] is not None]
 
 
+def _units(recs: list[dict[str, Any]]) -> list[float]:
+    """The test's units: per run (record) that measured, the median of each of its passes
+    where it keeps them (`method.blocks`, kvbench.timing.Timing.join), else of its samples."""
+    out: list[float] = []
+    for r in recs:
+        if r["status"] != "ok" or r["value"] is None:
+            continue
+        samples = r.get("samples") or [r["value"]]
+        blocks = (r.get("method") or {}).get("blocks") or []
+        if len(blocks) < 2 or sum(blocks) != len(samples) or min(blocks) < 1:
+            out.append(statistics.median(samples))
+            continue
+        start = 0
+        for b in blocks:
+            out.append(statistics.median(samples[start:start + b]))
+            start += b
+    return out
+
+
+def _fdr(rows: list[Row], alpha: float) -> None:
+    """Benjamini-Hochberg over the rows a test judged: a change counts only when its p is
+    at most the largest p_(k) <= k alpha / m (m rows with a p-value). When nothing changed
+    the chance that any of the m rows is flagged is then about alpha, not m alpha."""
+    tested = sorted((r.p_value, i) for i, r in enumerate(rows) if r.p_value is not None)
+    m = len(tested)
+    cutoff = max((p for k, (p, _) in enumerate(tested, 1) if p <= k * alpha / m), default=-1.0)
+    for r in rows:
+        if r.p_value is not None and r.p_value > cutoff and r.verdict in ("regressed",
+                                                                          "improved"):
+            r.verdict = "noise"
+            r.marks.append(f"not significant among {m} tested (Benjamini-Hochberg)")
+
+
 def _backends(recs: list[dict[str, Any]]) -> set[str]:
     """The attention backends (method.backend, per phase) that the records ran."""
     return {f"{phase}={b}" for r in recs
@@ -182,6 +219,7 @@ def compare_sets(base: ResultSet, new: ResultSet, threshold: float = 0.05, alpha
             if _backends(rb) != _backends(rn):
                 row.marks.append("attention backend differs")
         _judge(row, rb, rn, threshold, alpha, thresholded, noise.get(key), alpha / m)
+    _fdr(rows, alpha)
     return rows
 
 
@@ -206,8 +244,10 @@ def _judge(row: Row, rb: list[dict[str, Any]], rn: list[dict[str, Any]], thresho
         return
     test = "mann-whitney"
     mb, mn = _run_medians(rb), _run_medians(rn)
-    if min(len(mb), len(mn)) >= 2 and min_p_value(len(mb), len(mn)) <= alpha:
-        sb, sn, test = mb, mn, "mann-whitney runs"
+    ub, un = _units(rb), _units(rn)
+    if min(len(ub), len(un)) >= 2 and min_p_value(len(ub), len(un)) <= alpha:
+        passes = (len(ub), len(un)) != (len(mb), len(mn))
+        sb, sn, test = ub, un, "mann-whitney passes" if passes else "mann-whitney runs"
     row.base, row.new = statistics.median(sb), statistics.median(sn)
     if row.direction == "none":
         row.test, row.verdict = "informational", "same"

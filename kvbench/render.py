@@ -104,7 +104,8 @@ def compare_output(rows: list[Row], fmt: str, threshold: float, alpha: float) ->
     calibrated = sum(r.noise is not None for r in rows)
     summary = (f"{len(rows)} quantities, {bad} regressed, "
                f"{sum(r.verdict == 'improved' for r in rows)} improved "
-               f"(threshold {threshold:.1%}, Mann-Whitney U at alpha {alpha:g}"
+               f"(threshold {threshold:.1%}, Mann-Whitney U at alpha {alpha:g} over the "
+               f"{sum(r.p_value is not None for r in rows)} tested (Benjamini-Hochberg)"
                + (f"; {calibrated} judged against calibrated run-to-run noise" if calibrated
                   else "") + ")")
     if fmt == "json":

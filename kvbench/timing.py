@@ -80,11 +80,14 @@ class Stats:
 
 @dataclass(frozen=True)
 class Timing:
-    """Seconds per call for every timed repetition, and how they were taken."""
+    """Seconds per call for every timed repetition, and how they were taken. `blocks`: the
+    sample counts of the passes the samples were taken in, in order (`Timing.join`); empty
+    for one pass."""
 
     seconds: tuple[float, ...]
     timer: str
     warmup: int
+    blocks: tuple[int, ...] = ()
 
     @property
     def stats(self) -> Stats:
@@ -94,9 +97,20 @@ class Timing:
     def median(self) -> float:
         return self.stats.median
 
+    @classmethod
+    def join(cls, passes: Sequence[Timing]) -> Timing:
+        """One timing of the samples of several passes over a quantity taken at different
+        times of a run; `blocks` keeps which samples each pass took (the units that are
+        nearly independent on a machine whose speed drifts over seconds, kvbench.compare)."""
+        return cls(tuple(s for t in passes for s in t.seconds), passes[0].timer,
+                   passes[0].warmup, tuple(len(t.seconds) for t in passes))
+
     def method(self) -> dict[str, Any]:
-        return {"timer": self.timer, "warmup": self.warmup, "reps": len(self.seconds),
-                "statistic": "median"}
+        out = {"timer": self.timer, "warmup": self.warmup, "reps": len(self.seconds),
+               "statistic": "median"}
+        if len(self.blocks) > 1:
+            out["blocks"] = list(self.blocks)
+        return out
 
 
 GC_OFF = "Python's cyclic GC off in the timed region (as timeit), one collection before"

@@ -47,7 +47,9 @@ class AttentionConfig:
     keep: float = opt(0.1, "Fraction of host KV the sparse CPU part keeps.")
     modes: str = opt("all", f"Modes: all or a list of {', '.join(MODES)}.")
     threads: int = opt(0, "CPU threads (0: every CPU available).", min=0)
-    min_time: float = opt(0.2, "Seconds to time each quantity at least.")
+    min_time: float = opt(0.2, "Seconds to time each quantity at least (over all passes).")
+    passes: int = opt(8, "Passes over the grid; each quantity's time is split among them.",
+                      min=1)
 
     def __post_init__(self) -> None:
         check_ranges(self)
@@ -87,12 +89,45 @@ def modes(config: AttentionConfig, cuda: bool) -> list[str]:
     return chosen
 
 
+def _groups(points: list, cuda: bool) -> list[list]:
+    """Consecutive points whose workloads (kvbench.kernels.workload.Workload: host KV, and
+    the whole KV on the device, on the CPU without CUDA) fit a quarter of the free host
+    (and device) memory together: measured in passes side by side. A point over it is
+    a group of its own."""
+    import psutil
+
+    host_free = psutil.virtual_memory().available // 4
+    dev_free = 0
+    if cuda:
+        import torch
+
+        dev_free = torch.cuda.mem_get_info()[0] // 4
+    groups: list[list] = []
+    used = (0.0, 0.0)
+    for p in points:
+        total = p.kv_bytes(p.host_tokens + p.gpu_tokens)
+        need = (p.kv_bytes(p.host_tokens) + (0 if cuda else total), total if cuda else 0)
+        if groups and used[0] + need[0] <= host_free and used[1] + need[1] <= dev_free + 1:
+            groups[-1].append(p)
+            used = (used[0] + need[0], used[1] + need[1])
+        else:
+            groups.append([p])
+            used = need
+    return groups
+
+
 @PROBES.register
 class AttentionProbe(Probe):
-    """Attention steps: GPU, GPU+transfer, CPU dense/sparse, hybrid (HGCA Figs. 6, 10, 11)."""
+    """Attention steps: GPU, GPU+transfer, CPU dense/sparse, hybrid (HGCA Figs. 6, 10, 11).
+
+    Every quantity is timed in `passes` passes over the grid (a group of points that fits
+    in memory at once), each taking 1/passes of its time, odd passes in reverse order: a
+    machine whose speed drifts over seconds (a shared VM's memory bandwidth: +-25% between
+    4 s windows on the 2-core VM, results/compare-noise) reaches every quantity alike, and
+    records keep their samples' passes (`method.blocks`) for kvbench.compare to test."""
 
     name = "attention"
-    version = "1"
+    version = "2"
     config = AttentionConfig
 
     def run(self, config: AttentionConfig) -> Iterator[Record]:
@@ -105,43 +140,62 @@ class AttentionProbe(Probe):
         require(config.min_time >= 0, "min-time must be >= 0")
         cuda = torch.cuda.is_available()
         points, chosen = grid(config), modes(config, cuda)
+        timed = [m for m in chosen if cuda or m not in GPU_ONLY]
         threads = config.threads or default_threads()
-        self.policy = Policy(warmup=1, min_reps=3, min_time_s=config.min_time, max_reps=50,
-                             max_time_s=max(3.0, 4 * config.min_time))
-        host_bw = yield from self._host_copy(threads)
+        n = config.passes
+        self.policy = Policy(warmup=1, min_reps=3 if n == 1 else 2, min_time_s=config.min_time / n,
+                             max_reps=max(2, 50 // n), max_time_s=max(3.0, 4 * config.min_time) / n)
         dev_bw = yield from self._device_copy(cuda)
-        for p in points:
-            w = Workload(p, config.keep, threads, cuda)
-            params = {**p.params(), "keep": config.keep, "threads": threads,
-                      "device": w.device}
-            # mode -> (seconds, GB/s); "sdpa"/"read" -> per-round ratios of decode rounds
-            res: dict[str, Any] = {}
-            for mode in chosen:
-                if mode in GPU_ONLY and not cuda:
-                    yield not_measured("probe", self.name, "time", "waived",
-                                       "no CUDA GPU on this machine", {**params, "mode": mode})
-                    continue
-                yield from self._mode(w, mode, {**params, "mode": mode}, res)
-            yield from self._bars(w, params, res, host_bw, dev_bw)
+        src = torch.ones(COPY_BYTES, dtype=torch.uint8)  # host copy source, read loop buffer
+        dst = torch.empty_like(src)
+        copies: dict[str, list[Timing]] = {}
+        derived: list[tuple[Any, dict[str, Any], dict[str, Any]]] = []
+        for group in _groups(points, cuda):
+            work = [Workload(p, config.keep, threads, cuda) for p in group]
+            got: list[dict[tuple[str, str], list[Timing]]] = [{} for _ in work]
+            for r in range(n):
+                for how, t in self._host_copy(src, dst, threads).items():
+                    copies.setdefault(how, []).append(t)
+                for i in range(len(work)) if r % 2 == 0 else reversed(range(len(work))):
+                    for mode in timed:
+                        for part, t in self._measure(work[i], mode, src).items():
+                            got[i].setdefault((mode, part), []).append(t)
+            for w, parts in zip(work, got, strict=True):
+                params = {**w.p.params(), "keep": config.keep, "threads": threads,
+                          "device": w.device}
+                res: dict[str, Any] = {}  # mode -> (seconds, GB/s); bar samples
+                for mode in chosen:
+                    if mode in timed:
+                        joined = {part: Timing.join(ts) for (m, part), ts in parts.items()
+                                  if m == mode}
+                        yield from self._records(w, mode, {**params, "mode": mode}, joined, res)
+                    else:
+                        yield not_measured("probe", self.name, "time", "waived",
+                                           "no CUDA GPU on this machine", {**params, "mode": mode})
+                derived.append((w.p, params, res))
+            del work
+        host_bw = yield from self._copy_records(copies, threads)
+        for p, params, res in derived:
+            yield from self._bars(p, params, res, host_bw, dev_bw)
 
     def _time(self, fn: Callable[[], object], device: str) -> Timing:
         return time_cuda(fn, self.policy) if device == "cuda" else time_host(fn, self.policy)
 
-    def _host_copy(self, threads: int) -> Iterator[Record]:
-        """Host copy GB/s (bytes copied once per copy): native memcpy on `threads` threads
-        and torch's copy_, the stronger being the bar's reference."""
-        import torch
-
+    def _host_copy(self, src: Any, dst: Any, threads: int) -> dict[str, Timing]:
+        """One pass of the host copy (bytes copied once per copy): native memcpy on
+        `threads` threads and torch's copy_, the stronger being the bar's reference."""
         from kvbench.native import lib
 
-        src = torch.ones(COPY_BYTES, dtype=torch.uint8)
-        dst = torch.empty_like(src)
         so = lib()
-        t_native = time_native(lambda: so.kvb_memcpy_threads(
-            dst.data_ptr(), src.data_ptr(), COPY_BYTES, 1, threads) * 1e-9, self.policy)
-        t_torch = time_host(lambda: dst.copy_(src), self.policy)
+        return {"native memcpy threads": time_native(lambda: so.kvb_memcpy_threads(
+                    dst.data_ptr(), src.data_ptr(), COPY_BYTES, 1, threads) * 1e-9, self.policy),
+                "torch copy_": time_host(lambda: dst.copy_(src), self.policy)}
+
+    def _copy_records(self, copies: dict[str, list[Timing]], threads: int
+                      ) -> Iterator[Record]:
         best = 0.0
-        for how, t in (("native memcpy threads", t_native), ("torch copy_", t_torch)):
+        for how, passes in copies.items():
+            t = Timing.join(passes)
             rec = measured("probe", self.name, "host_copy_gbps", "GB/s", "higher",
                            [gbps(COPY_BYTES, s) for s in t.seconds],
                            {"how": how, "bytes": COPY_BYTES, "threads": threads}, t.method())
@@ -165,39 +219,52 @@ class AttentionProbe(Probe):
         yield rec
         return rec.value
 
-    def _mode(self, w, mode: str, params: dict, res: dict) -> Iterator[Record]:
+    def _measure(self, w, mode: str, buf: Any) -> dict[str, Timing]:
+        """One pass of `mode` at one point: {"total": the step, and its parts ("transfer",
+        "gpu", "cpu", "merge"); for CPU dense decode "sdpa" and "read" as well}."""
         import torch
 
-        p, dev = w.p, w.device
-        sparse_tokens = w.selected / (p.batch * p.kv_heads)
-        parts: dict[str, Timing] = {}
+        dev = w.device
         if mode == "gpu":
-            total = parts["gpu"] = self._time(w.gpu, dev)
+            return {"total": self._time(w.gpu, dev)}
+        if mode == "gpu-transfer":
+            return {"transfer": self._time(w.transfer, dev), "gpu": self._time(w.gpu, dev),
+                    "total": self._time(w.gpu_transfer, dev)}
+        if mode == "cpu-dense":
+            if w.p.query == 1:
+                return self._dense_rounds(w, buf)
+            return {"total": time_host(w.cpu_dense, self.policy)}
+        if mode == "cpu-sparse":
+            return {"total": time_host(w.cpu_sparse, self.policy)}
+        from kvbench.kernels import merge
+
+        sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+        d_part, h_part = w.device_part(), w.cpu_sparse()
+        return {"gpu": self._time(w.device_part, dev),
+                "cpu": time_host(w.cpu_sparse, self.policy),
+                "merge": self._time(lambda: merge(*d_part, *h_part), dev),
+                "total": time_host(lambda: (w.hybrid(), sync()), self.policy)}
+
+    def _records(self, w, mode: str, params: dict, parts: dict[str, Timing],
+                 res: dict) -> Iterator[Record]:
+        """The records of one mode at one point from its passes' joined timings; leaves its
+        (median seconds, GB/s), and the decode bars' per-round ratios, in res."""
+        p = w.p
+        total = parts.pop("total")
+        if mode in GPU_ONLY:
             nbytes = p.kv_bytes(w.total)
-        elif mode == "gpu-transfer":
-            parts["transfer"] = self._time(w.transfer, dev)
-            parts["gpu"] = self._time(w.gpu, dev)
-            total = self._time(w.gpu_transfer, dev)
-            nbytes = p.kv_bytes(w.total)
+            parts.setdefault("gpu", total)
         elif mode == "cpu-dense":
             nbytes = p.kv_bytes(p.host_tokens)
-            if p.query == 1:
-                total = parts["cpu"] = yield from self._dense_rounds(w, params, res)
-            else:
-                total = parts["cpu"] = time_host(w.cpu_dense, self.policy)
+            sdpa, read = parts.pop("sdpa", None), parts.pop("read", None)
+            parts["cpu"] = total
+            if sdpa is not None and read is not None:
+                yield from self._read_ratios(w, params, total, sdpa, read, res)
         elif mode == "cpu-sparse":
-            total = parts["cpu"] = time_host(w.cpu_sparse, self.policy)
-            nbytes = p.kv_bytes(sparse_tokens)
+            nbytes = p.kv_bytes(w.selected / (p.batch * p.kv_heads))
+            parts["cpu"] = total
         else:
-            from kvbench.kernels import merge
-
-            sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-            parts["gpu"] = self._time(w.device_part, dev)
-            parts["cpu"] = time_host(w.cpu_sparse, self.policy)
-            d_part, h_part = w.device_part(), w.cpu_sparse()
-            parts["merge"] = self._time(lambda: merge(*d_part, *h_part), dev)
-            total = time_host(lambda: (w.hybrid(), sync()), self.policy)
-            nbytes = p.kv_bytes(p.gpu_tokens + sparse_tokens)
+            nbytes = p.kv_bytes(p.gpu_tokens + w.selected / (p.batch * p.kv_heads))
             res["merge"] = (parts["merge"].median, 0.0)
         yield from_timing("probe", self.name, total, params)
         for part, t in parts.items():
@@ -207,13 +274,16 @@ class AttentionProbe(Probe):
                        {**params, "kv_bytes": int(nbytes)}, total.method())
         res[mode] = (total.median, gbps(nbytes, total.median))
 
-    def _dense_rounds(self, w, params: dict, res: dict) -> Iterator[Record]:
-        """CPU dense decode, torch SDPA on the same tensors and a native read-only loop over as
-        many bytes as the KV (up to 256 MiB; K and V read once: decode's limit), timed in
-        interleaved rounds so each round pairs the three under the same machine load.
-        SDPA runs on as many torch threads as the kernel has. Yields the read loop's GB/s,
-        leaves the per-round ratios (SDPA time over dense time, dense GB/s over read GB/s)
-        in res and returns the dense timing."""
+    @staticmethod
+    def _read_bytes(w) -> int:
+        """Bytes the read loop reads: the KV's, up to COPY_BYTES (far past the LLC)."""
+        return int(min(w.p.kv_bytes(w.p.host_tokens), COPY_BYTES))
+
+    def _dense_rounds(self, w, buf: Any) -> dict[str, Timing]:
+        """One pass of CPU dense decode, torch SDPA on the same tensors and a native
+        read-only loop over as many bytes as the KV (K and V read once: decode's limit),
+        timed in interleaved rounds so each round pairs the three under the same machine
+        load. SDPA runs on as many torch threads as the kernel has."""
         import torch
 
         from kvbench.native import lib
@@ -226,9 +296,7 @@ class AttentionProbe(Probe):
             return run
 
         so = lib()
-        # the KV's bytes, up to COPY_BYTES (far past the LLC: a larger read runs as fast)
-        nbytes = int(min(w.p.kv_bytes(w.p.host_tokens), COPY_BYTES))
-        buf = torch.ones(nbytes, dtype=torch.uint8)
+        nbytes = self._read_bytes(w)
         torch_threads = torch.get_num_threads()
         torch.set_num_threads(w.threads)  # SDPA on as many threads as the kernel
         try:
@@ -238,6 +306,13 @@ class AttentionProbe(Probe):
                 self.policy, timer="perf_counter_ns (attention), CLOCK_MONOTONIC (read loop)")
         finally:
             torch.set_num_threads(torch_threads)
+        return {"total": dense, "sdpa": sdpa, "read": read}
+
+    def _read_ratios(self, w, params: dict, dense: Timing, sdpa: Timing, read: Timing,
+                     res: dict) -> Iterator[Record]:
+        """The read loop's GB/s record; leaves the per-round ratios (SDPA time over dense
+        time, dense GB/s over read GB/s) and their passes in res."""
+        nbytes = self._read_bytes(w)
         yield measured("probe", self.name, "host_read_gbps", "GB/s", "higher",
                        [gbps(nbytes, s) for s in read.seconds],
                        {**params, "how": "native read loop", "bytes": nbytes}, read.method())
@@ -245,18 +320,19 @@ class AttentionProbe(Probe):
         kv = w.p.kv_bytes(w.p.host_tokens)
         res["read"] = [gbps(kv, d) / gbps(nbytes, r)
                        for r, d in zip(read.seconds, dense.seconds, strict=True)]
-        return dense
+        res["blocks"] = dense.blocks
 
-    def _bars(self, w, params: dict, res: dict, host_bw: float,
+    def _bars(self, p, params: dict, res: dict, host_bw: float,
               dev_bw: float | None) -> Iterator[Record]:
         from kvbench.kernels.cpu import isa as cpu_isa
 
-        p = w.p
         # metric, direction, samples, bar, extra method fields (ratio of medians unless the
         # samples are per-round ratios of interleaved rounds)
         bars: list[tuple[str, str, list[float], str, dict[str, str]]] = []
         medians = {"statistic": "ratio of medians"}
-        paired = {"statistic": "median of per-round ratios (interleaved rounds)"}
+        paired: dict[str, Any] = {"statistic": "median of per-round ratios (interleaved rounds)"}
+        if len(res.get("blocks", ())) > 1:
+            paired["blocks"] = list(res["blocks"])
         if p.query == 1 and "cpu-dense" in res and p.kv_bytes(p.host_tokens) >= BIG_KV:
             bars.append(("bar.cpu_dense_over_host_copy", "higher",
                          [res["cpu-dense"][1] / host_bw], ">= 0.6", medians))
