@@ -173,8 +173,11 @@ def _units(recs: list[dict[str, Any]]) -> list[float]:
 def _fdr(rows: list[Row], alpha: float) -> None:
     """Benjamini-Hochberg over the rows a test judged: a change counts only when its p is
     at most the largest p_(k) <= k alpha / m (m rows with a p-value). When nothing changed
-    the chance that any of the m rows is flagged is then about alpha, not m alpha."""
-    tested = sorted((r.p_value, i) for i, r in enumerate(rows) if r.p_value is not None)
+    the chance that any of the m rows is flagged is then about alpha, not m alpha. A row
+    within the threshold enters with p = 1: its p measures a change significantly
+    *smaller* than the threshold, no evidence of one beyond it."""
+    tested = sorted((r.p_value if r.verdict != "same" else 1.0, i)
+                    for i, r in enumerate(rows) if r.p_value is not None)
     m = len(tested)
     cutoff = max((p for k, (p, _) in enumerate(tested, 1) if p <= k * alpha / m), default=-1.0)
     for r in rows:

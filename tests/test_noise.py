@@ -156,3 +156,64 @@ def test_bad_calibration_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[s
         main(["compare", str(a), str(a), "--noise", str(a)])
     assert e.value.code == 2
     assert "no quantity with 3 or more runs" in capsys.readouterr().err
+
+
+def passes(levels: list[float], metric: str = "time") -> dict:
+    """One run timed in passes: 9 tight samples at each pass's level (a drifting machine),
+    the samples' passes in method.blocks as kvbench.timing.Timing.join records them."""
+    samples = [v * (1 + 0.002 * (i - 4)) for v in levels for i in range(9)]
+    return {**measured("probe", "attention", metric, "s", "lower", samples, {},
+                       {"blocks": [9] * len(levels)}).to_dict(), "env_id": "e1"}
+
+
+def test_passes_are_the_units() -> None:
+    """A run timed in passes that drift by +-8%: one run a side 8% apart is a significant
+    regression by its pooled samples, noise by its pass medians; a doubling is beyond the
+    passes' spread and regresses."""
+    base = [100.0, 108.0, 93.0, 104.0, 96.0, 110.0, 91.0, 102.0]
+
+    def one(levels: list[float], blocks: bool = True) -> ResultSet:
+        rec = passes(levels)
+        if not blocks:
+            rec["method"] = {}
+        return ResultSet(Path("x"), envs={"e1": CPU2}, records=[rec])
+
+    slower = [v * 1.08 for v in base]
+    (row,) = compare_sets(one(base, False), one(slower, False))
+    assert (row.test, row.verdict) == ("mann-whitney", "regressed"), row
+    (row,) = compare_sets(one(base), one(slower))
+    assert (row.test, row.verdict) == ("mann-whitney passes", "noise"), row
+    (row,) = compare_sets(one(base), one([v * 2 for v in base]))
+    assert (row.test, row.verdict) == ("mann-whitney passes", "regressed"), row
+    # an inconsistent blocks list (not summing to the samples) is not trusted
+    bad = one(base)
+    bad.records[0]["method"]["blocks"] = [9, 9]
+    (row,) = compare_sets(bad, one(slower, False))
+    assert row.test == "mann-whitney", row
+
+
+def test_alpha_is_the_comparisons_level() -> None:
+    """Benjamini-Hochberg over the rows tested: a change with p = 0.003 regresses when it
+    is the only quantity, not among 40 (alpha / 40 = 0.00125), while a halving
+    (p = 1.6e-4) still does."""
+    base = [100.0, 104.0, 97.0, 102.0, 99.0, 106.0, 95.0, 101.0]
+    mild = [89.0, 92.0, 87.0, 94.0, 90.0, 86.0, 93.0, 88.0]
+
+    def rec(metric: str, samples: list[float]) -> dict:
+        return {**measured("probe", "p", metric, "GB/s", "higher", samples, {}).to_dict(),
+                "env_id": "e1"}
+
+    def files(new: dict[str, list[float]], others: int) -> tuple[ResultSet, ResultSet]:
+        names = [*new, *(f"same{i}" for i in range(others))]
+        return (ResultSet(Path("b"), envs={"e1": CPU2},
+                          records=[rec(m, base) for m in names]),
+                ResultSet(Path("n"), envs={"e1": CPU2},
+                          records=[rec(m, new.get(m, base)) for m in names]))
+
+    (row,) = compare_sets(*files({"mild": mild}, 0))
+    assert 0.05 / 40 < row.p_value < 0.05 and row.verdict == "regressed", row
+    rows = compare_sets(*files({"mild": mild, "half": [v / 2 for v in base]}, 38))
+    by = {r.metric: r for r in rows}
+    assert by["mild"].verdict == "noise" and "Benjamini-Hochberg" in by["mild"].marks[-1]
+    assert by["half"].verdict == "regressed" and by["half"].p_value < 0.05 / 40
+    assert [r.metric for r in regressed(rows)] == ["half"]

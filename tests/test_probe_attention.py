@@ -34,6 +34,11 @@ def test_attention_tiny_run(tmp_path: Path):
             assert by[("time", mode, q)]["status"] == "ok" and by[("time", mode, q)]["value"] > 0
             assert by[("kv_read_gbps", mode, q)]["value"] > 0
     assert by[("time_merge", "hybrid", 1)]["status"] == "ok"
+    # every timed quantity (the host copy's too) keeps the passes its samples came from
+    for r in recs:
+        if r["status"] == "ok" and r["unit"] in ("s", "GB/s"):
+            assert len(r["method"]["blocks"]) == 8, r
+            assert sum(r["method"]["blocks"]) == len(r["samples"]), r
     bars = {r["metric"] for r in recs if r["metric"].startswith("bar.")}
     assert {"bar.sdpa_time_over_cpu_dense_time", "bar.cpu_sparse_over_dense_gbps",
             "bar.merge_share_of_hybrid"} <= bars
@@ -69,6 +74,7 @@ def test_heatmap_from_records(tmp_path: Path):
     (["--keep", "0"], "keep fraction"),
     (["--dtype", "int8"], "--dtype 'int8': one of float32"),
     (["--modes", "cpu-dense,warp"], "unknown mode"),
+    (["--passes", "0"], "--passes must be at least 1"),
 ])
 def test_attention_bad_input(args, msg, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:

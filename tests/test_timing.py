@@ -2,7 +2,7 @@ import statistics
 
 import pytest
 
-from kvbench.timing import Policy, Stats, kernel, kernel_ns, time_host
+from kvbench.timing import Policy, Stats, Timing, kernel, kernel_ns, time_host
 
 
 def test_stats_match_definitions() -> None:
@@ -118,3 +118,12 @@ def test_step_dispatch_is_wall_less_kernels_waits_and_carried_blocks() -> None:
     gpu.step_begin()
     gpu.step_end(0.1)
     assert not gpu.graph.tasks  # CUDA issues asynchronously: no dispatch task
+
+
+def test_join_keeps_the_passes() -> None:
+    a = Timing((1.0, 2.0), "perf_counter_ns", 1)
+    b = Timing((3.0,), "perf_counter_ns", 1)
+    j = Timing.join([a, b, a])
+    assert j.seconds == (1.0, 2.0, 3.0, 1.0, 2.0) and j.blocks == (2, 1, 2)
+    assert j.method()["blocks"] == [2, 1, 2] and j.method()["reps"] == 5
+    assert "blocks" not in Timing.join([a]).method()

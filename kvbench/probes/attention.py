@@ -30,6 +30,7 @@ MODES = ("gpu", "gpu-transfer", "cpu-dense", "cpu-sparse", "hybrid")
 GPU_ONLY = ("gpu", "gpu-transfer")
 BIG_KV = 64 << 20  # the CPU dense bar applies from 64 MiB of KV
 COPY_BYTES = 256 << 20
+DEVICE_COPY_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -96,18 +97,17 @@ def _groups(points: list, cuda: bool) -> list[list]:
     a group of its own."""
     import psutil
 
-    host_free = psutil.virtual_memory().available // 4
-    dev_free = 0
+    host_free, dev_free = psutil.virtual_memory().available / 4, float("inf")
     if cuda:
         import torch
 
-        dev_free = torch.cuda.mem_get_info()[0] // 4
+        dev_free = torch.cuda.mem_get_info()[0] / 4
     groups: list[list] = []
     used = (0.0, 0.0)
     for p in points:
         total = p.kv_bytes(p.host_tokens + p.gpu_tokens)
         need = (p.kv_bytes(p.host_tokens) + (0 if cuda else total), total if cuda else 0)
-        if groups and used[0] + need[0] <= host_free and used[1] + need[1] <= dev_free + 1:
+        if groups and used[0] + need[0] <= host_free and used[1] + need[1] <= dev_free:
             groups[-1].append(p)
             used = (used[0] + need[0], used[1] + need[1])
         else:
@@ -145,20 +145,18 @@ class AttentionProbe(Probe):
         n = config.passes
         self.policy = Policy(warmup=1, min_reps=3 if n == 1 else 2, min_time_s=config.min_time / n,
                              max_reps=max(2, 50 // n), max_time_s=max(3.0, 4 * config.min_time) / n)
-        dev_bw = yield from self._device_copy(cuda)
-        src = torch.ones(COPY_BYTES, dtype=torch.uint8)  # host copy source, read loop buffer
-        dst = torch.empty_like(src)
+        bufs = self._copy_buffers(cuda)  # bufs[0]: also the read loop's buffer
         copies: dict[str, list[Timing]] = {}
         derived: list[tuple[Any, dict[str, Any], dict[str, Any]]] = []
         for group in _groups(points, cuda):
             work = [Workload(p, config.keep, threads, cuda) for p in group]
             got: list[dict[tuple[str, str], list[Timing]]] = [{} for _ in work]
             for r in range(n):
-                for how, t in self._host_copy(src, dst, threads).items():
+                for how, t in self._copies(bufs, threads).items():
                     copies.setdefault(how, []).append(t)
                 for i in range(len(work)) if r % 2 == 0 else reversed(range(len(work))):
                     for mode in timed:
-                        for part, t in self._measure(work[i], mode, src).items():
+                        for part, t in self._measure(work[i], mode, bufs[0]).items():
                             got[i].setdefault((mode, part), []).append(t)
             for w, parts in zip(work, got, strict=True):
                 params = {**w.p.params(), "keep": config.keep, "threads": threads,
@@ -174,50 +172,59 @@ class AttentionProbe(Probe):
                                            "no CUDA GPU on this machine", {**params, "mode": mode})
                 derived.append((w.p, params, res))
             del work
-        host_bw = yield from self._copy_records(copies, threads)
+        if not cuda:
+            yield not_measured("probe", self.name, "device_copy_gbps", "waived",
+                               "no CUDA GPU on this machine")
+        host_bw, dev_bw = yield from self._copy_records(copies, threads)
         for p, params, res in derived:
             yield from self._bars(p, params, res, host_bw, dev_bw)
 
     def _time(self, fn: Callable[[], object], device: str) -> Timing:
         return time_cuda(fn, self.policy) if device == "cuda" else time_host(fn, self.policy)
 
-    def _host_copy(self, src: Any, dst: Any, threads: int) -> dict[str, Timing]:
-        """One pass of the host copy (bytes copied once per copy): native memcpy on
-        `threads` threads and torch's copy_, the stronger being the bar's reference."""
+    @staticmethod
+    def _copy_buffers(cuda: bool) -> tuple[Any, ...]:
+        """(host source, host destination[, device source, device destination])."""
+        import torch
+
+        src = torch.ones(COPY_BYTES, dtype=torch.uint8)
+        if not cuda:
+            return src, torch.empty_like(src)
+        dev = torch.ones(DEVICE_COPY_BYTES, dtype=torch.uint8, device="cuda")
+        return src, torch.empty_like(src), dev, torch.empty_like(dev)
+
+    def _copies(self, bufs: tuple[Any, ...], threads: int) -> dict[str, Timing]:
+        """One pass of the copies the bars divide by (bytes copied once per copy): host copy
+        by native memcpy on `threads` threads and by torch's copy_ (the stronger is the CPU
+        bars' reference); device-to-device with CUDA."""
         from kvbench.native import lib
 
-        so = lib()
-        return {"native memcpy threads": time_native(lambda: so.kvb_memcpy_threads(
-                    dst.data_ptr(), src.data_ptr(), COPY_BYTES, 1, threads) * 1e-9, self.policy),
-                "torch copy_": time_host(lambda: dst.copy_(src), self.policy)}
+        so, (src, dst) = lib(), bufs[:2]
+        out = {"native memcpy threads": time_native(lambda: so.kvb_memcpy_threads(
+                   dst.data_ptr(), src.data_ptr(), COPY_BYTES, 1, threads) * 1e-9, self.policy),
+               "torch copy_": time_host(lambda: dst.copy_(src), self.policy)}
+        if len(bufs) == 4:
+            out["device"] = time_cuda(lambda: bufs[3].copy_(bufs[2]), self.policy)
+        return out
 
     def _copy_records(self, copies: dict[str, list[Timing]], threads: int
                       ) -> Iterator[Record]:
-        best = 0.0
+        """The copies' records over all passes; returns (best host GB/s, device GB/s)."""
+        host, dev = 0.0, None
         for how, passes in copies.items():
             t = Timing.join(passes)
-            rec = measured("probe", self.name, "host_copy_gbps", "GB/s", "higher",
-                           [gbps(COPY_BYTES, s) for s in t.seconds],
-                           {"how": how, "bytes": COPY_BYTES, "threads": threads}, t.method())
-            best = max(best, rec.value or 0.0)
+            if how == "device":
+                rec = measured("probe", self.name, "device_copy_gbps", "GB/s", "higher",
+                               [gbps(DEVICE_COPY_BYTES, s) for s in t.seconds],
+                               {"bytes": DEVICE_COPY_BYTES}, t.method())
+                dev = rec.value
+            else:
+                rec = measured("probe", self.name, "host_copy_gbps", "GB/s", "higher",
+                               [gbps(COPY_BYTES, s) for s in t.seconds],
+                               {"how": how, "bytes": COPY_BYTES, "threads": threads}, t.method())
+                host = max(host, rec.value or 0.0)
             yield rec
-        return best
-
-    def _device_copy(self, cuda: bool) -> Iterator[Record]:
-        if not cuda:
-            yield not_measured("probe", self.name, "device_copy_gbps", "waived",
-                               "no CUDA GPU on this machine")
-            return None
-        import torch
-
-        n = 1 << 30
-        src = torch.ones(n, dtype=torch.uint8, device="cuda")
-        dst = torch.empty_like(src)
-        t = time_cuda(lambda: dst.copy_(src), self.policy)
-        rec = measured("probe", self.name, "device_copy_gbps", "GB/s", "higher",
-                       [gbps(n, s) for s in t.seconds], {"bytes": n}, t.method())
-        yield rec
-        return rec.value
+        return host, dev
 
     def _measure(self, w, mode: str, buf: Any) -> dict[str, Timing]:
         """One pass of `mode` at one point: {"total": the step, and its parts ("transfer",
@@ -360,82 +367,10 @@ class AttentionProbe(Probe):
 
     @classmethod
     def plot(cls, records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
-        """Fig. 10 (hybrid speedup over gpu-transfer vs tokens on GPU/host) and Fig. 11
-        (stacked time breakdown per mode at the smallest GPU window), where data exist."""
-        ok = [r for r in records if r.get("name") == cls.name and r["status"] == "ok"
-              and r["metric"].startswith("time")]
-        return [p for p in (_heatmap(ok, out_dir), _breakdown(ok, out_dir)) if p]
+        """Figs. 10 and 11 where data exist (kvbench.probes._attention_plots)."""
+        from kvbench.probes._attention_plots import plot
 
-
-_SHAPE = ("batch", "heads", "kv_heads", "head_dim", "query", "dtype")
-
-
-def _panel(r: dict[str, Any]) -> str:
-    return " ".join(f"{k}={r['params'][k]}" for k in _SHAPE)
-
-
-def _heatmap(recs: list[dict[str, Any]], out_dir: Path) -> Path | None:
-    from kvbench.plots import pyplot, save
-
-    times: dict[tuple[str, int, int, str], float] = {}
-    for r in recs:
-        if r["metric"] == "time" and r["params"]["mode"] in ("hybrid", "gpu-transfer"):
-            pr = r["params"]
-            times[(_panel(r), pr["gpu_tokens"], pr["host_tokens"], pr["mode"])] = r["value"]
-    cells = {k[:3]: times[(*k[:3], "gpu-transfer")] / v for k, v in times.items()
-             if k[3] == "hybrid" and (*k[:3], "gpu-transfer") in times}
-    if not cells:
-        return None
-    panels = sorted({k[0] for k in cells})
-    plt = pyplot()
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
-    for ax, panel in zip(axes[0], panels, strict=True):
-        gs = sorted({k[1] for k in cells if k[0] == panel})
-        hs = sorted({k[2] for k in cells if k[0] == panel})
-        grid_ = [[cells.get((panel, g, h), float("nan")) for h in hs] for g in gs]
-        im = ax.imshow(grid_, origin="lower", cmap="coolwarm", aspect="auto")
-        for i, row in enumerate(grid_):
-            for j, val in enumerate(row):
-                ax.text(j, i, f"{val:.2f}", ha="center", va="center", fontsize=8)
-        ax.set_xticks(range(len(hs)), [str(h) for h in hs])
-        ax.set_yticks(range(len(gs)), [str(g) for g in gs])
-        ax.set_xlabel("KV tokens on host")
-        ax.set_ylabel("KV tokens on GPU")
-        ax.set_title(panel, fontsize=8)
-        fig.colorbar(im, ax=ax, label="hybrid speedup over gpu-transfer")
-    return save(fig, out_dir / "attention-fig10-hybrid-speedup.png")
-
-
-def _breakdown(recs: list[dict[str, Any]], out_dir: Path) -> Path | None:
-    from kvbench.plots import pyplot, save
-
-    parts = [r for r in recs if r["metric"].startswith("time_")]
-    if not parts:
-        return None
-    panel = _panel(parts[0])
-    window = min(r["params"]["gpu_tokens"] for r in parts if _panel(r) == panel)
-    bars: dict[tuple[int, str], dict[str, float]] = {}
-    for r in parts:
-        if _panel(r) == panel and r["params"]["gpu_tokens"] == window:
-            key = (r["params"]["host_tokens"], r["params"]["mode"])
-            bars.setdefault(key, {})[r["metric"][5:]] = r["value"]
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(bars)), 4))
-    colours = {"transfer": "tab:red", "gpu": "tab:green", "cpu": "tab:blue", "merge": "tab:orange"}
-    labels = []
-    for x, (key, comp) in enumerate(sorted(bars.items())):
-        bottom = 0.0
-        for name, colour in colours.items():
-            if name in comp:
-                ax.bar(x, comp[name] * 1e3, bottom=bottom, color=colour,
-                       label=name if name not in ax.get_legend_handles_labels()[1] else None)
-                bottom += comp[name] * 1e3
-        labels.append(f"{key[1]}\nhost={key[0]}")
-    ax.set_xticks(range(len(labels)), labels, fontsize=7, rotation=45, ha="right")
-    ax.set_ylabel("time per step (ms; parts timed alone)")
-    ax.set_title(f"{panel} gpu_tokens={window}", fontsize=8)
-    ax.legend()
-    return save(fig, out_dir / "attention-fig11-breakdown.png")
+        return plot([r for r in records if r.get("name") == cls.name], out_dir)
 
 
 def _cli(cfg: AttentionConfig, out: Path | None) -> None:
