@@ -35,9 +35,17 @@ class Policy:
             return True
         return reps >= self.min_reps and elapsed_s >= self.min_time_s
 
+    def share(self, passes: int) -> Policy:
+        """One pass's share of this policy when a quantity is timed in `passes` passes:
+        times divided among them, repetitions too (rounded up: at least one a pass)."""
+        least = max(1, -(-self.min_reps // passes))
+        return Policy(self.warmup, least, self.min_time_s / passes,
+                      max(least, self.max_reps // passes), self.max_time_s / passes)
+
 
 QUICK = Policy(warmup=1, min_reps=3, min_time_s=0.0, max_reps=50, max_time_s=2.0)
 DEFAULT = Policy()
+PASSES = 8  # passes (or slices of rounds) a probe spreads each quantity's samples over
 
 
 @dataclass(frozen=True)
@@ -195,13 +203,31 @@ def time_native(fn: Callable[[], float], policy: Policy = DEFAULT,
     return Timing(tuple(samples), timer, policy.warmup)
 
 
+def time_passes(measures: Sequence[Callable[[Policy], Timing]], policy: Policy = DEFAULT,
+                passes: int = PASSES) -> list[Timing]:
+    """Time several quantities in `passes` passes: a pass calls every measure(p) with its
+    share of the policy (Policy.share), in list order on even passes and reversed on odd
+    ones, so the samples of each quantity are spread over the whole measurement and a
+    machine whose speed drifts over seconds reaches every quantity alike. Returns each
+    quantity's samples joined, with its passes as blocks (Timing.join)."""
+    share = policy.share(passes)
+    got: list[list[Timing]] = [[] for _ in measures]
+    order = list(range(len(measures)))
+    for r in range(passes):
+        for i in order if r % 2 == 0 else order[::-1]:
+            got[i].append(measures[i](share))
+    return [Timing.join(g) for g in got]
+
+
 def time_rounds(fns: Sequence[Callable[[], float]], policy: Policy = DEFAULT,
-                timer: str = "CLOCK_MONOTONIC (native)") -> list[Timing]:
+                timer: str = "CLOCK_MONOTONIC (native)", slices: int = 1) -> list[Timing]:
     """Time several self-timed quantities (each fn as in time_native) in interleaved rounds:
     a round takes one sample of every fn, in list order on even rounds and reversed on odd
     ones, so slow drift of the machine reaches every quantity alike and no quantity always
     follows the same neighbour. `policy.warmup` untimed rounds first; rounds go on until
-    policy.done(rounds, elapsed / len(fns)), so the policy's times are per quantity."""
+    policy.done(rounds, elapsed / len(fns)), so the policy's times are per quantity.
+    `slices` > 1 cuts the rounds into that many consecutive runs of rounds, recorded as the
+    timings' blocks (Timing.join): slices of time in which every quantity was sampled."""
     if not fns:
         return []
     order = list(range(len(fns)))
@@ -215,7 +241,9 @@ def time_rounds(fns: Sequence[Callable[[], float]], policy: Policy = DEFAULT,
         for i in order if rounds % 2 == 0 else order[::-1]:
             samples[i].append(fns[i]())
         rounds += 1
-    return [Timing(tuple(s), timer, policy.warmup) for s in samples]
+    k = min(slices, rounds)
+    blocks = tuple(rounds * (j + 1) // k - rounds * j // k for j in range(k)) if k > 1 else ()
+    return [Timing(tuple(s), timer, policy.warmup, blocks) for s in samples]
 
 
 def time_cuda(

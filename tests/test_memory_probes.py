@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import statistics
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -201,7 +202,11 @@ def test_bandwidth_memcpy_bar_record(tmp_path: Path) -> None:
 
 
 def test_pointer_chase_plausible() -> None:
-    rec = LatencyProbe()._chase(0, 8 << 20, QUICK, "/")
+    with ExitStack() as stack:
+        got = LatencyProbe()._chase(0, 8 << 20, "/", stack)
+        assert isinstance(got, tuple), got
+        measure, record = got
+        rec = record(measure(QUICK))
     assert rec.status == "ok" and rec.unit == "ns"
     assert 0.3 < rec.value < 10_000  # an L1 hit to a very slow remote miss
 
@@ -218,6 +223,9 @@ def test_latency_cli_small(tmp_path: Path) -> None:
     assert all(r["value"] > 0 and r["unit"] == "us" for r in lat)
     assert lat[1]["value"] > lat[0]["value"]  # 4 KiB costs more than one byte
     assert [r["params"]["node"] for r in recs if r["metric"] == "load_latency"] == ["host:0"]
+    # the chase and the copies were timed together, their samples spread over 8 passes
+    for r in (r for r in recs if r["metric"] in ("copy_latency", "load_latency")):
+        assert len(r["method"]["blocks"]) == 8 and sum(r["method"]["blocks"]) == len(r["samples"])
     assert (tmp_path / "lat" / "latency.png").is_file()
 
 

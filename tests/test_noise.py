@@ -115,10 +115,22 @@ BANDWIDTH = ["probe", "bandwidth", "--src", "host:0", "--dst", "host:0", "--size
              "--no-bars"]
 
 
+def scaled(src: Path, dst: Path, factor: float) -> Path:
+    """A copy of result file src with every GB/s value and sample multiplied by factor."""
+    lines = [json.loads(x) for x in src.read_text().splitlines()]
+    for rec in lines:
+        if rec.get("unit") == "GB/s" and rec.get("value") is not None:
+            rec["value"] *= factor
+            rec["samples"] = [s * factor for s in rec["samples"]]
+    dst.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return dst
+
+
 def test_real_runs_with_calibration(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Real runs: six unchanged runs appended to one file calibrate; a seventh and eighth
-    compare clean against each other with it, and the eighth with its GB/s halved regresses
-    in exactly the quantities whose calibrated noise is below a halving (at least one)."""
+    compare clean against each other with it; the eighth with its GB/s halved regresses in
+    exactly the quantities whose calibrated noise is below a halving (none on a machine
+    whose runs spread more than that), and with its GB/s divided by ten it exits 1."""
     cal, a, b = tmp_path / "cal.jsonl", tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     for out in [cal] * 6 + [a, b]:
         with pytest.raises(SystemExit) as e:
@@ -130,20 +142,17 @@ def test_real_runs_with_calibration(tmp_path: Path, capsys: pytest.CaptureFixtur
     out = json.loads(capsys.readouterr().out)
     assert e.value.code == 0, [r for r in out["rows"] if r["verdict"] == "regressed"]
     assert any(r["noise"] is not None for r in out["rows"])
-    lines = [json.loads(x) for x in b.read_text().splitlines()]
-    for rec in lines:
-        if rec.get("unit") == "GB/s" and rec.get("value") is not None:
-            rec["value"] /= 2
-            rec["samples"] = [s / 2 for s in rec["samples"]]
-    halved = tmp_path / "halved.jsonl"
-    halved.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    halved = scaled(b, tmp_path / "halved.jsonl", 0.5)
     rows = compare_sets(load(b), load(halved), noise=spreads(load(cal)))
     catchable = {(r.metric, str(r.params)) for r in rows if r.unit == "GB/s" and r.noise is not None
                  and r.noise < 1.0}
-    assert catchable, [(r.metric, r.noise) for r in rows]
     assert {(r.metric, str(r.params)) for r in regressed(rows)} == catchable
     with pytest.raises(SystemExit) as e:
         main(["compare", str(b), str(halved), "--noise", str(cal)])
+    assert e.value.code == (1 if catchable else 0)
+    with pytest.raises(SystemExit) as e:
+        main(["compare", str(b), str(scaled(b, tmp_path / "tenth.jsonl", 0.1)), "--noise",
+              str(cal)])
     assert e.value.code == 1
 
 

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
 from kvbench.registry import Registry, first_line
 from kvbench.schema import Record
+from kvbench.timing import PASSES, Policy, Timing, time_passes
+
+Measure = Callable[[Policy], Timing]  # measure(policy): one quantity's timing under policy
 
 
 class Probe(ABC):
@@ -44,6 +47,16 @@ class Probe(ABC):
 
 
 PROBES: Registry[type[Probe]] = Registry("probe", __name__)
+
+
+def in_passes(todo: Sequence[tuple[Measure, Callable[[Timing], Record]]], policy: Policy,
+              passes: int = PASSES) -> Iterator[Record]:
+    """The records of quantities timed together in passes (kvbench.timing.time_passes):
+    `todo` holds each quantity's measure and the function that makes its record from its
+    samples joined over the passes."""
+    timings = time_passes([m for m, _ in todo], policy, passes) if todo else []
+    for (_, record), t in zip(todo, timings, strict=True):
+        yield record(t)
 
 
 def measure(probe: Probe, config: Any) -> Iterator[Record]:

@@ -27,7 +27,7 @@ from kvbench.errors import KvbenchError
 from kvbench.memory import Endpoint, HostBuffer, endpoints, gpu_count, llc_bytes, runner_cpus
 from kvbench.probes._gpu_copy import GpuCopier
 from kvbench.schema import ParamValue, Record, not_measured
-from kvbench.timing import Policy, Timing, time_native, time_rounds
+from kvbench.timing import PASSES, Policy, Timing, time_native, time_rounds
 from kvbench.units import parse_sizes
 
 MEMORY_KINDS = ("pageable", "pinned")
@@ -126,10 +126,12 @@ def copies_per_sample(sample: Callable[[int], float]) -> int:
     return iters
 
 
-def calibrated(sample: Callable[[int], float], policy: Policy) -> Timing:
-    """Time sample(iters) -> seconds per copy with iters chosen so one sample lasts SAMPLE_S."""
+def calibrated(sample: Callable[[int], float]) -> Callable[[Policy], Timing]:
+    """measure(policy): time sample(iters) -> seconds per copy under policy, with iters
+    chosen once, here, so that one sample lasts SAMPLE_S (a quantity timed in passes,
+    kvbench.timing.time_passes, keeps one calibration)."""
     iters = copies_per_sample(sample)
-    return time_native(lambda: sample(iters), policy)
+    return lambda policy: time_native(lambda: sample(iters), policy)
 
 
 @functools.lru_cache(maxsize=1)
@@ -230,19 +232,21 @@ class HostCopier:
 
     def sweep(self, sizes: Sequence[int], policy: Policy) -> dict[int, tuple[Timing, int]]:
         """size -> (seconds per copy, copies per sample), every size sampled in interleaved
-        rounds (time_rounds), each sample aggregating copies to last about SAMPLE_S."""
+        rounds (time_rounds, in PASSES slices of the sweep: the timings' blocks), each
+        sample aggregating copies to last about SAMPLE_S."""
         samplers = [self.sampler(s) for s in sizes]
         iters = [copies_per_sample(f) for f in samplers]
         timings = time_rounds([functools.partial(f, n) for f, n in zip(samplers, iters,
-                                                                         strict=True)], policy)
+                                                                         strict=True)], policy,
+                              slices=PASSES)
         return {s: (t, n) for s, t, n in zip(sizes, timings, iters, strict=True)}
 
-    def timing(self, size: int, policy: Policy, latency: bool = False) -> Timing:
-        """Seconds per copy of `size` bytes (per route, all routes at once). latency=True
-        uses one thread, fences after every copy and visits line-aligned windows in a
-        scattered order, so copies neither overlap nor find their lines cached: the cost of
-        one isolated small copy rather than a streaming rate."""
-        return calibrated(self.sampler(size, latency), policy)
+    def measure(self, size: int, latency: bool = False) -> Callable[[Policy], Timing]:
+        """measure(policy): seconds per copy of `size` bytes (per route, all routes at once).
+        latency=True uses one thread, fences after every copy and visits line-aligned
+        windows in a scattered order, so copies neither overlap nor find their lines cached:
+        the cost of one isolated small copy rather than a streaming rate."""
+        return calibrated(self.sampler(size, latency))
 
     def sampler(self, size: int, latency: bool = False) -> Callable[[int], float]:
         """sample(iters) -> seconds per copy, measured natively over iters copies."""

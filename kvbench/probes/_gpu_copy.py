@@ -9,7 +9,7 @@ torch is imported on construction only, so `kvbench list` stays fast.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvbench.memory import Endpoint, HostBuffer
@@ -87,6 +87,10 @@ class GpuCopier:
                 return time_host(once, policy)
             return time_cuda(lambda: self._copy(size), policy,
                              before=lambda: torch.cuda._sleep(_SLEEP_CYCLES))
+
+    def measure(self, size: int, latency: bool = False) -> Callable[[Policy], Timing]:
+        """measure(policy) = timing(size, policy, latency), as HostCopier.measure."""
+        return lambda policy: self.timing(size, policy, latency)
 
     def sweep(self, sizes: Sequence[int], policy: Policy) -> dict[int, tuple[Timing, int]]:
         """size -> (seconds per copy, 1 copy per sample), one size after another."""

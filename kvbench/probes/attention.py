@@ -23,7 +23,7 @@ from kvbench.errors import KvbenchError, require
 from kvbench.options import check_ranges, config_command, opt
 from kvbench.probes import PROBES, Probe, run_and_store
 from kvbench.schema import Record, from_timing, measured, not_measured
-from kvbench.timing import Policy, Timing, time_cuda, time_host, time_native, time_rounds
+from kvbench.timing import PASSES, Policy, Timing, time_cuda, time_host, time_native, time_rounds
 from kvbench.units import gbps, parse_sizes
 
 MODES = ("gpu", "gpu-transfer", "cpu-dense", "cpu-sparse", "hybrid")
@@ -49,8 +49,8 @@ class AttentionConfig:
     modes: str = opt("all", f"Modes: all or a list of {', '.join(MODES)}.")
     threads: int = opt(0, "CPU threads (0: every CPU available).", min=0)
     min_time: float = opt(0.2, "Seconds to time each quantity at least (over all passes).")
-    passes: int = opt(8, "Passes over the grid; each quantity's time is split among them.",
-                      min=1)
+    passes: int = opt(PASSES, "Passes over the grid; each quantity's time is split among "
+                      "them.", min=1)
 
     def __post_init__(self) -> None:
         check_ranges(self)
@@ -143,8 +143,8 @@ class AttentionProbe(Probe):
         timed = [m for m in chosen if cuda or m not in GPU_ONLY]
         threads = config.threads or default_threads()
         n = config.passes
-        self.policy = Policy(warmup=1, min_reps=3 if n == 1 else 2, min_time_s=config.min_time / n,
-                             max_reps=max(2, 50 // n), max_time_s=max(3.0, 4 * config.min_time) / n)
+        self.policy = Policy(warmup=1, min_reps=max(3, 2 * n), min_time_s=config.min_time,
+                             max_reps=50, max_time_s=max(3.0, 4 * config.min_time)).share(n)
         bufs = self._copy_buffers(cuda)  # bufs[0]: also the read loop's buffer
         copies: dict[str, list[Timing]] = {}
         derived: list[tuple[Any, dict[str, Any], dict[str, Any]]] = []

@@ -13,18 +13,19 @@ section 3.1; issue 3).
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvbench.memory import Endpoint, HostBuffer, llc_bytes, runner_cpus, runner_node
 from kvbench.options import config_command, opt
-from kvbench.probes import PROBES, Probe
+from kvbench.probes import PROBES, Measure, Probe, in_passes
 from kvbench.probes._copy import calibrated, make_plan, open_copier
 from kvbench.probes.bandwidth import CopyPairs, series
 from kvbench.schema import Record, measured, not_measured
-from kvbench.timing import DEFAULT, QUICK, Policy
+from kvbench.timing import DEFAULT, QUICK, Timing
 from kvbench.units import format_size, parse_size
 
 DEFAULT_SIZES = "1..64K"
@@ -56,55 +57,74 @@ class LatencyProbe(Probe):
     config = LatencyConfig
 
     def run(self, config: LatencyConfig) -> Iterator[Record]:
+        """Each pair and memory kind's sizes timed together in passes (time_passes), the
+        first with every node's pointer chase among them."""
         plan = make_plan(config.src, config.dst, config.sizes, config.memory, config.root)
         policy = QUICK if config.quick else DEFAULT
         nodes = sorted({e.index for p in plan.pairs for e in (p.src, p.dst) if e.kind == "host"})
-        for node in nodes:
-            yield self._chase(node, chase_bytes(config), policy, config.root)
         yield from plan.waived(self.name, "copy_latency", {})
-        for pair in plan.pairs:
-            for kind in plan.kinds_of(pair):
-                params = {"src": str(pair.src), "dst": str(pair.dst),
-                          "direction": pair.direction, "memory": kind}
-                copier = open_copier(pair, kind, plan.sizes[-1], 1, False, config.root)
-                try:
-                    for size in plan.sizes:
-                        t = copier.timing(size, policy, latency=True)
-                        method = {**t.method(), "placement": copier.placement,
-                                  "per": "one isolated copy" if pair.direction == "h2h"
-                                  else "enqueue to completion (stream synchronize)"}
-                        yield measured("probe", self.name, "copy_latency", "us", "lower",
-                                       [x * 1e6 for x in t.seconds], {**params, "size": size},
-                                       method)
-                finally:
-                    copier.close()
+        with ExitStack() as stack:
+            todo: list[tuple[Measure, Callable[[Timing], Record]]] = []
+            for node in nodes:
+                got = self._chase(node, chase_bytes(config), config.root, stack)
+                if isinstance(got, Record):
+                    yield got
+                else:
+                    todo.append(got)
+            for pair in plan.pairs:
+                for kind in plan.kinds_of(pair):
+                    copier = open_copier(pair, kind, plan.sizes[-1], 1, False, config.root)
+                    try:
+                        params = {"src": str(pair.src), "dst": str(pair.dst),
+                                  "direction": pair.direction, "memory": kind}
+                        per = ("one isolated copy" if pair.direction == "h2h"
+                               else "enqueue to completion (stream synchronize)")
+                        todo += [(copier.measure(size, latency=True),
+                                  self._copy_record({**params, "size": size}, copier.placement,
+                                                    per)) for size in plan.sizes]
+                        yield from in_passes(todo, policy)
+                    finally:
+                        copier.close()
+                    todo = []
+            yield from in_passes(todo, policy)
 
-    def _chase(self, node: int, size: int, policy: Policy, root: str) -> Record:
-        """Pointer chase over size bytes on node, from a CPU of its runner node."""
+    def _copy_record(self, params: dict[str, Any], placement: str, per: str
+                     ) -> Callable[[Timing], Record]:
+        def record(t: Timing) -> Record:
+            return measured("probe", self.name, "copy_latency", "us", "lower",
+                            [x * 1e6 for x in t.seconds], params,
+                            {**t.method(), "placement": placement, "per": per})
+        return record
+
+    def _chase(self, node: int, size: int, root: str, stack: ExitStack
+               ) -> Record | tuple[Measure, Callable[[Timing], Record]]:
+        """Pointer chase over size bytes on node, from a CPU of its runner node: (measure,
+        record maker), or an error record. The buffer lives as long as `stack`."""
         from kvbench.native import lib
 
         so = lib()
         cpus = runner_cpus(node, root)
         cpu = cpus[0] if cpus else -1
         params = {"node": str(Endpoint("host", node)), "size": size}
-        with HostBuffer(node, size, hugepages=True) as buf:
-            if so.kvb_chase_build(buf.ptr, size // LINE, LINE, 0x9E3779B97F4A7C15) != 0:
-                return not_measured("probe", self.name, "load_latency", "error",
-                                    "out of memory building the chase", params)
-            cursor = ctypes.c_void_p(buf.ptr)
+        buf = stack.enter_context(HostBuffer(node, size, hugepages=True))
+        if so.kvb_chase_build(buf.ptr, size // LINE, LINE, 0x9E3779B97F4A7C15) != 0:
+            return not_measured("probe", self.name, "load_latency", "error",
+                                "out of memory building the chase", params)
+        cursor = ctypes.c_void_p(buf.ptr)
 
-            def sample(iters: int) -> float:
-                loads = (max(iters, 64) + 7) // 8 * 8  # the C loop does 8 per step
-                return so.kvb_chase(ctypes.byref(cursor), loads, cpu) * 1e-9 / loads
+        def sample(iters: int) -> float:
+            loads = (max(iters, 64) + 7) // 8 * 8  # the C loop does 8 per step
+            return so.kvb_chase(ctypes.byref(cursor), loads, cpu) * 1e-9 / loads
 
-            t = calibrated(sample, policy)
-            placement = buf.placement
-        return measured("probe", self.name, "load_latency", "ns", "lower",
-                        [x * 1e9 for x in t.seconds], params,
-                        {**t.method(), "placement": placement, "cpu": cpu,
-                         "runner_node": runner_node(node, root).id,
-                         "per": "dependent load over a random cyclic permutation of "
-                                f"{LINE}-byte lines (transparent huge pages advised)"})
+        method = {"placement": buf.placement, "cpu": cpu,
+                  "runner_node": runner_node(node, root).id,
+                  "per": "dependent load over a random cyclic permutation of "
+                         f"{LINE}-byte lines (transparent huge pages advised)"}
+
+        def record(t: Timing) -> Record:
+            return measured("probe", self.name, "load_latency", "ns", "lower",
+                            [x * 1e9 for x in t.seconds], params, {**t.method(), **method})
+        return calibrated(sample), record
 
     @classmethod
     def plot(cls, records: list[dict[str, Any]], out_dir: Path) -> list[Path]:

@@ -13,7 +13,7 @@ stream at (kvbench.hwmodel reads it for `this`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,10 +21,9 @@ from typing import Any
 
 from kvbench.errors import require
 from kvbench.options import check_ranges, config_command, opt
-from kvbench.probes import PROBES, Probe, run_and_store
+from kvbench.probes import PROBES, Measure, Probe, in_passes, run_and_store
 from kvbench.schema import Record, measured
-from kvbench.timing import Policy, time_cuda, time_host
-from kvbench.units import gbps
+from kvbench.timing import Policy, Timing, time_cuda, time_host
 
 LINEAR_BYTES = 256 << 20  # weights streamed per linear point: beyond any cache
 STAGES = {"prefill": None, "append": 32, "decode": 1}  # query length (None: = tokens)
@@ -85,7 +84,6 @@ class RooflineProbe(Probe):
     def run(self, config: RooflineConfig) -> Iterator[Record]:
         import torch
 
-        from kvbench.kernels import dense_attention
         from kvbench.kernels.workload import torch_dtype
 
         label, heads, kv_heads, head_dim = shapes(config)
@@ -107,48 +105,61 @@ class RooflineProbe(Probe):
             rec.provenance = "projected"
             yield rec
         for dev in devices:
-            dt = dts[dev]
-
-            def timed(fn, dev=dev):
-                return time_cuda(fn, policy) if dev.startswith("cuda") else time_host(fn, policy)
-
             with torch.cuda.device(dev) if dev.startswith("cuda") else nullcontext():
-                n = config.matmul
-                a = torch.randn(n, n, device=dev).to(dt)
-                t = timed(lambda a=a: torch.mm(a, a))
-                yield measured("probe", self.name, "peak_flops", "TFLOP/s", "higher",
-                               [2 * n**3 / s / 1e12 for s in t.seconds],
-                               {"device": dev, "dtype": config.dtype, "n": n}, t.method())
-                size = 256 << 20
-                src = torch.ones(size, dtype=torch.uint8, device=dev)
-                dst = torch.empty_like(src)
-                t = timed(lambda s=src, d=dst: d.copy_(s))
-                yield measured("probe", self.name, "memory_gbps", "GB/s", "higher",
-                               [gbps(2 * size, s) for s in t.seconds],
-                               {"device": dev, "bytes": size, "how": "torch copy_, read+write"},
-                               t.method())
-                del a, src, dst
-                yield from self._linear(config, dev, dt, timed)
-                gen = torch.Generator().manual_seed(0)
-                k = torch.randn(config.batch, kv_heads, config.tokens, head_dim, generator=gen)
-                k, v = k.to(dev, dt), k.flip(2).to(dev, dt)
-                for stage, q in STAGES.items():
-                    lq = q or config.tokens
-                    qt = torch.randn(config.batch, heads, lq, head_dim).to(dev, dt)
-                    flops, nbytes = intensity(lq, config.tokens, config.batch, heads, kv_heads,
-                                              head_dim, elem)
-                    t = timed(lambda qt=qt, k=k, v=v: dense_attention(qt, k, v))
-                    yield measured("probe", self.name, "attention_tflops", "TFLOP/s", "higher",
-                                   [flops / s / 1e12 for s in t.seconds],
-                                   {**base, "stage": stage, "device": dev,
-                                    "intensity": round(flops / nbytes, 4)}, t.method())
+                yield from in_passes(self._points(config, dev, dts[dev], base, elem), policy)
 
-    def _linear(self, config: RooflineConfig, dev: str, dt: Any, timed: Any
-                ) -> Iterator[Record]:
-        """Weight GB/s of the model's MLP up-projection shape [ffn, hidden] (a decoder
-        `Linear`, packed for the rows as a run packs it), cycled over enough copies to
-        stream LINEAR_BYTES per pass as a decode step streams its layers (a single matrix
-        would sit in the caches); at each --linear-rows."""
+    def _points(self, config: RooflineConfig, dev: str, dt: Any, base: dict[str, Any],
+                elem: int) -> list[tuple[Measure, Callable[[Timing], Record]]]:
+        """The quantities of one device, to be timed together in passes: peak matmul
+        FLOP/s, copy GB/s, the decode-shaped linear points and attention per stage."""
+        import torch
+
+        from kvbench.kernels import dense_attention
+
+        def timed(fn: Callable[[], object]) -> Measure:
+            if dev.startswith("cuda"):
+                return lambda policy: time_cuda(fn, policy)
+            return lambda policy: time_host(fn, policy)
+
+        def rate(metric: str, unit: str, work: float, params: dict[str, Any]
+                 ) -> Callable[[Timing], Record]:
+            return lambda t: measured("probe", self.name, metric, unit, "higher",
+                                      [work / s for s in t.seconds], params, t.method())
+
+        n = config.matmul
+        a = torch.randn(n, n, device=dev).to(dt)
+        size = 256 << 20
+        src = torch.ones(size, dtype=torch.uint8, device=dev)
+        dst = torch.empty_like(src)
+        todo = [(timed(lambda: torch.mm(a, a)),
+                 rate("peak_flops", "TFLOP/s", 2 * n**3 / 1e12,
+                      {"device": dev, "dtype": config.dtype, "n": n})),
+                (timed(lambda: dst.copy_(src)),
+                 rate("memory_gbps", "GB/s", 2 * size / 1e9,
+                      {"device": dev, "bytes": size, "how": "torch copy_, read+write"}))]
+        todo += [(timed(run), rate("linear_gbps", "GB/s", nbytes / 1e9, params))
+                 for run, nbytes, params in self._linear(config, dev, dt)]
+        _, heads, kv_heads, head_dim = shapes(config)
+        gen = torch.Generator().manual_seed(0)
+        k = torch.randn(config.batch, kv_heads, config.tokens, head_dim, generator=gen)
+        k, v = k.to(dev, dt), k.flip(2).to(dev, dt)
+        for stage, q in STAGES.items():
+            lq = q or config.tokens
+            qt = torch.randn(config.batch, heads, lq, head_dim).to(dev, dt)
+            flops, nbytes = intensity(lq, config.tokens, config.batch, heads, kv_heads,
+                                      head_dim, elem)
+            todo.append((timed(lambda qt=qt: dense_attention(qt, k, v)),
+                         rate("attention_tflops", "TFLOP/s", flops / 1e12,
+                              {**base, "stage": stage, "device": dev,
+                               "intensity": round(flops / nbytes, 4)})))
+        return todo
+
+    def _linear(self, config: RooflineConfig, dev: str, dt: Any
+                ) -> list[tuple[Callable[[], None], int, dict[str, Any]]]:
+        """(run, weight bytes, params) per --linear-rows: the weight GB/s of the model's MLP
+        up-projection shape [ffn, hidden] (a decoder `Linear`, packed for the rows as a run
+        packs it), cycled over enough copies to stream LINEAR_BYTES per call as a decode
+        step streams its layers (a single matrix would sit in the caches)."""
         import torch
 
         from kvbench.models import get_spec
@@ -163,25 +174,23 @@ class RooflineProbe(Probe):
         spec = get_spec(config.model)
         n_in, n_out = spec.hidden, spec.ffn
         one = n_in * n_out * torch.empty(0, dtype=dt).element_size()
-        lins = [Linear(n_in, n_out, bias=False).to(dev, dt)
-                for _ in range(max(1, -(-LINEAR_BYTES // one)))]
-        for rows in points:
+        out = []
+        for rows in points:  # weights of their own per point: each packed for its rows
+            lins = [Linear(n_in, n_out, bias=False).to(dev, dt)
+                    for _ in range(max(1, -(-LINEAR_BYTES // one)))]
             for lin in lins:
                 lin.pack(rows, True)
             x = torch.randn(rows, n_in, device=dev).to(dt)
 
-            def run(x: Any = x) -> None:
+            def run(x: Any = x, lins: list[Any] = lins) -> None:
                 with torch.inference_mode():
                     for lin in lins:
                         lin(x)
 
-            t = timed(run)
             nbytes = one * len(lins)
-            yield measured("probe", self.name, "linear_gbps", "GB/s", "higher",
-                           [gbps(nbytes, s) for s in t.seconds],
-                           {"device": dev, "dtype": config.dtype, "rows": rows,
-                            "shape": f"{n_out}x{n_in}", "weight_bytes": nbytes},
-                           t.method())
+            out.append((run, nbytes, {"device": dev, "dtype": config.dtype, "rows": rows,
+                                      "shape": f"{n_out}x{n_in}", "weight_bytes": nbytes}))
+        return out
 
     @classmethod
     def plot(cls, records: list[dict[str, Any]], out_dir: Path) -> list[Path]:

@@ -10,14 +10,15 @@ and on a GPU the smallest interval a pair of CUDA events reports around an empty
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvbench.options import check_ranges, config_command, opt
-from kvbench.probes import PROBES, Probe, run_and_store
+from kvbench.probes import PROBES, Measure, Probe, in_passes, run_and_store
 from kvbench.schema import Record, measured, not_measured
-from kvbench.timing import Policy, time_cuda
+from kvbench.timing import PASSES, Policy, Timing, time_cuda, time_host
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,8 @@ class TimerConfig:
     """Options of `kvbench probe timer` (and of a suite's timer case)."""
 
     calls: int = opt(10_000, "Timer reads per repetition.", min=100)
-    reps: int = opt(15, "Timed repetitions.", min=3)
+    reps: int = opt(15, "Timed repetitions (spread over up to 8 passes, rounded up to a "
+                    "multiple of them).", min=3)
 
     def __post_init__(self) -> None:
         check_ranges(self)
@@ -40,11 +42,29 @@ class TimerProbe(Probe):
     config = TimerConfig
 
     def run(self, config: TimerConfig) -> Iterator[Record]:
-        params = {"calls": config.calls}
-        method = {"timer": "perf_counter_ns", "warmup": 1, "reps": config.reps,
-                  "statistic": "median", "per": f"mean over {config.calls} back-to-back reads"}
-        yield measured("probe", self.name, "perf_counter_ns_overhead", "ns", "lower",
-                       self._host_reads(config), params, method)
+        """Every timer's quantity timed in passes (kvbench.timing.time_passes), config.reps
+        repetitions of config.calls reads or ops in all, one warm-up per pass."""
+        import torch
+
+        calls = config.calls
+        params = {"calls": calls}
+        reads = f"mean over {calls} back-to-back reads"
+        todo: list[tuple[Measure, Callable[[Timing], Record]]] = []
+
+        def record(metric: str, unit: str, scale: float, prm: dict[str, Any],
+                   extra: dict[str, str]) -> Callable[[Timing], Record]:
+            """The record of a timing of `scale`-th calls (seconds to `unit` per call)."""
+            return lambda t: measured("probe", self.name, metric, unit, "lower",
+                                      [x * scale for x in t.seconds], prm,
+                                      {**t.method(), **extra})
+
+        def host_reads() -> None:
+            clock = time.perf_counter_ns
+            for _ in range(calls):
+                clock()
+
+        todo.append((lambda p: time_host(host_reads, p),
+                     record("perf_counter_ns_overhead", "ns", 1e9 / calls, params, {"per": reads})))
         try:
             from kvbench.native import lib
 
@@ -53,74 +73,43 @@ class TimerProbe(Probe):
             yield not_measured("probe", self.name, "native_clock_overhead", "waived", str(e),
                                params)
         else:
-            yield measured("probe", self.name, "native_clock_overhead", "ns", "lower",
-                           self._native_reads(so, config), params, method)
-        yield from self._ops(config)
-        yield from self._cuda(config)
+            def native_reads() -> None:
+                for _ in range(calls):
+                    so.kvb_now_ns()
 
-    def _ops(self, config: TimerConfig) -> Iterator[Record]:
-        """Seconds per small torch op (an in-place add on 64 floats) issued back to back:
-        dispatch cost on the CPU; on a GPU the launch rate (synchronised once per rep)."""
+            todo.append((lambda p: time_host(native_reads, p),
+                         record("native_clock_overhead", "ns", 1e9 / calls, params,
+                                {"per": reads})))
+        ops = min(calls, 2000)
+        for dev in ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]:
+            todo.append((self._ops(dev, ops), record(
+                "op_overhead", "us", 1e6 / ops, {"device": dev, "calls": ops},
+                {"per": f"mean over {ops} back-to-back in-place adds of 64 floats"})))
+        if torch.cuda.is_available():
+            todo.append((lambda p: time_cuda(lambda: None, p),
+                         record("cuda_event_floor", "us", 1e6, params, {})))
+        else:
+            yield not_measured("probe", self.name, "cuda_event_floor", "waived",
+                               "no CUDA GPU on this machine", params)
+        yield from in_passes(todo, Policy(warmup=1, min_reps=config.reps, min_time_s=0.0,
+                                          max_reps=config.reps), min(PASSES, config.reps))
+
+    @staticmethod
+    def _ops(dev: str, calls: int) -> Callable[[Policy], Timing]:
+        """measure(policy): seconds per `calls` small torch ops (an in-place add on 64
+        floats) issued back to back: dispatch cost on the CPU; on a GPU the launch rate
+        (synchronised once per repetition)."""
         import torch
 
-        devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-        for dev in devices:
-            x = torch.zeros(64, device=dev)
-            calls = min(config.calls, 2000)
-            samples = []
-            for rep in range(config.reps + 1):
-                if dev != "cpu":
-                    torch.cuda.synchronize(dev)
-                t0 = time.perf_counter_ns()
-                for _ in range(calls):
-                    x.add_(1.0)
-                if dev != "cpu":
-                    torch.cuda.synchronize(dev)
-                if rep:
-                    samples.append((time.perf_counter_ns() - t0) / calls * 1e-3)
-            yield measured("probe", self.name, "op_overhead", "us", "lower", samples,
-                           {"device": dev, "calls": calls},
-                           {"timer": "perf_counter_ns", "warmup": 1, "reps": config.reps,
-                            "statistic": "median",
-                            "per": f"mean over {calls} back-to-back in-place adds of 64 "
-                                   "floats"})
+        x = torch.zeros(64, device=dev)
+        sync = (lambda: torch.cuda.synchronize(dev)) if dev != "cpu" else (lambda: None)
 
-    @staticmethod
-    def _host_reads(config: TimerConfig) -> list[float]:
-        clock = time.perf_counter_ns
-        samples = []
-        for rep in range(config.reps + 1):
-            t0 = clock()
-            for _ in range(config.calls):
-                clock()
-            if rep:  # first repetition is the warm-up
-                samples.append((clock() - t0) / config.calls)
-        return samples
+        def ops() -> None:
+            for _ in range(calls):
+                x.add_(1.0)
+            sync()
 
-    @staticmethod
-    def _native_reads(so, config: TimerConfig) -> list[float]:
-        samples = []
-        for rep in range(config.reps + 1):
-            t0 = time.perf_counter_ns()
-            for _ in range(config.calls):
-                so.kvb_now_ns()
-            if rep:
-                samples.append((time.perf_counter_ns() - t0) / config.calls)
-        return samples
-
-    def _cuda(self, config: TimerConfig) -> Iterator[Record]:
-        try:
-            import torch
-        except ImportError:
-            torch = None
-        if torch is None or not torch.cuda.is_available():
-            yield not_measured("probe", self.name, "cuda_event_floor", "waived",
-                               "no CUDA GPU on this machine", {"calls": config.calls})
-            return
-        t = time_cuda(lambda: None, Policy(warmup=3, min_reps=config.reps, min_time_s=0.0,
-                                           max_reps=config.reps))
-        yield measured("probe", self.name, "cuda_event_floor", "us", "lower",
-                       [s * 1e6 for s in t.seconds], {"calls": config.calls}, t.method())
+        return lambda policy: time_host(ops, policy)
 
 
 def _cli(config: TimerConfig, out: Path | None) -> None:
