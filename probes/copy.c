@@ -138,10 +138,6 @@ uint64_t kvb_memcpy_threads(void *dst, const void *src, size_t n, size_t iters, 
     return kvb_now_ns() - t0;
 }
 
-/* Start n detached threads running fn(arg), adding one to *refs for each (the thread drops
- * it when done, the last holder frees the job); returns how many started. The attention
- * kernel and the read loop hand work to helpers this way, so a call never waits for a
- * helper the scheduler has not started yet. */
 /* Read-only bandwidth (the roof of decode attention, which reads K and V once): nthreads
  * threads sum the 64-bit words of src, `iters` times over, taking READ_CHUNK-byte pieces
  * from a shared counter, with AVX2 loads where the CPU has them. Threaded like the attention

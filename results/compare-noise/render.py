@@ -5,7 +5,8 @@ RUN_DIR holds PROBE-i.jsonl, runs i = 0..N-1 of each probe's default (pairs.sh w
 them; the raw files, ~5 MB, stay local). Writes LABEL.md beside this file: per probe, the
 verdicts of the N-1 consecutive single-run pairs and of run groups four a side (runs
 0-3 vs 4-7 and 4-7 vs 8-10+0, and the odd vs even runs 1-7 / 2-8), all at the default
-threshold, plus the median and 90th percentile of |change| over the single-run pairs, and
+threshold, plus the median and 90th percentile of |change| over the single-run pairs,
+whether each pair with its new run made 2x slower (GB/s halved, times doubled) exits 1, and
 whether runs 4-7 with their GB/s halved regress against runs 0-3 (they must).
 CAL_DIR (other runs of the same probes, taken before RUN_DIR's) adds the single-run pairs
 judged against that noise calibration (`kvbench compare --noise`), and whether each run
@@ -68,12 +69,13 @@ def calibrated_row(runs: list[ResultSet], cal: ResultSet) -> str:
 
 
 def probe_row(runs: list[ResultSet]) -> str:
-    alarms, changes = [], []
+    alarms, changes, caught = [], [], 0
     for a, b in itertools.pairwise(runs):
         rows = compare_sets(a, b)
         alarms.append(sorted({r.metric for r in regressed(rows)}))
-        changes += [abs(r.change) for r in rows if r.test == "mann-whitney"
+        changes += [abs(r.change) for r in rows if r.test.startswith("mann-whitney")
                     and r.change is not None]
+        caught += bool(regressed(compare_sets(a, slowed(b))))
     single = sum(bool(x) for x in alarms)
     grouped = []
     for base, new in GROUPS:
@@ -86,7 +88,7 @@ def probe_row(runs: list[ResultSet]) -> str:
     q = sorted(changes)
     return (f"{single}/{len(alarms)} | {', '.join(sorted({m for x in alarms for m in x})) or '-'}"
             f" | {statistics.median(q):.3f} | {q[int(0.9 * (len(q) - 1))]:.3f} | "
-            f"{sum(bool(x) for x in grouped)}/{len(grouped)} | "
+            f"{caught}/{len(alarms)} | {sum(bool(x) for x in grouped)}/{len(grouped)} | "
             f"{', '.join(sorted({m for x in grouped for m in x})) or '-'} | {half}")
 
 
@@ -99,8 +101,9 @@ def probe_runs(run_dir: Path, probe: str) -> list[ResultSet]:
 def main(run_dir: Path, label: str, cal_dir: Path | None = None) -> None:
     lines = [f"# compare between unchanged runs: {label}", "",
              "| probe | single-run pairs that exit 1 | metrics flagged | median abs change "
-             "| p90 abs change | 4-run groups that exit 1 | metrics flagged | runs 4-7 with GB/s "
-             "halved exit 1 |", "|---|---|---|---|---|---|---|---|"]
+             "| p90 abs change | single-run pairs with the new run 2x slower that exit 1 "
+             "| 4-run groups that exit 1 | metrics flagged | runs 4-7 with GB/s "
+             "halved exit 1 |", "|---|---|---|---|---|---|---|---|---|"]
     probes = sorted({p.name.rsplit("-", 1)[0] for p in run_dir.glob("*-[0-9]*.jsonl")})
     for probe in probes:
         lines.append(f"| {probe} | " + probe_row(probe_runs(run_dir, probe)) + " |")
