@@ -47,6 +47,7 @@ from kvbench.errors import KvbenchError
 from kvbench.noise import Spread
 from kvbench.schema import RecordKey, record_key
 from kvbench.store import ResultSet
+from kvbench.timing import block_medians
 
 
 @lru_cache(maxsize=256)
@@ -154,20 +155,9 @@ def _run_medians(recs: list[dict[str, Any]]) -> list[float]:
 def _units(recs: list[dict[str, Any]]) -> list[float]:
     """The test's units: per run (record) that measured, the median of each of its passes
     where it keeps them (`method.blocks`, kvbench.timing.Timing.join), else of its samples."""
-    out: list[float] = []
-    for r in recs:
-        if r["status"] != "ok" or r["value"] is None:
-            continue
-        samples = r.get("samples") or [r["value"]]
-        blocks = (r.get("method") or {}).get("blocks") or []
-        if len(blocks) < 2 or sum(blocks) != len(samples) or min(blocks) < 1:
-            out.append(statistics.median(samples))
-            continue
-        start = 0
-        for b in blocks:
-            out.append(statistics.median(samples[start:start + b]))
-            start += b
-    return out
+    return [m for r in recs if r["status"] == "ok" and r["value"] is not None
+            for m in block_medians(r.get("samples") or [r["value"]],
+                                   (r.get("method") or {}).get("blocks") or [])]
 
 
 def _fdr(rows: list[Row], alpha: float) -> None:

@@ -86,6 +86,15 @@ class Stats:
         return asdict(self)
 
 
+def block_medians(samples: Sequence[float], blocks: Sequence[int]) -> list[float]:
+    """The median of each block of consecutive samples (a pass, Timing.join); one median of
+    all samples when the blocks are fewer than two or do not partition the samples."""
+    if len(blocks) < 2 or sum(blocks) != len(samples) or min(blocks) < 1:
+        return [float(np.median(samples))]
+    ends = np.cumsum(blocks)
+    return [float(np.median(samples[e - b:e])) for b, e in zip(blocks, ends, strict=True)]
+
+
 @dataclass(frozen=True)
 class Timing:
     """Seconds per call for every timed repetition, and how they were taken. `blocks`: the
@@ -104,6 +113,10 @@ class Timing:
     @property
     def median(self) -> float:
         return self.stats.median
+
+    def pass_medians(self) -> list[float]:
+        """The median of each pass's samples (the median of all with one pass)."""
+        return block_medians(self.seconds, self.blocks)
 
     @classmethod
     def join(cls, passes: Sequence[Timing]) -> Timing:

@@ -272,14 +272,14 @@ class AttentionProbe(Probe):
             parts["cpu"] = total
         else:
             nbytes = p.kv_bytes(p.gpu_tokens + w.selected / (p.batch * p.kv_heads))
-            res["merge"] = (parts["merge"].median, 0.0)
+            res["merge"] = (parts["merge"].median, 0.0, parts["merge"].pass_medians(), 0.0)
         yield from_timing("probe", self.name, total, params)
         for part, t in parts.items():
             yield from_timing("probe", self.name, t, params, metric=f"time_{part}")
         rates = [gbps(nbytes, s) for s in total.seconds]
         yield measured("probe", self.name, "kv_read_gbps", "GB/s", "higher", rates,
                        {**params, "kv_bytes": int(nbytes)}, total.method())
-        res[mode] = (total.median, gbps(nbytes, total.median))
+        res[mode] = (total.median, gbps(nbytes, total.median), total.pass_medians(), nbytes)
 
     @staticmethod
     def _read_bytes(w) -> int:
@@ -333,10 +333,11 @@ class AttentionProbe(Probe):
               dev_bw: float | None) -> Iterator[Record]:
         from kvbench.kernels.cpu import isa as cpu_isa
 
-        # metric, direction, samples, bar, extra method fields (ratio of medians unless the
-        # samples are per-round ratios of interleaved rounds)
+        # metric, direction, samples, bar, extra method fields: a ratio of medians, per-pass
+        # ratios of medians (quantities of one point) or per-round ratios of interleaved rounds
         bars: list[tuple[str, str, list[float], str, dict[str, str]]] = []
         medians = {"statistic": "ratio of medians"}
+        per_pass = {"statistic": "median of per-pass ratios of medians"}
         paired: dict[str, Any] = {"statistic": "median of per-round ratios (interleaved rounds)"}
         if len(res.get("blocks", ())) > 1:
             paired["blocks"] = list(res["blocks"])
@@ -349,11 +350,14 @@ class AttentionProbe(Probe):
             bars.append(("bar.cpu_dense_over_host_read", "higher", res["read"], ">= 0.85",
                          {**paired, "isa": str(cpu_isa())}))
         if "cpu-sparse" in res and "cpu-dense" in res:
+            (_, _, ts, ns), (_, _, td, nd) = res["cpu-sparse"], res["cpu-dense"]
             bars.append(("bar.cpu_sparse_over_dense_gbps", "higher",
-                         [res["cpu-sparse"][1] / res["cpu-dense"][1]], ">= 0.5", medians))
+                         [ns / s / (nd / d) for s, d in zip(ts, td, strict=True)], ">= 0.5",
+                         per_pass))
         if "hybrid" in res:
             bars.append(("bar.merge_share_of_hybrid", "lower",
-                         [res["merge"][0] / res["hybrid"][0]], "<= 0.05", medians))
+                         [m / h for m, h in zip(res["merge"][2], res["hybrid"][2], strict=True)],
+                         "<= 0.05", per_pass))
         if "gpu" in res and dev_bw and p.query == 1:
             bars.append(("bar.gpu_decode_over_device_copy", "higher",
                          [res["gpu"][1] / dev_bw], ">= 0.8", medians))
