@@ -22,6 +22,7 @@ from kvbench.schema import Record
 from kvbench.timing import PASSES, Policy, Timing, time_passes
 
 Measure = Callable[[Policy], Timing]  # measure(policy): one quantity's timing under policy
+RecordOf = Callable[[Timing], Record]  # the record of a quantity from its timing
 
 
 class Probe(ABC):
@@ -49,7 +50,7 @@ class Probe(ABC):
 PROBES: Registry[type[Probe]] = Registry("probe", __name__)
 
 
-def in_passes(todo: Sequence[tuple[Measure, Callable[[Timing], Record]]], policy: Policy,
+def in_passes(todo: Sequence[tuple[Measure, RecordOf]], policy: Policy,
               passes: int = PASSES) -> Iterator[Record]:
     """The records of quantities timed together in passes (kvbench.timing.time_passes):
     `todo` holds each quantity's measure and the function that makes its record from its

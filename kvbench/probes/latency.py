@@ -13,7 +13,7 @@ section 3.1; issue 3).
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +21,7 @@ from typing import Any
 
 from kvbench.memory import Endpoint, HostBuffer, llc_bytes, runner_cpus, runner_node
 from kvbench.options import config_command, opt
-from kvbench.probes import PROBES, Measure, Probe, in_passes
+from kvbench.probes import PROBES, Measure, Probe, RecordOf, in_passes
 from kvbench.probes._copy import calibrated, make_plan, open_copier
 from kvbench.probes.bandwidth import CopyPairs, series
 from kvbench.schema import Record, measured, not_measured
@@ -64,7 +64,7 @@ class LatencyProbe(Probe):
         nodes = sorted({e.index for p in plan.pairs for e in (p.src, p.dst) if e.kind == "host"})
         yield from plan.waived(self.name, "copy_latency", {})
         with ExitStack() as stack:
-            todo: list[tuple[Measure, Callable[[Timing], Record]]] = []
+            todo: list[tuple[Measure, RecordOf]] = []
             for node in nodes:
                 got = self._chase(node, chase_bytes(config), config.root, stack)
                 if isinstance(got, Record):
@@ -89,7 +89,7 @@ class LatencyProbe(Probe):
             yield from in_passes(todo, policy)
 
     def _copy_record(self, params: dict[str, Any], placement: str, per: str
-                     ) -> Callable[[Timing], Record]:
+                     ) -> RecordOf:
         def record(t: Timing) -> Record:
             return measured("probe", self.name, "copy_latency", "us", "lower",
                             [x * 1e6 for x in t.seconds], params,
@@ -97,7 +97,7 @@ class LatencyProbe(Probe):
         return record
 
     def _chase(self, node: int, size: int, root: str, stack: ExitStack
-               ) -> Record | tuple[Measure, Callable[[Timing], Record]]:
+               ) -> Record | tuple[Measure, RecordOf]:
         """Pointer chase over size bytes on node, from a CPU of its runner node: (measure,
         record maker), or an error record. The buffer lives as long as `stack`."""
         from kvbench.native import lib

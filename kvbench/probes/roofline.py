@@ -21,9 +21,9 @@ from typing import Any
 
 from kvbench.errors import require
 from kvbench.options import check_ranges, config_command, opt
-from kvbench.probes import PROBES, Measure, Probe, in_passes, run_and_store
+from kvbench.probes import PROBES, Measure, Probe, RecordOf, in_passes, run_and_store
 from kvbench.schema import Record, measured
-from kvbench.timing import Policy, Timing, time_cuda, time_host
+from kvbench.timing import Policy, time_cuda, time_host
 
 LINEAR_BYTES = 256 << 20  # weights streamed per linear point: beyond any cache
 STAGES = {"prefill": None, "append": 32, "decode": 1}  # query length (None: = tokens)
@@ -109,7 +109,7 @@ class RooflineProbe(Probe):
                 yield from in_passes(self._points(config, dev, dts[dev], base, elem), policy)
 
     def _points(self, config: RooflineConfig, dev: str, dt: Any, base: dict[str, Any],
-                elem: int) -> list[tuple[Measure, Callable[[Timing], Record]]]:
+                elem: int) -> list[tuple[Measure, RecordOf]]:
         """The quantities of one device, to be timed together in passes: peak matmul
         FLOP/s, copy GB/s, the decode-shaped linear points and attention per stage."""
         import torch
@@ -122,7 +122,7 @@ class RooflineProbe(Probe):
             return lambda policy: time_host(fn, policy)
 
         def rate(metric: str, unit: str, work: float, params: dict[str, Any]
-                 ) -> Callable[[Timing], Record]:
+                 ) -> RecordOf:
             return lambda t: measured("probe", self.name, metric, unit, "higher",
                                       [work / s for s in t.seconds], params, t.method())
 

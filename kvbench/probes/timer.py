@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.options import check_ranges, config_command, opt
-from kvbench.probes import PROBES, Measure, Probe, in_passes, run_and_store
+from kvbench.probes import PROBES, Measure, Probe, RecordOf, in_passes, run_and_store
 from kvbench.schema import Record, measured, not_measured
 from kvbench.timing import PASSES, Policy, Timing, time_cuda, time_host
 
@@ -49,10 +49,10 @@ class TimerProbe(Probe):
         calls = config.calls
         params = {"calls": calls}
         reads = f"mean over {calls} back-to-back reads"
-        todo: list[tuple[Measure, Callable[[Timing], Record]]] = []
+        todo: list[tuple[Measure, RecordOf]] = []
 
         def record(metric: str, unit: str, scale: float, prm: dict[str, Any],
-                   extra: dict[str, str]) -> Callable[[Timing], Record]:
+                   extra: dict[str, str]) -> RecordOf:
             """The record of a timing of `scale`-th calls (seconds to `unit` per call)."""
             return lambda t: measured("probe", self.name, metric, unit, "lower",
                                       [x * scale for x in t.seconds], prm,

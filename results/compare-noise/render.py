@@ -8,7 +8,7 @@ verdicts of the N-1 consecutive single-run pairs and of run groups four a side (
 threshold, plus the median and 90th percentile of |change| over the single-run pairs,
 whether each pair with its new run made 2x slower (GB/s halved, times doubled) exits 1, and
 whether runs 4-7 with their GB/s halved regress against runs 0-3 (they must).
-CAL_DIR (other runs of the same probes, taken before RUN_DIR's) adds the single-run pairs
+CAL_DIR (other unchanged runs of the same probes) adds the single-run pairs
 judged against that noise calibration (`kvbench compare --noise`), and whether each run
 made 2x slower (GB/s halved, times doubled) regresses against the run before it with it.
 """
@@ -109,7 +109,7 @@ def main(run_dir: Path, label: str, cal_dir: Path | None = None) -> None:
         lines.append(f"| {probe} | " + probe_row(probe_runs(run_dir, probe)) + " |")
     if cal_dir is not None:
         lines += ["", f"With a noise calibration (`kvbench compare --noise`) of the runs in "
-                  f"{cal_dir.name}/, taken before these:", "",
+                  f"{cal_dir.name}/ (other unchanged runs of the same probes):", "",
                   "| probe | calibration runs | single-run pairs that exit 1 | metrics flagged "
                   "| pairs with the new run 2x slower that exit 1 | rate and time quantities "
                   "(median over pairs) where 2x is beyond the noise |",
