@@ -255,7 +255,7 @@ class AttentionProbe(Probe):
     def _records(self, w, mode: str, params: dict, parts: dict[str, Timing],
                  res: dict) -> Iterator[Record]:
         """The records of one mode at one point from its passes' joined timings; leaves its
-        (median seconds, GB/s), and the decode bars' per-round ratios, in res."""
+        (timing, KV bytes read), and the decode bars' per-round ratios, in res."""
         p = w.p
         total = parts.pop("total")
         if mode in GPU_ONLY:
@@ -272,14 +272,14 @@ class AttentionProbe(Probe):
             parts["cpu"] = total
         else:
             nbytes = p.kv_bytes(p.gpu_tokens + w.selected / (p.batch * p.kv_heads))
-            res["merge"] = (parts["merge"].median, 0.0, parts["merge"].pass_medians(), 0.0)
+            res["merge"] = parts["merge"]
         yield from_timing("probe", self.name, total, params)
         for part, t in parts.items():
             yield from_timing("probe", self.name, t, params, metric=f"time_{part}")
         rates = [gbps(nbytes, s) for s in total.seconds]
         yield measured("probe", self.name, "kv_read_gbps", "GB/s", "higher", rates,
                        {**params, "kv_bytes": int(nbytes)}, total.method())
-        res[mode] = (total.median, gbps(nbytes, total.median), total.pass_medians(), nbytes)
+        res[mode] = (total, nbytes)
 
     @staticmethod
     def _read_bytes(w) -> int:
@@ -318,7 +318,7 @@ class AttentionProbe(Probe):
     def _read_ratios(self, w, params: dict, dense: Timing, sdpa: Timing, read: Timing,
                      res: dict) -> Iterator[Record]:
         """The read loop's GB/s record; leaves the per-round ratios (SDPA time over dense
-        time, dense GB/s over read GB/s) and their passes in res."""
+        time, dense GB/s over read GB/s) in res."""
         nbytes = self._read_bytes(w)
         yield measured("probe", self.name, "host_read_gbps", "GB/s", "higher",
                        [gbps(nbytes, s) for s in read.seconds],
@@ -327,7 +327,6 @@ class AttentionProbe(Probe):
         kv = w.p.kv_bytes(w.p.host_tokens)
         res["read"] = [gbps(kv, d) / gbps(nbytes, r)
                        for r, d in zip(read.seconds, dense.seconds, strict=True)]
-        res["blocks"] = dense.blocks
 
     def _bars(self, p, params: dict, res: dict, host_bw: float,
               dev_bw: float | None) -> Iterator[Record]:
@@ -338,29 +337,33 @@ class AttentionProbe(Probe):
         bars: list[tuple[str, str, list[float], str, dict[str, str]]] = []
         medians = {"statistic": "ratio of medians"}
         per_pass = {"statistic": "median of per-pass ratios of medians"}
-        paired: dict[str, Any] = {"statistic": "median of per-round ratios (interleaved rounds)"}
-        if len(res.get("blocks", ())) > 1:
-            paired["blocks"] = list(res["blocks"])
+        rate = {m: gbps(res[m][1], res[m][0].median) for m in MODES if m in res}
         if p.query == 1 and "cpu-dense" in res and p.kv_bytes(p.host_tokens) >= BIG_KV:
             bars.append(("bar.cpu_dense_over_host_copy", "higher",
-                         [res["cpu-dense"][1] / host_bw], ">= 0.6", medians))
-        if "sdpa" in res:
+                         [rate["cpu-dense"] / host_bw], ">= 0.6", medians))
+        if "sdpa" in res:  # per-round ratios of the dense decode rounds, in their passes
+            paired: dict[str, Any] = {"statistic": "median of per-round ratios (interleaved "
+                                                   "rounds)"}
+            if len(res["cpu-dense"][0].blocks) > 1:
+                paired["blocks"] = list(res["cpu-dense"][0].blocks)
             bars.append(("bar.sdpa_time_over_cpu_dense_time", "higher", res["sdpa"], ">= 1.0",
                          {**paired, "goal": ">= 1.5"}))
             bars.append(("bar.cpu_dense_over_host_read", "higher", res["read"], ">= 0.85",
                          {**paired, "isa": str(cpu_isa())}))
         if "cpu-sparse" in res and "cpu-dense" in res:
-            (_, _, ts, ns), (_, _, td, nd) = res["cpu-sparse"], res["cpu-dense"]
+            (ts, ns), (td, nd) = res["cpu-sparse"], res["cpu-dense"]
             bars.append(("bar.cpu_sparse_over_dense_gbps", "higher",
-                         [ns / s / (nd / d) for s, d in zip(ts, td, strict=True)], ">= 0.5",
+                         [gbps(ns, s) / gbps(nd, d) for s, d in
+                          zip(ts.pass_medians(), td.pass_medians(), strict=True)], ">= 0.5",
                          per_pass))
         if "hybrid" in res:
             bars.append(("bar.merge_share_of_hybrid", "lower",
-                         [m / h for m, h in zip(res["merge"][2], res["hybrid"][2], strict=True)],
+                         [m / h for m, h in zip(res["merge"].pass_medians(),
+                                                res["hybrid"][0].pass_medians(), strict=True)],
                          "<= 0.05", per_pass))
         if "gpu" in res and dev_bw and p.query == 1:
             bars.append(("bar.gpu_decode_over_device_copy", "higher",
-                         [res["gpu"][1] / dev_bw], ">= 0.8", medians))
+                         [rate["gpu"] / dev_bw], ">= 0.8", medians))
         for metric, direction, samples, bar, how in bars:
             rec = measured("probe", self.name, metric, "ratio", direction, samples, params, how)
             op, limit = bar.split()

@@ -24,6 +24,7 @@ from kvbench.options import check_ranges, config_command, opt
 from kvbench.probes import PROBES, Measure, Probe, RecordOf, in_passes, run_and_store
 from kvbench.schema import Record, measured
 from kvbench.timing import Policy, time_cuda, time_host
+from kvbench.units import gbps
 
 LINEAR_BYTES = 256 << 20  # weights streamed per linear point: beyond any cache
 STAGES = {"prefill": None, "append": 32, "decode": 1}  # query length (None: = tokens)
@@ -121,10 +122,11 @@ class RooflineProbe(Probe):
                 return lambda policy: time_cuda(fn, policy)
             return lambda policy: time_host(fn, policy)
 
-        def rate(metric: str, unit: str, work: float, params: dict[str, Any]
-                 ) -> RecordOf:
+        def rate(metric: str, unit: str, per_s: Callable[[float], float],
+                 params: dict[str, Any]) -> RecordOf:
+            """The record of a rate: per_s(seconds of one call) in `unit`."""
             return lambda t: measured("probe", self.name, metric, unit, "higher",
-                                      [work / s for s in t.seconds], params, t.method())
+                                      [per_s(s) for s in t.seconds], params, t.method())
 
         n = config.matmul
         a = torch.randn(n, n, device=dev).to(dt)
@@ -132,12 +134,13 @@ class RooflineProbe(Probe):
         src = torch.ones(size, dtype=torch.uint8, device=dev)
         dst = torch.empty_like(src)
         todo = [(timed(lambda: torch.mm(a, a)),
-                 rate("peak_flops", "TFLOP/s", 2 * n**3 / 1e12,
+                 rate("peak_flops", "TFLOP/s", lambda s: 2 * n**3 / s / 1e12,
                       {"device": dev, "dtype": config.dtype, "n": n})),
                 (timed(lambda: dst.copy_(src)),
-                 rate("memory_gbps", "GB/s", 2 * size / 1e9,
+                 rate("memory_gbps", "GB/s", lambda s: gbps(2 * size, s),
                       {"device": dev, "bytes": size, "how": "torch copy_, read+write"}))]
-        todo += [(timed(run), rate("linear_gbps", "GB/s", nbytes / 1e9, params))
+        todo += [(timed(run), rate("linear_gbps", "GB/s", lambda s, nb=nbytes: gbps(nb, s),
+                                   params))
                  for run, nbytes, params in self._linear(config, dev, dt)]
         _, heads, kv_heads, head_dim = shapes(config)
         gen = torch.Generator().manual_seed(0)
@@ -149,7 +152,7 @@ class RooflineProbe(Probe):
             flops, nbytes = intensity(lq, config.tokens, config.batch, heads, kv_heads,
                                       head_dim, elem)
             todo.append((timed(lambda qt=qt: dense_attention(qt, k, v)),
-                         rate("attention_tflops", "TFLOP/s", flops / 1e12,
+                         rate("attention_tflops", "TFLOP/s", lambda s, f=flops: f / s / 1e12,
                               {**base, "stage": stage, "device": dev,
                                "intensity": round(flops / nbytes, 4)})))
         return todo

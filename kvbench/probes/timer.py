@@ -10,7 +10,7 @@ and on a GPU the smallest interval a pair of CUDA events reports around an empty
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,7 @@ from typing import Any
 from kvbench.options import check_ranges, config_command, opt
 from kvbench.probes import PROBES, Measure, Probe, RecordOf, in_passes, run_and_store
 from kvbench.schema import Record, measured, not_measured
-from kvbench.timing import PASSES, Policy, Timing, time_cuda, time_host
+from kvbench.timing import PASSES, Policy, time_cuda, time_host
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ class TimerProbe(Probe):
                                           max_reps=config.reps), min(PASSES, config.reps))
 
     @staticmethod
-    def _ops(dev: str, calls: int) -> Callable[[Policy], Timing]:
+    def _ops(dev: str, calls: int) -> Measure:
         """measure(policy): seconds per `calls` small torch ops (an in-place add on 64
         floats) issued back to back: dispatch cost on the CPU; on a GPU the launch rate
         (synchronised once per repetition)."""
