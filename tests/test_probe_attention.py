@@ -129,11 +129,14 @@ def test_roofline_tiny_run(tmp_path: Path):
     (["--model", "gpt-7"], "unknown model"),
     (["--heads", "6", "--kv-heads", "4", "--head-dim", "8"], "multiple of kv heads"),
     (["--dtype", "int8"], "int8"),
+    (["--linear-rows", "x"], "--linear-rows: positive integers"),
+    (["--linear-rows", "0,8"], "--linear-rows: positive integers"),
 ])
 def test_roofline_bad_input(args, msg, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         main(["probe", "roofline", *args, "--out", str(tmp_path / "x.jsonl")])
     assert e.value.code == 2 and msg in capsys.readouterr().err
+    assert not (tmp_path / "x.jsonl").exists()  # rejected before anything is written
 
 
 def test_attention_decode_rounds_read_and_sdpa(tmp_path: Path):

@@ -90,6 +90,12 @@ class RooflineProbe(Probe):
         label, heads, kv_heads, head_dim = shapes(config)
         require(config.tokens >= 32 and config.batch > 0 and config.matmul > 0,
                 "tokens must be >= 32, batch and matmul size positive")
+        try:  # checked before the first record, so a rejected command writes nothing
+            rows = [int(r) for r in config.linear_rows.split(",")]
+        except ValueError:
+            rows = []
+        require(bool(rows) and min(rows) > 0,
+                f"--linear-rows: positive integers, got '{config.linear_rows}'")
         devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
         dts = {d: torch_dtype(config.dtype, d.split(":")[0]) for d in devices}
         policy = Policy(warmup=1, min_reps=3, min_time_s=config.min_time, max_reps=50,
@@ -107,10 +113,11 @@ class RooflineProbe(Probe):
             yield rec
         for dev in devices:
             with torch.cuda.device(dev) if dev.startswith("cuda") else nullcontext():
-                yield from in_passes(self._points(config, dev, dts[dev], base, elem), policy)
+                yield from in_passes(self._points(config, rows, dev, dts[dev], base, elem),
+                                     policy)
 
-    def _points(self, config: RooflineConfig, dev: str, dt: Any, base: dict[str, Any],
-                elem: int) -> list[tuple[Measure, RecordOf]]:
+    def _points(self, config: RooflineConfig, rows: list[int], dev: str, dt: Any,
+                base: dict[str, Any], elem: int) -> list[tuple[Measure, RecordOf]]:
         """The quantities of one device, to be timed together in passes: peak matmul
         FLOP/s, copy GB/s, the decode-shaped linear points and attention per stage."""
         import torch
@@ -141,7 +148,7 @@ class RooflineProbe(Probe):
                       {"device": dev, "bytes": size, "how": "torch copy_, read+write"}))]
         todo += [(timed(run), rate("linear_gbps", "GB/s", lambda s, nb=nbytes: gbps(nb, s),
                                    params))
-                 for run, nbytes, params in self._linear(config, dev, dt)]
+                 for run, nbytes, params in self._linear(config, rows, dev, dt)]
         _, heads, kv_heads, head_dim = shapes(config)
         gen = torch.Generator().manual_seed(0)
         k = torch.randn(config.batch, kv_heads, config.tokens, head_dim, generator=gen)
@@ -157,7 +164,7 @@ class RooflineProbe(Probe):
                                "intensity": round(flops / nbytes, 4)})))
         return todo
 
-    def _linear(self, config: RooflineConfig, dev: str, dt: Any
+    def _linear(self, config: RooflineConfig, points: list[int], dev: str, dt: Any
                 ) -> list[tuple[Callable[[], None], int, dict[str, Any]]]:
         """(run, weight bytes, params) per --linear-rows: the weight GB/s of the model's MLP
         up-projection shape [ffn, hidden] (a decoder `Linear`, packed for the rows as a run
@@ -168,12 +175,6 @@ class RooflineProbe(Probe):
         from kvbench.models import get_spec
         from kvbench.models.linear import Linear
 
-        try:
-            points = [int(r) for r in config.linear_rows.split(",")]
-        except ValueError:
-            points = []
-        require(bool(points) and min(points) > 0,
-                f"--linear-rows: positive integers, got '{config.linear_rows}'")
         spec = get_spec(config.model)
         n_in, n_out = spec.hidden, spec.ffn
         one = n_in * n_out * torch.empty(0, dtype=dt).element_size()
