@@ -127,11 +127,17 @@ class HostBuffer:
     """`size` bytes on NUMA node `node`, touched; `placement` says whether verified.
 
     Memory comes from numa_alloc_onnode (libnuma), else from an anonymous mmap (then
-    unplaced). `hugepages` asks for transparent huge pages before the first touch.
+    unplaced). `hugepages` asks for transparent huge pages before the first touch. Without
+    them the mapping is one page longer than `size`: Linux 6.7+ starts an anonymous mapping
+    whose length is a multiple of 2 MiB on a 2 MiB boundary, and on the 2-core CI VM
+    (kernel 6.18) 2-thread copies between two such buffers ran 8-10% slower than between
+    malloc'd ones (issue 11 item 3, results/memory-probes-cpu-2c/lockstep.py), a layout
+    that neither malloc nor torch's allocator gives the data a user copies.
     """
 
     def __init__(self, node: int, size: int, hugepages: bool = False) -> None:
         self.node, self.size = node, size
+        self.mapped = size if hugepages else size + PAGE
         self.pinned = False
         self._numa = libnuma()
         self._mmap: mmap.mmap | None = None
@@ -139,12 +145,12 @@ class HostBuffer:
             self._numa.numa_alloc_onnode.restype = ctypes.c_void_p
             self._numa.numa_alloc_onnode.argtypes = [ctypes.c_size_t, ctypes.c_int]
             self._numa.numa_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-            ptr = self._numa.numa_alloc_onnode(size, node)
+            ptr = self._numa.numa_alloc_onnode(self.mapped, node)
             if not ptr:
                 raise KvbenchError(f"cannot allocate {size} bytes on NUMA node {node}")
             self.ptr: int = ptr
         else:
-            self._mmap = mmap.mmap(-1, size)
+            self._mmap = mmap.mmap(-1, self.mapped)
             self._view: ctypes.c_char | None = ctypes.c_char.from_buffer(self._mmap)
             self.ptr = ctypes.addressof(self._view)
         if hugepages:
@@ -197,7 +203,7 @@ class HostBuffer:
             torch.cuda.cudart().cudaHostUnregister(self.ptr)
             self.pinned = False
         if self._numa is not None and self.ptr:
-            self._numa.numa_free(self.ptr, self.size)
+            self._numa.numa_free(self.ptr, self.mapped)
         elif self._mmap is not None:
             self._view = None  # release the exported pointer before unmapping
             self._mmap.close()

@@ -1,7 +1,9 @@
 /* Independent reference for the host-to-host copy bar (issue 11 item 3): N pthreads each
  * memcpy their share of a SIZE-byte buffer into a second buffer, 10 copies per sample, 7
  * samples; prints the median GB/s (decimal; bytes copied / seconds). Shares no code with
- * kvbench. Build: cc -O2 -pthread memcpy_ref.c -o memcpy_ref; run: ./memcpy_ref THREADS [SIZE] */
+ * kvbench. Build: cc -O2 -pthread memcpy_ref.c -o memcpy_ref; run: ./memcpy_ref THREADS [SIZE]
+ * ./memcpy_ref THREADS SIZE serve: after the warm-up, one sample per line read on stdin,
+ * its GB/s printed at once (lockstep.py interleaves it with the probe sample by sample). */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -32,7 +34,10 @@ int main(int argc, char **argv) {
     pthread_t tid[256];
     part_t part[256];
     double gbps[7];
-    for (int s = -1; s < 7; s++) { /* sample -1: warm-up */
+    int serve = argc > 3 && strcmp(argv[3], "serve") == 0;
+    char line[64];
+    for (int s = -1; serve || s < 7; s++) { /* sample -1: warm-up */
+        if (serve && s >= 0 && !fgets(line, sizeof line, stdin)) return 0;
         struct timespec t0, t1;
         clock_gettime(CLOCK_MONOTONIC, &t0);
         for (int k = 0; k < nt; k++) {
@@ -43,7 +48,13 @@ int main(int argc, char **argv) {
         for (int k = 0; k < nt; k++) pthread_join(tid[k], NULL);
         clock_gettime(CLOCK_MONOTONIC, &t1);
         double sec = (t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) * 1e-9;
-        if (s >= 0) gbps[s] = 10.0 * size / sec / 1e9;
+        double rate = 10.0 * size / sec / 1e9;
+        if (serve && s >= 0) {
+            printf("%.4f\n", rate);
+            fflush(stdout);
+        } else if (s >= 0) {
+            gbps[s] = rate;
+        }
     }
     qsort(gbps, 7, sizeof gbps[0], cmp);
     printf("%.3f\n", gbps[3]);
