@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -216,20 +216,31 @@ def time_native(fn: Callable[[], float], policy: Policy = DEFAULT,
     return Timing(tuple(samples), timer, policy.warmup)
 
 
-def time_passes(measures: Sequence[Callable[[Policy], Timing]], policy: Policy = DEFAULT,
-                passes: int = PASSES) -> list[Timing]:
-    """Time several quantities in `passes` passes: a pass calls every measure(p) with its
-    share of the policy (Policy.share), in list order on even passes and reversed on odd
-    ones, so the samples of each quantity are spread over the whole measurement and a
-    machine whose speed drifts over seconds reaches every quantity alike. Returns each
-    quantity's samples joined, with its passes as blocks (Timing.join)."""
-    share = policy.share(passes)
-    got: list[list[Timing]] = [[] for _ in measures]
-    order = list(range(len(measures)))
+T = TypeVar("T")
+
+
+def each_pass(tasks: Sequence[Callable[[], T]], passes: int = PASSES) -> list[list[T]]:
+    """Call every task once per pass, in list order on even passes and reversed on odd ones
+    (no task always runs first, or after the same neighbour); returns each task's results
+    in pass order."""
+    got: list[list[T]] = [[] for _ in tasks]
+    order = list(range(len(tasks)))
     for r in range(passes):
         for i in order if r % 2 == 0 else order[::-1]:
-            got[i].append(measures[i](share))
-    return [Timing.join(g) for g in got]
+            got[i].append(tasks[i]())
+    return got
+
+
+def time_passes(measures: Sequence[Callable[[Policy], Timing]], policy: Policy = DEFAULT,
+                passes: int = PASSES) -> list[Timing]:
+    """Time several quantities in `passes` passes (each_pass): a pass calls every
+    measure(p) with its share of the policy (Policy.share), so the samples of each quantity
+    are spread over the whole measurement and a machine whose speed drifts over seconds
+    reaches every quantity alike. Returns each quantity's samples joined, with its passes
+    as blocks (Timing.join)."""
+    share = policy.share(passes)
+    return [Timing.join(g) for g in
+            each_pass([functools.partial(m, share) for m in measures], passes)]
 
 
 def time_rounds(fns: Sequence[Callable[[], float]], policy: Policy = DEFAULT,

@@ -1,8 +1,18 @@
 import statistics
+from collections.abc import Callable
 
 import pytest
 
-from kvbench.timing import Policy, Stats, Timing, kernel, kernel_ns, time_host
+from kvbench.timing import (
+    Policy,
+    Stats,
+    Timing,
+    each_pass,
+    kernel,
+    kernel_ns,
+    time_host,
+    time_passes,
+)
 
 
 def test_stats_match_definitions() -> None:
@@ -127,3 +137,24 @@ def test_join_keeps_the_passes() -> None:
     assert j.seconds == (1.0, 2.0, 3.0, 1.0, 2.0) and j.blocks == (2, 1, 2)
     assert j.method()["blocks"] == [2, 1, 2] and j.method()["reps"] == 5
     assert "blocks" not in Timing.join([a]).method()
+
+
+def test_passes_alternate_their_order_and_split_the_policy() -> None:
+    calls: list[str] = []
+
+    def task(name: str) -> Callable[[], str]:
+        return lambda: calls.append(name) or f"{name}{len(calls)}"
+
+    got = each_pass([task("a"), task("b"), task("c")], passes=3)
+    assert calls == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
+    assert got == [["a1", "a6", "a7"], ["b2", "b5", "b8"], ["c3", "c4", "c9"]]
+
+    shares: list[Policy] = []
+
+    def measure(p: Policy) -> Timing:
+        shares.append(p)
+        return Timing((float(len(shares)),) * p.min_reps, "perf_counter_ns", p.warmup)
+
+    (t,) = time_passes([measure], Policy(warmup=1, min_reps=8, min_time_s=0.4), passes=4)
+    assert [p.min_reps for p in shares] == [2] * 4 and shares[0].min_time_s == 0.1
+    assert t.blocks == (2, 2, 2, 2) and t.seconds == (1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 4.0, 4.0)

@@ -12,6 +12,7 @@ the GPU modes are waived.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Callable, Iterator
@@ -23,7 +24,16 @@ from kvbench.errors import KvbenchError, require
 from kvbench.options import check_ranges, config_command, opt
 from kvbench.probes import PROBES, Probe, run_and_store
 from kvbench.schema import Record, from_timing, measured, not_measured
-from kvbench.timing import PASSES, Policy, Timing, time_cuda, time_host, time_native, time_rounds
+from kvbench.timing import (
+    PASSES,
+    Policy,
+    Timing,
+    each_pass,
+    time_cuda,
+    time_host,
+    time_native,
+    time_rounds,
+)
 from kvbench.units import gbps, parse_sizes
 
 MODES = ("gpu", "gpu-transfer", "cpu-dense", "cpu-sparse", "hybrid")
@@ -150,22 +160,20 @@ class AttentionProbe(Probe):
         derived: list[tuple[Any, dict[str, Any], dict[str, Any]]] = []
         for group in _groups(points, cuda):
             work = [Workload(p, config.keep, threads, cuda) for p in group]
-            got: list[dict[tuple[str, str], list[Timing]]] = [{} for _ in work]
-            for r in range(n):
-                for how, t in self._copies(bufs, threads).items():
-                    copies.setdefault(how, []).append(t)
-                for i in range(len(work)) if r % 2 == 0 else reversed(range(len(work))):
-                    for mode in timed:
-                        for part, t in self._measure(work[i], mode, bufs[0]).items():
-                            got[i].setdefault((mode, part), []).append(t)
-            for w, parts in zip(work, got, strict=True):
+            copied, *got = each_pass(
+                [functools.partial(self._copies, bufs, threads)]
+                + [functools.partial(self._point, w, timed, bufs[0]) for w in work], n)
+            for t in copied:
+                for how, timing in t.items():
+                    copies.setdefault(how, []).append(timing)
+            for w, passes in zip(work, got, strict=True):
                 params = {**w.p.params(), "keep": config.keep, "threads": threads,
                           "device": w.device}
                 res: dict[str, Any] = {}  # mode -> (seconds, GB/s); bar samples
                 for mode in chosen:
                     if mode in timed:
-                        joined = {part: Timing.join(ts) for (m, part), ts in parts.items()
-                                  if m == mode}
+                        joined = {part: Timing.join([t[mode, part] for t in passes])
+                                  for m, part in passes[0] if m == mode}
                         yield from self._records(w, mode, {**params, "mode": mode}, joined, res)
                     else:
                         yield not_measured("probe", self.name, "time", "waived",
@@ -225,6 +233,11 @@ class AttentionProbe(Probe):
                 host = max(host, rec.value or 0.0)
             yield rec
         return host, dev
+
+    def _point(self, w, modes: list[str], buf: Any) -> dict[tuple[str, str], Timing]:
+        """One pass of every mode at one point: {(mode, part): timing} (_measure)."""
+        return {(mode, part): t for mode in modes
+                for part, t in self._measure(w, mode, buf).items()}
 
     def _measure(self, w, mode: str, buf: Any) -> dict[str, Timing]:
         """One pass of `mode` at one point: {"total": the step, and its parts ("transfer",
