@@ -157,4 +157,5 @@ def test_passes_alternate_their_order_and_split_the_policy() -> None:
 
     (t,) = time_passes([measure], Policy(warmup=1, min_reps=8, min_time_s=0.4), passes=4)
     assert [p.min_reps for p in shares] == [2] * 4 and shares[0].min_time_s == 0.1
+    assert [p.warmup for p in shares] == [1, 0, 0, 0]  # warmed up in the first pass only
     assert t.blocks == (2, 2, 2, 2) and t.seconds == (1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 4.0, 4.0)
