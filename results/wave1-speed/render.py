@@ -54,13 +54,17 @@ def decode_rows() -> list[str]:
 
 
 def main() -> None:
-    env = next(iter(load(HERE / "attention-8x8.jsonl").envs.values()))
+    attn_rs = load(HERE / "attention-8x8.jsonl")
+    env = next(iter(attn_rs.envs.values()))
+    attn = next(r for r in attn_rs.records if r["metric"] == "kv_read_gbps")
     lines = ["# Issue 11 speed bars: CPU attention vs SDPA and the read roof; decode vs "
              "transformers", "",
              f"Machine: {env.get('cpu', {}).get('model', '?')}, "
              f"{env.get('cpu', {}).get('logical_cpus', '?')} CPUs, torch "
              f"{env.get('versions', {}).get('torch', '?')}; medians with p10-p90 of "
-             "interleaved rounds (per-round ratios for the bars). Runs under "
+             "interleaved rounds, timed in 8 passes over each run (per-round ratios for "
+             f"the bars; attention probe version {attn['version']}, commit "
+             f"{attn['git_commit'][:7]}). Runs under "
              "`chrt -f 10` (SCHED_FIFO) to shield them from niced background jobs on the "
              "shared 2-core VM.", "", "## CPU dense decode attention (item 1)", "",
              *attention_rows(), "", "## Decode vs transformers `generate` (item 2)", "",
