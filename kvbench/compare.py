@@ -302,5 +302,32 @@ def regressed(rows: list[Row]) -> list[Row]:
     return [r for r in rows if r.verdict in ("regressed", "error")]
 
 
+@dataclass(frozen=True)
+class Shift:
+    """A change shared by a whole comparison: `moved` of the `judged` quantities changed
+    the same way, with median relative change `median` (+ better)."""
+
+    judged: int
+    moved: int
+    median: float
+
+
+def common_shift(rows: list[Row], threshold: float, share: float = 0.8) -> Shift | None:
+    """The shift of the whole comparison, when there is one: five or more quantities
+    judged, `share` of them changing the same way, and their median change beyond the
+    threshold. A code change tends to move some quantities; a machine whose speed changed
+    between the runs (a shared VM's host, a co-tenant, the clock) moves all of them, like
+    the whole-run slowdowns of results/compare-noise. Nothing inside the two files tells
+    the two apart: a calibration (--noise) or base and new re-run interleaved does."""
+    changes = [r.change for r in rows if r.change is not None and math.isfinite(r.change)]
+    if len(changes) < 5:
+        return None
+    median = statistics.median(changes)
+    moved = sum(c * median > 0 for c in changes)
+    if abs(median) <= threshold or moved < share * len(changes):
+        return None
+    return Shift(len(changes), moved, median)
+
+
 def rows_to_json(rows: list[Row]) -> list[dict[str, Any]]:
     return [asdict(r) for r in rows]

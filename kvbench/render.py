@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from typing import Any
 
 from rich.table import Table
 
-from kvbench.compare import Row, rows_to_json
+from kvbench.compare import Row, common_shift, rows_to_json
 from kvbench.console import console, params_text
 from kvbench.units import format_bytes
 
@@ -108,8 +109,15 @@ def compare_output(rows: list[Row], fmt: str, threshold: float, alpha: float) ->
                f"{sum(r.p_value is not None for r in rows)} tested (Benjamini-Hochberg)"
                + (f"; {calibrated} judged against calibrated run-to-run noise" if calibrated
                   else "") + ")")
+    shift = common_shift(rows, threshold)
+    if shift is not None:
+        summary += (f"\nAll together: {shift.moved} of {shift.judged} quantities moved the "
+                    f"same way (median {shift.median:+.1%}), as a change of the machine's "
+                    "speed between the runs does; only a calibration (--noise) or base and "
+                    "new re-run interleaved tells that from a change of the code.")
     if fmt == "json":
         print(json.dumps({"threshold": threshold, "alpha": alpha, "regressions": bad,
+                          "common_shift": asdict(shift) if shift else None,
                           "rows": rows_to_json(rows)}, indent=2, default=str))
     elif fmt == "markdown":
         print("| " + " | ".join(_HEAD) + " |")

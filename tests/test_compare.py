@@ -6,7 +6,14 @@ from pathlib import Path
 import pytest
 
 from kvbench.cli import main
-from kvbench.compare import compare_sets, mann_whitney_p, min_p_value, regressed, select_env
+from kvbench.compare import (
+    common_shift,
+    compare_sets,
+    mann_whitney_p,
+    min_p_value,
+    regressed,
+    select_env,
+)
 from kvbench.errors import KvbenchError
 from kvbench.schema import measured, not_measured
 from kvbench.store import ResultSet, ResultWriter, load
@@ -266,3 +273,36 @@ def test_runs_are_judged_against_their_spread() -> None:
     # three runs a side cannot reach alpha on run medians: pooled samples decide
     (row,) = compare_sets(runs_of(base[:3]), runs_of([70.0, 75.0, 68.0]))
     assert row.test == "mann-whitney" and row.verdict == "regressed", row
+
+
+def sizes_file(path: Path, scale: dict[int, float], seed: int) -> Path:
+    rng = random.Random(seed)
+    return write(path, [measured("probe", "bw", "bandwidth", "GB/s", "higher",
+                                 noisy(rng, 10 * scale.get(s, 1.0)), {"size": s})
+                        for s in range(8)])
+
+
+def test_a_shift_of_every_quantity_is_named(tmp_path: Path, capsys) -> None:
+    """A whole run slower (a machine's state between runs, results/compare-noise) regresses
+    as before, and the summary says that every quantity moved together; a change of a few
+    quantities does not get that line."""
+    base = sizes_file(tmp_path / "a.jsonl", {}, 0)
+    slower = sizes_file(tmp_path / "b.jsonl", dict.fromkeys(range(8), 0.7), 1)
+    rows = compare_sets(load(base), load(slower))
+    shift = common_shift(rows, 0.05)
+    assert regressed(rows) and shift is not None
+    assert shift.judged == shift.moved == 8 and -0.35 < shift.median < -0.25
+    def compare(*argv: str) -> str:
+        with pytest.raises(SystemExit) as e:
+            main(["compare", *argv])
+        assert e.value.code == 1
+        return capsys.readouterr().out
+
+    assert json.loads(compare(str(base), str(slower), "--format", "json")
+                      )["common_shift"]["moved"] == 8
+    assert "All together: 8 of 8 quantities moved the same way" in compare(
+        str(base), str(slower), "--format", "markdown")
+    two = sizes_file(tmp_path / "c.jsonl", {0: 0.7, 1: 0.7}, 2)
+    rows = compare_sets(load(base), load(two))
+    assert len(regressed(rows)) == 2 and common_shift(rows, 0.05) is None
+    assert "All together" not in compare(str(base), str(two))
