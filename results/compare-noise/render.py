@@ -5,7 +5,9 @@ RUN_DIR holds PROBE-i.jsonl, runs i = 0..N-1 of each probe's default (pairs.sh w
 them; the raw files, ~5 MB, stay local). Writes LABEL.md beside this file: per probe, the
 verdicts of the N-1 consecutive single-run pairs and of run groups four a side (runs
 0-3 vs 4-7 and 4-7 vs 8-10+0, and the odd vs even runs 1-7 / 2-8), all at the default
-threshold, plus the median and 90th percentile of |change| over the single-run pairs,
+threshold, how many of the single-run pairs that exit 1 compare names a shift of the
+whole run (kvbench.compare.common_shift), the median and 90th percentile of |change| over
+the single-run pairs,
 whether each pair with its new run made 2x slower (GB/s halved, times doubled) exits 1, and
 whether runs 4-7 with their GB/s halved regress against runs 0-3 (they must).
 CAL_DIR (other unchanged runs of the same probes) adds the single-run pairs
@@ -20,7 +22,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from kvbench.compare import compare_sets, regressed
+from kvbench.compare import common_shift, compare_sets, regressed
 from kvbench.noise import load_calibration
 from kvbench.store import ResultSet, load
 
@@ -69,10 +71,11 @@ def calibrated_row(runs: list[ResultSet], cal: ResultSet) -> str:
 
 
 def probe_row(runs: list[ResultSet]) -> str:
-    alarms, changes, caught = [], [], 0
+    alarms, changes, caught, shifts = [], [], 0, 0
     for a, b in itertools.pairwise(runs):
         rows = compare_sets(a, b)
         alarms.append(sorted({r.metric for r in regressed(rows)}))
+        shifts += bool(alarms[-1]) and common_shift(rows, 0.05) is not None
         changes += [abs(r.change) for r in rows if r.test.startswith("mann-whitney")
                     and r.change is not None]
         caught += bool(regressed(compare_sets(a, slowed(b))))
@@ -87,7 +90,7 @@ def probe_row(runs: list[ResultSet]) -> str:
         "yes" if regressed(compare_sets(base, slowed(merged(runs[4:8]), times=False))) else "NO"
     q = sorted(changes)
     return (f"{single}/{len(alarms)} | {', '.join(sorted({m for x in alarms for m in x})) or '-'}"
-            f" | {statistics.median(q):.3f} | {q[int(0.9 * (len(q) - 1))]:.3f} | "
+            f" | {shifts} | {statistics.median(q):.3f} | {q[int(0.9 * (len(q) - 1))]:.3f} | "
             f"{caught}/{len(alarms)} | {sum(bool(x) for x in grouped)}/{len(grouped)} | "
             f"{', '.join(sorted({m for x in grouped for m in x})) or '-'} | {half}")
 
@@ -100,10 +103,11 @@ def probe_runs(run_dir: Path, probe: str) -> list[ResultSet]:
 
 def main(run_dir: Path, label: str, cal_dir: Path | None = None) -> None:
     lines = [f"# compare between unchanged runs: {label}", "",
-             "| probe | single-run pairs that exit 1 | metrics flagged | median abs change "
+             "| probe | single-run pairs that exit 1 | metrics flagged | of those, named a "
+             "whole-run shift | median abs change "
              "| p90 abs change | single-run pairs with the new run 2x slower that exit 1 "
              "| 4-run groups that exit 1 | metrics flagged | runs 4-7 with GB/s "
-             "halved exit 1 |", "|---|---|---|---|---|---|---|---|---|"]
+             "halved exit 1 |", "|---|---|---|---|---|---|---|---|---|---|"]
     probes = sorted({p.name.rsplit("-", 1)[0] for p in run_dir.glob("*-[0-9]*.jsonl")})
     for probe in probes:
         lines.append(f"| {probe} | " + probe_row(probe_runs(run_dir, probe)) + " |")
