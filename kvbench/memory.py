@@ -130,9 +130,9 @@ class HostBuffer:
     unplaced). `hugepages` asks for transparent huge pages before the first touch. Without
     them the mapping is one page longer than `size`: Linux 6.7+ starts an anonymous mapping
     whose length is a multiple of 2 MiB on a 2 MiB boundary, and on the 2-core CI VM
-    (kernel 6.18) 2-thread copies between two such buffers ran 8-10% slower than between
-    malloc'd ones (issue 11 item 3, results/memory-probes-cpu-2c/lockstep.py), a layout
-    that neither malloc nor torch's allocator gives the data a user copies.
+    (kernel 6.18) 2-thread copies between two such buffers ran 3-10% slower than between
+    malloc'd ones (issue 11 item 3, results/memory-probes-cpu-2c), a layout that neither
+    malloc nor torch's allocator gives the data a user copies.
     """
 
     def __init__(self, node: int, size: int, hugepages: bool = False) -> None:

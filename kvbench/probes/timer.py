@@ -43,7 +43,7 @@ class TimerProbe(Probe):
 
     def run(self, config: TimerConfig) -> Iterator[Record]:
         """Every timer's quantity timed in passes (kvbench.timing.time_passes), config.reps
-        repetitions of config.calls reads or ops in all, one warm-up per pass."""
+        repetitions of config.calls reads or ops in all, one warm-up, in the first pass."""
         import torch
 
         calls = config.calls
