@@ -9,8 +9,9 @@ from functools import lru_cache
 from pathlib import Path
 
 from kvbench.errors import KvbenchError
+from kvbench.memory import llc_bytes
 
-ABI_VERSION = 4  # kvb_abi_version() of probes/native.c: bump both when an interface changes
+ABI_VERSION = 5  # kvb_abi_version() of probes/native.c: bump both when an interface changes
 
 
 class CopyJob(ctypes.Structure):
@@ -83,4 +84,7 @@ def lib() -> ctypes.CDLL:
                             ctypes.c_int]
     so.kvb_attn_isa.restype = ctypes.c_int
     so.kvb_attn_isa.argtypes = [ctypes.c_int]
+    so.kvb_attn_prefetch_above.restype = i64
+    so.kvb_attn_prefetch_above.argtypes = [i64]
+    so.kvb_attn_prefetch_above(llc_bytes() // 2)  # dense decode prefetches past half the LLC
     return so

@@ -16,6 +16,14 @@
  *
  * The inner loops (attn_loops.c) have an AVX2/FMA version chosen at run time on x86 CPUs
  * that have it and a portable one (kvb_attn_isa reports or forces the choice).
+ *
+ * Dense rows of at most 256 bytes over a KV larger than kvb_attn_prefetch_above bytes (half
+ * the LLC, set by kvbench.native) are fetched to L2 ahead of use, a few lines per key inside
+ * the loops: a block's V rows while its scores run, the next block's K rows while its P.V
+ * runs. Decode otherwise alternates compute on one block with misses on the next. On the
+ * 2-core Zen 3 CI VM, timed against the kernel without it call by call: +12-18% at 32K
+ * tokens for 9/3 x 64 and 9/3 x 128 bfloat16, 32/32 x 128 bfloat16 and 9/3 x 64 float32.
+ * The same prefetch cost 1-4% on 512-byte rows and 11-14% on a KV in cache.
  * dtype 0 is float32, 1 is bfloat16 (converted by shifting to/from the float32 high half).
  * q/out are contiguous [B, Hq, Lq, D], lse [B, Hq, Lq] float32; k/v have element strides
  * (batch, head, token) and a contiguous last dimension.
@@ -42,6 +50,7 @@ typedef struct {
     int causal;
     int64_t q_start, group, ntasks;
     int64_t split, chunk; /* chunks per row (1: none) and keys per chunk */
+    int prefetch;         /* dense rows fetched to L2 ahead of use (see the top) */
     float *part;          /* split > 1: per (row, chunk, query) [m, l, acc[D]] */
     const isa_t *isa;     /* the inner loops (attn_loops.c) */
     int64_t next;         /* shared task counter */
@@ -49,6 +58,14 @@ typedef struct {
 } job_t;
 
 static int g_isa = -1; /* -1: not chosen yet, 0: portable, 1: AVX2/FMA */
+static int64_t g_prefetch_above = (int64_t)16 << 20; /* KV bytes: half a 32 MiB LLC */
+
+/* bytes >= 0: dense calls over a KV of more than `bytes` bytes prefetch (rows of at most
+ * 256 bytes); returns the threshold now in effect. */
+int64_t kvb_attn_prefetch_above(int64_t bytes) {
+    if (bytes >= 0) g_prefetch_above = bytes;
+    return g_prefetch_above;
+}
 
 /* want -1: report the inner loops in use (choosing the best on first use), 0: force the
  * portable ones, 1: AVX2/FMA where the CPU has it. Returns the choice now in effect. */
@@ -59,7 +76,7 @@ int kvb_attn_isa(int want) {
 
 typedef struct {
     float *qf, *acc, *m, *l, *s, *corr;
-    const void *kp[BLK], *vp[BLK];
+    const void *kp[BLK], *vp[BLK], *kn[BLK]; /* kn: the next block's K rows (prefetch) */
 } work_t;
 
 /* Prefetch one whole row (64 B lines) of `base` at element offset `off`. */
@@ -107,7 +124,18 @@ static void do_range(job_t *j, const isa_t *isa, work_t *w, int64_t r, int64_t k
         for (int64_t jj = 0; idx && jj < nx; jj++)
             prefetch_row(j, j->k, kb + idx[j0 + BLK + jj] * j->ks[2]);
         row_ptrs(j, j->k, kb, j->ks[2], pos, nb, w->kp);
-        isa->scores(w->s, w->qf, nr, D, w->kp, nb);
+        /* this block's V rows are fetched while its scores run, the next block's K rows
+         * while its P.V runs (sparse rows are prefetched one by one above and below) */
+        const int64_t esz = j->dtype ? 2 : 4;
+        pf_t pfv = {w->vp, 0, D * esz}, pfk = {w->kn, 0, D * esz};
+        if (j->prefetch) {
+            row_ptrs(j, j->v, vb, j->vs[2], pos, nb, w->vp);
+            for (int64_t jj = 0; jj < nx; jj++)
+                w->kn[jj] = (const char *)j->k + (kb + (j0 + BLK + jj) * j->ks[2]) * esz;
+            pfv.n = nb;
+            pfk.n = nx > 0 ? nx : 0;
+        }
+        isa->scores(w->s, w->qf, nr, D, w->kp, nb, &pfv);
         /* causal masking only where a key may lie after a query (never in decode) */
         const int mask = j->causal && (idx || j0 + nb - 1 > j->q_start);
         for (int64_t t = 0; t < nr; t++) {
@@ -128,7 +156,7 @@ static void do_range(job_t *j, const isa_t *isa, work_t *w, int64_t r, int64_t k
         for (int64_t jj = 0; idx && jj < nx; jj++)
             prefetch_row(j, j->v, vb + idx[j0 + BLK + jj] * j->vs[2]);
         row_ptrs(j, j->v, vb, j->vs[2], pos, nb, w->vp);
-        isa->pv(w->acc, w->corr, w->s, w->vp, nr, nb, D);
+        isa->pv(w->acc, w->corr, w->s, w->vp, nr, nb, D, &pfk);
     }
 }
 
@@ -239,9 +267,10 @@ int kvb_attn(int dtype, const void *q, const void *k, const void *v, void *out, 
              int64_t group, int threads) {
     job_t job, *j = &job;
     *j = (job_t){dtype, q, k, v, out, lse, B, Hq, Hkv, Lq, Lk, D, kstrides, vstrides, idx, lens,
-                 nmax, scale, causal, q_start, group < 1 ? 1 : group, 0, 1, 0, NULL,
+                 nmax, scale, causal, q_start, group < 1 ? 1 : group, 0, 1, 0, 0, NULL,
                  kvb_attn_loops(dtype, D, kvb_attn_isa(-1)), 0, 0};
-    const int64_t rows = B * Hkv, n = idx ? nmax : Lk;
+    const int64_t rows = B * Hkv, n = idx ? nmax : Lk, esz = dtype ? 2 : 4;
+    j->prefetch = !idx && D * esz <= 256 && 2 * rows * Lk * D * esz > g_prefetch_above;
     int nt = threads < 1 ? 1 : threads > 256 ? 256 : threads;
     if (nt > 1 && rows < SPLIT_ROWS * nt && n >= 2 * MIN_CHUNK) {
         int64_t s = (SPLIT_ROWS * nt + rows - 1) / rows;

@@ -7,16 +7,23 @@
 
 #define BLK 64 /* keys per block */
 
+/* Rows to prefetch while a loop walks its own: row j (< n) of `row`, `bytes` long, is
+ * fetched as the loop reaches its j-th key, spreading the fetches over the loop. */
+typedef struct {
+    const void *const *row;
+    int64_t n, bytes;
+} pf_t;
+
 /* The vectorisable inner loops, one set per instruction set and dtype. s/p rows hold BLK
  * floats; kp/vp point at K/V rows in the call's dtype; q and acc rows are float32, in the
  * order `perm` says (1: each 16 floats in the bfloat16 unpack order, see swap23). */
 typedef struct {
     void (*scores)(float *s, const float *q, int64_t nr, int64_t D, const void *const *kp,
-                   int64_t nb);                                 /* s[t*BLK+j] = q_t . k_j */
+                   int64_t nb, const pf_t *pf);                 /* s[t*BLK+j] = q_t . k_j */
     float (*rowmax)(const float *s, int64_t n);
     float (*expsum)(float *s, int64_t n, float m);              /* s = exp(s - m); sum */
     void (*pv)(float *acc, const float *corr, const float *p, const void *const *vp,
-               int64_t nr, int64_t nb, int64_t D);  /* acc_t = acc_t*corr_t + p_t.V (t < nr;
+               int64_t nr, int64_t nb, int64_t D, const pf_t *pf);  /* acc_t = acc_t*corr_t + p_t.V (t < nr;
                                                        skipped where corr_t is NaN) */
     int perm;
 } isa_t;

@@ -46,13 +46,13 @@ static inline __attribute__((always_inline)) void pv_gen(
 }
 
 static void scores_gen_f32(float *s, const float *q, int64_t nr, int64_t D,
-                           const void *const *kp, int64_t nb) { scores_gen(s, q, nr, D, kp, nb, 0); }
+                           const void *const *kp, int64_t nb, const pf_t *pf) { (void)pf; scores_gen(s, q, nr, D, kp, nb, 0); }
 static void scores_gen_bf16(float *s, const float *q, int64_t nr, int64_t D,
-                            const void *const *kp, int64_t nb) { scores_gen(s, q, nr, D, kp, nb, 1); }
+                            const void *const *kp, int64_t nb, const pf_t *pf) { (void)pf; scores_gen(s, q, nr, D, kp, nb, 1); }
 static void pv_gen_f32(float *acc, const float *corr, const float *p, const void *const *vp,
-                       int64_t nr, int64_t nb, int64_t D) { pv_gen(acc, corr, p, vp, nr, nb, D, 0); }
+                       int64_t nr, int64_t nb, int64_t D, const pf_t *pf) { (void)pf; pv_gen(acc, corr, p, vp, nr, nb, D, 0); }
 static void pv_gen_bf16(float *acc, const float *corr, const float *p, const void *const *vp,
-                        int64_t nr, int64_t nb, int64_t D) { pv_gen(acc, corr, p, vp, nr, nb, D, 1); }
+                        int64_t nr, int64_t nb, int64_t D, const pf_t *pf) { (void)pf; pv_gen(acc, corr, p, vp, nr, nb, D, 1); }
 
 static float rowmax_gen(const float *s, int64_t n) {
     float m = -INFINITY;
@@ -82,6 +82,12 @@ static AVX2_INLINE __m256 lo8(const void *row, int64_t d, int bf16, __m256i *w) 
 
 static AVX2_INLINE __m256 hi8(__m256i w) {
     return _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), w));
+}
+
+static AVX2_INLINE void fetch(const pf_t *pf, int64_t j) {
+    if (pf && j < pf->n)
+        for (int64_t c = 0; c < pf->bytes; c += 64)
+            _mm_prefetch((const char *)pf->row[j] + c, _MM_HINT_T1);
 }
 
 /* Eight dot products of q (D floats) with rows r[0..7]: lane i is q . r_i. D is a multiple
@@ -138,9 +144,11 @@ static AVX2_INLINE __m256 dot4x2(const float *q0, const float *q1, const void *c
 /* Scores of nr queries against nb keys: one query over 8 keys at a time, or pairs of queries
  * over 4 keys (each K row loaded once per pair: GQA groups and appended queries). */
 static AVX2_INLINE void scores_avx2(float *s, const float *q, int64_t nr, int64_t D,
-                                    const void *const *kp, int64_t nb, const int bf16) {
+                                    const void *const *kp, int64_t nb, const int bf16,
+                                    const pf_t *pf) {
     const void *r[8];
     for (int64_t j0 = 0; j0 < nb; j0 += 8) {
+        for (int u = 0; u < 8; u++) fetch(pf, j0 + u);
         for (int u = 0; u < 8; u++) r[u] = kp[j0 + u < nb ? j0 + u : nb - 1];
         int64_t t = 0;
         for (; t + 2 <= nr; t += 2)
@@ -155,12 +163,14 @@ static AVX2_INLINE void scores_avx2(float *s, const float *q, int64_t nr, int64_
 
 /* acc[d0 .. d0 + 8*NV) = acc * corr + sum_j p_j v_j, accumulators in registers. */
 static AVX2_INLINE void pv_tile(float *acc, float corr, const float *p, const void *const *vp,
-                                int64_t nb, int64_t d0, const int NV, const int bf16) {
+                                int64_t nb, int64_t d0, const int NV, const int bf16,
+                                const pf_t *pf) {
     __m256 a[8];
     __m256i w;
     const __m256 c = _mm256_set1_ps(corr);
     for (int i = 0; i < NV; i++) a[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + d0 + 8 * i), c);
     for (int64_t j = 0; j < nb; j++) {
+        fetch(pf, j);
         const __m256 pj = _mm256_broadcast_ss(p + j);
         for (int i = 0; i < NV; i += bf16 ? 2 : 1) {
             a[i] = _mm256_fmadd_ps(pj, lo8(vp[j], d0 + 8 * i, bf16, &w), a[i]);
@@ -173,7 +183,7 @@ static AVX2_INLINE void pv_tile(float *acc, float corr, const float *p, const vo
 /* The same for two queries at once (acc0/acc1, p0/p1), each V element loaded once. */
 static AVX2_INLINE void pv_tile2(float *acc0, float *acc1, float c0, float c1, const float *p0,
                                  const float *p1, const void *const *vp, int64_t nb, int64_t d0,
-                                 const int NV, const int bf16) {
+                                 const int NV, const int bf16, const pf_t *pf) {
     __m256 a[4], b[4], v[2];
     __m256i w;
     for (int i = 0; i < NV; i++) {
@@ -181,6 +191,7 @@ static AVX2_INLINE void pv_tile2(float *acc0, float *acc1, float c0, float c1, c
         b[i] = _mm256_mul_ps(_mm256_loadu_ps(acc1 + d0 + 8 * i), _mm256_set1_ps(c1));
     }
     for (int64_t j = 0; j < nb; j++) {
+        fetch(pf, j);
         const __m256 x = _mm256_broadcast_ss(p0 + j), y = _mm256_broadcast_ss(p1 + j);
         for (int i = 0; i < NV; i += bf16 ? 2 : 1) {
             v[0] = lo8(vp[j], d0 + 8 * i, bf16, &w);
@@ -203,7 +214,7 @@ static AVX2_INLINE void pv_tile2(float *acc0, float *acc1, float c0, float c1, c
  * queries share each V load. */
 static AVX2_INLINE void pv_avx2(float *acc, const float *corr, const float *p,
                                 const void *const *vp, int64_t nr, int64_t nb, int64_t D,
-                                const int bf16) {
+                                const int bf16, const pf_t *pf) {
     int64_t t = 0, u = -1; /* u: a query waiting for a partner */
     for (; t < nr; t++) {
         if (corr[t] != corr[t]) continue;
@@ -214,34 +225,46 @@ static AVX2_INLINE void pv_avx2(float *acc, const float *corr, const float *p,
         int64_t d0 = 0;
         for (; d0 + 32 <= D; d0 += 32)
             pv_tile2(acc + u * D, acc + t * D, corr[u], corr[t], p + u * BLK, p + t * BLK, vp,
-                     nb, d0, 4, bf16);
+                     nb, d0, 4, bf16, pf), pf = NULL;
         if (d0 + 16 <= D)
             pv_tile2(acc + u * D, acc + t * D, corr[u], corr[t], p + u * BLK, p + t * BLK, vp,
-                     nb, d0, 2, bf16), d0 += 16;
+                     nb, d0, 2, bf16, pf), pf = NULL, d0 += 16;
         if (!bf16 && d0 + 8 <= D)
             pv_tile2(acc + u * D, acc + t * D, corr[u], corr[t], p + u * BLK, p + t * BLK, vp,
-                     nb, d0, 1, 0);
+                     nb, d0, 1, 0, pf), pf = NULL;
         u = -1;
     }
     if (u < 0) return;
     int64_t d0 = 0;
-    for (; d0 + 64 <= D; d0 += 64) pv_tile(acc + u * D, corr[u], p + u * BLK, vp, nb, d0, 8, bf16);
-    if (d0 + 32 <= D) pv_tile(acc + u * D, corr[u], p + u * BLK, vp, nb, d0, 4, bf16), d0 += 32;
-    if (d0 + 16 <= D) pv_tile(acc + u * D, corr[u], p + u * BLK, vp, nb, d0, 2, bf16), d0 += 16;
-    if (!bf16 && d0 + 8 <= D) pv_tile(acc + u * D, corr[u], p + u * BLK, vp, nb, d0, 1, 0);
+    for (; d0 + 64 <= D; d0 += 64) pv_tile(acc + u * D, corr[u], p + u * BLK, vp, nb, d0, 8, bf16, pf), pf = NULL;
+    if (d0 + 32 <= D) pv_tile(acc + u * D, corr[u], p + u * BLK, vp, nb, d0, 4, bf16, pf), pf = NULL, d0 += 32;
+    if (d0 + 16 <= D) pv_tile(acc + u * D, corr[u], p + u * BLK, vp, nb, d0, 2, bf16, pf), pf = NULL, d0 += 16;
+    if (!bf16 && d0 + 8 <= D) pv_tile(acc + u * D, corr[u], p + u * BLK, vp, nb, d0, 1, 0, pf), pf = NULL;
 }
 
+/* The AVX2 entry points: a call without rows to prefetch takes a copy of the loops with
+ * the prefetch compiled out (pf a literal NULL), so it pays nothing for it. */
 static AVX2 void scores_avx2_f32(float *s, const float *q, int64_t nr, int64_t D,
-                                 const void *const *kp, int64_t nb) { scores_avx2(s, q, nr, D, kp, nb, 0); }
+                                 const void *const *kp, int64_t nb, const pf_t *pf) {
+    if (pf && pf->n) scores_avx2(s, q, nr, D, kp, nb, 0, pf);
+    else scores_avx2(s, q, nr, D, kp, nb, 0, NULL);
+}
 static AVX2 void scores_avx2_bf16(float *s, const float *q, int64_t nr, int64_t D,
-                                  const void *const *kp, int64_t nb) { scores_avx2(s, q, nr, D, kp, nb, 1); }
+                                  const void *const *kp, int64_t nb, const pf_t *pf) {
+    if (pf && pf->n) scores_avx2(s, q, nr, D, kp, nb, 1, pf);
+    else scores_avx2(s, q, nr, D, kp, nb, 1, NULL);
+}
 static AVX2 void pv_avx2_f32(float *acc, const float *corr, const float *p,
-                             const void *const *vp, int64_t nr, int64_t nb, int64_t D) {
-    pv_avx2(acc, corr, p, vp, nr, nb, D, 0);
+                             const void *const *vp, int64_t nr, int64_t nb, int64_t D,
+                             const pf_t *pf) {
+    if (pf && pf->n) pv_avx2(acc, corr, p, vp, nr, nb, D, 0, pf);
+    else pv_avx2(acc, corr, p, vp, nr, nb, D, 0, NULL);
 }
 static AVX2 void pv_avx2_bf16(float *acc, const float *corr, const float *p,
-                              const void *const *vp, int64_t nr, int64_t nb, int64_t D) {
-    pv_avx2(acc, corr, p, vp, nr, nb, D, 1);
+                              const void *const *vp, int64_t nr, int64_t nb, int64_t D,
+                              const pf_t *pf) {
+    if (pf && pf->n) pv_avx2(acc, corr, p, vp, nr, nb, D, 1, pf);
+    else pv_avx2(acc, corr, p, vp, nr, nb, D, 1, NULL);
 }
 
 static AVX2 float rowmax_avx2(const float *s, int64_t n) {

@@ -177,13 +177,28 @@ def kernel_isa(request):
     cpu.isa(before)
 
 
+@pytest.fixture(params=["prefetch", "no prefetch"])
+def kernel_prefetch(request):
+    """Dense calls with rows fetched ahead of use (probes/attn.c) at every KV size, then at
+    none; the threshold restored after."""
+    from kvbench.kernels import cpu
+
+    if cpu.isa() is None:
+        pytest.skip("native library not built")
+    before = cpu.prefetch_above()
+    cpu.prefetch_above(0 if request.param == "prefetch" else 1 << 62)
+    yield request.param
+    cpu.prefetch_above(before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq, hkv, d", [(8, 8, 64), (9, 3, 64), (4, 4, 128), (9, 3, 128),
                                         (6, 2, 80), (2, 1, 24), (3, 1, 12)])
-def test_native_shapes_isas_and_split(kernel_isa, dtype, hq, hkv, d):
+def test_native_shapes_isas_and_split(kernel_isa, kernel_prefetch, dtype, hq, hkv, d):
     """Both inner-loop sets at MHA and GQA (the bundled model's 9/3), head dims 64/128 and
     ones off the vector width, odd lengths, and long rows that a few threads split along the
-    keys (split-K with the log-sum-exp merge) -- against the float64 reference."""
+    keys (split-K with the log-sum-exp merge), with and without the dense prefetch --
+    against the float64 reference."""
     for lk, lq, threads in ((1, 1, 2), (67, 1, 1), (65, 5, 3), (1531, 1, 2), (1531, 3, 3),
                             (2049, 1, 1), (700, 32, 2)):
         q, k, v = make(1, hq, hkv, lq, lk, d, dtype, seed=lk)
