@@ -84,7 +84,7 @@ def lib() -> ctypes.CDLL:
                             ctypes.c_int]
     so.kvb_attn_isa.restype = ctypes.c_int
     so.kvb_attn_isa.argtypes = [ctypes.c_int]
-    so.kvb_attn_prefetch_above.restype = i64
-    so.kvb_attn_prefetch_above.argtypes = [i64]
-    so.kvb_attn_prefetch_above(llc_bytes() // 2)  # dense decode prefetches past half the LLC
+    so.kvb_attn_prefetch_from.restype = i64
+    so.kvb_attn_prefetch_from.argtypes = [i64]
+    so.kvb_attn_prefetch_from(llc_bytes() // 2)  # dense decode prefetches from half the LLC
     return so

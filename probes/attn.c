@@ -17,13 +17,18 @@
  * The inner loops (attn_loops.c) have an AVX2/FMA version chosen at run time on x86 CPUs
  * that have it and a portable one (kvb_attn_isa reports or forces the choice).
  *
- * Dense rows of at most 256 bytes over a KV larger than kvb_attn_prefetch_above bytes (half
+ * Dense rows of at most 256 bytes over a KV of at least kvb_attn_prefetch_from bytes (half
  * the LLC, set by kvbench.native) are fetched to L2 ahead of use, a few lines per key inside
  * the loops: a block's V rows while its scores run, the next block's K rows while its P.V
- * runs. Decode otherwise alternates compute on one block with misses on the next. On the
- * 2-core Zen 3 CI VM, timed against the kernel without it call by call: +12-18% at 32K
- * tokens for 9/3 x 64 and 9/3 x 128 bfloat16, 32/32 x 128 bfloat16 and 9/3 x 64 float32.
- * The same prefetch cost 1-4% on 512-byte rows and 11-14% on a KV in cache.
+ * runs. Decode otherwise alternates compute on one block with misses on the next.
+ * Measured on the 2-core Zen 3 CI VM, timed call by call against the kernel without it
+ * (results/wave1-speed/prefetch-ab-2026-11-23.txt):
+ *   - 16K-32K tokens: +16-26% for 9/3 x 128 bfloat16, +21-24% for 8/8 x 64 bfloat16,
+ *     +6-13% for 32/32 x 128 bfloat16, +3-17% for 9/3 x 64 float32;
+ *   - at exactly 16 MiB (8/8 x 64 float32, 4K tokens): +16%;
+ *   - where it cost (so it is off there): 1-4% on 512-byte rows, 19-25% on a KV of
+ *     6-8 MiB, which stays in cache.
+ *
  * dtype 0 is float32, 1 is bfloat16 (converted by shifting to/from the float32 high half).
  * q/out are contiguous [B, Hq, Lq, D], lse [B, Hq, Lq] float32; k/v have element strides
  * (batch, head, token) and a contiguous last dimension.
@@ -58,13 +63,13 @@ typedef struct {
 } job_t;
 
 static int g_isa = -1; /* -1: not chosen yet, 0: portable, 1: AVX2/FMA */
-static int64_t g_prefetch_above = (int64_t)16 << 20; /* KV bytes: half a 32 MiB LLC */
+static int64_t g_prefetch_from = (int64_t)16 << 20; /* KV bytes: half a 32 MiB LLC */
 
-/* bytes >= 0: dense calls over a KV of more than `bytes` bytes prefetch (rows of at most
+/* bytes >= 0: dense calls over a KV of `bytes` bytes or more prefetch (rows of at most
  * 256 bytes); returns the threshold now in effect. */
-int64_t kvb_attn_prefetch_above(int64_t bytes) {
-    if (bytes >= 0) g_prefetch_above = bytes;
-    return g_prefetch_above;
+int64_t kvb_attn_prefetch_from(int64_t bytes) {
+    if (bytes >= 0) g_prefetch_from = bytes;
+    return g_prefetch_from;
 }
 
 /* want -1: report the inner loops in use (choosing the best on first use), 0: force the
@@ -270,7 +275,7 @@ int kvb_attn(int dtype, const void *q, const void *k, const void *v, void *out, 
                  nmax, scale, causal, q_start, group < 1 ? 1 : group, 0, 1, 0, 0, NULL,
                  kvb_attn_loops(dtype, D, kvb_attn_isa(-1)), 0, 0};
     const int64_t rows = B * Hkv, n = idx ? nmax : Lk, esz = dtype ? 2 : 4;
-    j->prefetch = !idx && D * esz <= 256 && 2 * rows * Lk * D * esz > g_prefetch_above;
+    j->prefetch = !idx && D * esz <= 256 && 2 * rows * Lk * D * esz >= g_prefetch_from;
     int nt = threads < 1 ? 1 : threads > 256 ? 256 : threads;
     if (nt > 1 && rows < SPLIT_ROWS * nt && n >= 2 * MIN_CHUNK) {
         int64_t s = (SPLIT_ROWS * nt + rows - 1) / rows;

@@ -185,10 +185,10 @@ def kernel_prefetch(request):
 
     if cpu.isa() is None:
         pytest.skip("native library not built")
-    before = cpu.prefetch_above()
-    cpu.prefetch_above(0 if request.param == "prefetch" else 1 << 62)
+    before = cpu.prefetch_from()
+    cpu.prefetch_from(0 if request.param == "prefetch" else 1 << 62)
     yield request.param
-    cpu.prefetch_above(before)
+    cpu.prefetch_from(before)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -51,13 +51,13 @@ def isa(force: str | None = None) -> str | None:
     return ISAS[so.kvb_attn_isa(-1 if force is None else ISAS.index(force))]
 
 
-def prefetch_above(nbytes: int | None = None) -> int | None:
-    """The KV size in bytes above which dense calls prefetch rows to L2 (probes/attn.c; half
+def prefetch_from(nbytes: int | None = None) -> int | None:
+    """The KV size in bytes from which dense calls prefetch rows to L2 (probes/attn.c; half
     the LLC by default); `nbytes` sets it. None when the kernel is not built."""
     so = _lib()
     if so is None:
         return None
-    return int(so.kvb_attn_prefetch_above(-1 if nbytes is None else nbytes))
+    return int(so.kvb_attn_prefetch_from(-1 if nbytes is None else nbytes))
 
 
 def default_threads() -> int:
