@@ -5,7 +5,8 @@
  * (each K row loaded once per pair: GQA groups, appended queries), P.V with the accumulators
  * in registers (pairs of queries share each V load), a vector exp, and bfloat16 rows
  * widened to float32 in registers by unpacking against zero (q and acc then held in the
- * unpack order, see swap23 in attn.h). The file is compiled at O3 (the pragma).
+ * unpack order, see swap23 in attn.h). The AVX2 scores and P.V loops also fetch the rows a
+ * call names (pf_t), a few lines per key. The file is compiled at O3 (the pragma).
  */
 #define _GNU_SOURCE
 #pragma GCC optimize("O3")
@@ -84,6 +85,7 @@ static AVX2_INLINE __m256 hi8(__m256i w) {
     return _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), w));
 }
 
+/* Row j of pf, every 64-byte line of it, into L2 (attn.c says when a call prefetches). */
 static AVX2_INLINE void fetch(const pf_t *pf, int64_t j) {
     if (pf && j < pf->n)
         for (int64_t c = 0; c < pf->bytes; c += 64)
