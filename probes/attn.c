@@ -129,12 +129,12 @@ static void do_range(job_t *j, const isa_t *isa, work_t *w, int64_t r, int64_t k
         for (int64_t jj = 0; idx && jj < nx; jj++)
             prefetch_row(j, j->k, kb + idx[j0 + BLK + jj] * j->ks[2]);
         row_ptrs(j, j->k, kb, j->ks[2], pos, nb, w->kp);
+        row_ptrs(j, j->v, vb, j->vs[2], pos, nb, w->vp);
         /* this block's V rows are fetched while its scores run, the next block's K rows
          * while its P.V runs (sparse rows are prefetched one by one above and below) */
         const int64_t esz = j->dtype ? 2 : 4;
         pf_t pfv = {w->vp, 0, D * esz}, pfk = {w->kn, 0, D * esz};
         if (j->prefetch) {
-            row_ptrs(j, j->v, vb, j->vs[2], pos, nb, w->vp);
             for (int64_t jj = 0; jj < nx; jj++)
                 w->kn[jj] = (const char *)j->k + (kb + (j0 + BLK + jj) * j->ks[2]) * esz;
             pfv.n = nb;
@@ -160,7 +160,6 @@ static void do_range(job_t *j, const isa_t *isa, work_t *w, int64_t r, int64_t k
         }
         for (int64_t jj = 0; idx && jj < nx; jj++)
             prefetch_row(j, j->v, vb + idx[j0 + BLK + jj] * j->vs[2]);
-        row_ptrs(j, j->v, vb, j->vs[2], pos, nb, w->vp);
         isa->pv(w->acc, w->corr, w->s, w->vp, nr, nb, D, &pfk);
     }
 }

@@ -22,9 +22,9 @@ typedef struct {
                    int64_t nb, const pf_t *pf);                 /* s[t*BLK+j] = q_t . k_j */
     float (*rowmax)(const float *s, int64_t n);
     float (*expsum)(float *s, int64_t n, float m);              /* s = exp(s - m); sum */
+    /* acc_t = acc_t*corr_t + p_t.V (t < nr; skipped where corr_t is NaN) */
     void (*pv)(float *acc, const float *corr, const float *p, const void *const *vp,
-               int64_t nr, int64_t nb, int64_t D, const pf_t *pf);  /* acc_t = acc_t*corr_t + p_t.V (t < nr;
-                                                       skipped where corr_t is NaN) */
+               int64_t nr, int64_t nb, int64_t D, const pf_t *pf);
     int perm;
 } isa_t;
 

@@ -292,6 +292,7 @@ def test_a_shift_of_every_quantity_is_named(tmp_path: Path, capsys) -> None:
     shift = common_shift(rows, 0.05)
     assert regressed(rows) and shift is not None
     assert shift.judged == shift.moved == 8 and -0.35 < shift.median < -0.25
+
     def compare(*argv: str) -> str:
         with pytest.raises(SystemExit) as e:
             main(["compare", *argv])
