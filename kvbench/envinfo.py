@@ -117,8 +117,25 @@ def versions() -> dict[str, Any]:
     return v
 
 
-# Fields that identify the machine and software for comparisons (not host name or time).
-_IDENTITY = ("cpu", "numa_nodes", "memory_bytes", "gpus", "versions")
+# What identifies a machine and its software for comparisons: never the host name, the
+# time, or state that can change while it runs. A VM's MemTotal (memory_bytes, each node's
+# mem_total_bytes) moves when a balloon or virtio-mem device resizes it: on the CI VM node 0
+# grew by one 128 MiB virtio-mem block between two fleet workers' records of one test, which
+# gave one machine two env_ids. A GPU's current PCIe link drops a generation when idle, and
+# torch's thread count is a run setting (a fleet worker sets it, tests change it). All stay
+# in the record, outside the id.
+_VOLATILE = frozenset({"mem_total_bytes", "torch_threads", "pcie_gen", "pcie_width"})
+
+
+def identity(env: dict[str, Any]) -> dict[str, Any]:
+    """The fields of an environment record that env_id hashes: CPU, NUMA topology (not its
+    memory sizes), GPUs (their maximum links) and versions (not torch's thread count)."""
+    def strip(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: strip(x) for k, x in v.items() if k not in _VOLATILE}
+        return [strip(x) for x in v] if isinstance(v, list) else v
+
+    return strip({k: env[k] for k in ("cpu", "numa_nodes", "gpus", "versions")})
 
 
 def collect_env(root: Path | str = "/") -> dict[str, Any]:
@@ -145,6 +162,6 @@ def collect_env(root: Path | str = "/") -> dict[str, Any]:
         "git_dirty": dirty,
         "notes": notes,
     }
-    ident = json.dumps({k: env[k] for k in _IDENTITY}, sort_keys=True, default=str)
+    ident = json.dumps(identity(env), sort_keys=True, default=str)
     env["env_id"] = hashlib.sha1(ident.encode()).hexdigest()[:12]
     return env

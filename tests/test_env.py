@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from kvbench.cli import main
-from kvbench.envinfo import collect_env, pcie_link_gbps
+from kvbench.envinfo import collect_env, identity, pcie_link_gbps
 from kvbench.errors import KvbenchError
 from kvbench.topology import get_node, parse_cpulist, read_cxl_devices, read_nodes
 
@@ -50,6 +50,35 @@ def test_env_record_on_fake_tree(fake_sysfs: Path) -> None:
     assert env["versions"]["python"]
     assert len(env["env_id"]) == 12
     assert collect_env(fake_sysfs)["env_id"] == env["env_id"]  # stable
+
+
+def test_env_id_ignores_state_that_changes_while_a_machine_runs(
+        fake_sysfs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A VM's MemTotal moves with its balloon, a GPU's current link with its power state,
+    torch's thread count with the run: the same machine keeps its env_id. Its CPU does not."""
+    import torch
+
+    env = collect_env(fake_sysfs)
+    (fake_sysfs / "proc/meminfo").write_text(f"MemTotal:       {90 * 1024 * 1024} kB\n")
+    node = fake_sysfs / "sys/devices/system/node/node0/meminfo"
+    node.write_text(node.read_text().replace(str(16 * 1024 * 1024), str(15 * 1024 * 1024)))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:
+        moved = collect_env(fake_sysfs)
+    finally:
+        torch.set_num_threads(threads)
+    assert moved["memory_bytes"] == 90 << 30 and moved["numa_nodes"][0]["mem_total_bytes"] \
+        == 15 << 30  # recorded as read ...
+    assert moved["versions"]["torch_threads"] != env["versions"]["torch_threads"]
+    assert moved["env_id"] == env["env_id"]  # ... but not part of the identity
+    gpu = {"index": 0, "name": "H100", "pcie_gen": 5, "pcie_width": 16, "pcie_gen_max": 5}
+    idle = {**gpu, "pcie_gen": 1}
+    assert identity({**env, "gpus": [gpu]}) == identity({**env, "gpus": [idle]})
+    assert identity({**env, "gpus": [gpu]}) != identity({**env, "gpus": [{**gpu, "name": "A100"}]})
+    cpuinfo = fake_sysfs / "proc/cpuinfo"
+    cpuinfo.write_text(cpuinfo.read_text().replace("Fake Xeon 8480", "Fake Xeon 6980"))
+    assert collect_env(fake_sysfs)["env_id"] != env["env_id"]
 
 
 def test_env_cli_json(fake_sysfs: Path, capsys: pytest.CaptureFixture[str]) -> None:
