@@ -13,6 +13,7 @@ import os
 import platform
 import re
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,9 +64,11 @@ def gpu_info(root: Path) -> tuple[list[dict[str, Any]], list[str]]:
             notes.append(f"NVML unavailable: {e}")
         else:
             try:
-                return _nvml_gpus(pynvml, root), notes
+                listed = _nvml_gpus(pynvml, root, notes)
             finally:
                 pynvml.nvmlShutdown()
+            if listed is not None:
+                return listed, notes
     gpus = []
     try:
         import torch
@@ -78,23 +81,47 @@ def gpu_info(root: Path) -> tuple[list[dict[str, Any]], list[str]]:
     return gpus, notes
 
 
-def _nvml_gpus(nv: Any, root: Path) -> list[dict[str, Any]]:
+def _nvml_gpus(nv: Any, root: Path, notes: list[str]) -> list[dict[str, Any]] | None:
+    """Every GPU NVML lists (None when it cannot count them). Each query is asked on its
+    own: one NVML refuses (NVMLError_NotSupported for the PCIe link under vGPU, confidential
+    computing or gVisor's nvproxy, ...) leaves its field None and a note, not the record."""
+
+    def ask(what: str, query: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return query(*args)
+        except Exception as e:  # pynvml.NVMLError and its NotSupported, ... subclasses
+            notes.append(f"NVML {what}: {type(e).__name__}: {e} (recorded as None)")
+            return None
+
+    count = ask("device count", nv.nvmlDeviceGetCount)
+    if count is None:
+        return None
+    driver = ask("driver version", nv.nvmlSystemGetDriverVersion)
     gpus = []
-    driver = nv.nvmlSystemGetDriverVersion()
-    for i in range(nv.nvmlDeviceGetCount()):
-        h = nv.nvmlDeviceGetHandleByIndex(i)
-        name = nv.nvmlDeviceGetName(h)
-        bus = nv.nvmlDeviceGetPciInfo(h).busId
+    for i in range(count):
+        h = ask(f"GPU {i} handle", nv.nvmlDeviceGetHandleByIndex, i)
+        got = {} if h is None else {
+            key: ask(f"GPU {i} {key}", query, h) for key, query in (
+                ("name", nv.nvmlDeviceGetName), ("memory", nv.nvmlDeviceGetMemoryInfo),
+                ("pci", nv.nvmlDeviceGetPciInfo),
+                ("pcie_gen", nv.nvmlDeviceGetCurrPcieLinkGeneration),
+                ("pcie_width", nv.nvmlDeviceGetCurrPcieLinkWidth),
+                ("pcie_gen_max", nv.nvmlDeviceGetMaxPcieLinkGeneration),
+                ("pcie_width_max", nv.nvmlDeviceGetMaxPcieLinkWidth))}
+        name, memory, pci = got.get("name"), got.get("memory"), got.get("pci")
+        bus = None if pci is None else pci.busId
         bus = bus.decode() if isinstance(bus, bytes) else bus
-        sys_bus = bus.lower()[-12:]  # NVML uses an 8-digit domain, sysfs a 4-digit one
-        numa = read_file(root / "sys/bus/pci/devices" / sys_bus / "numa_node").strip()
-        gen, width = nv.nvmlDeviceGetCurrPcieLinkGeneration(h), nv.nvmlDeviceGetCurrPcieLinkWidth(h)
-        mgen, mwidth = nv.nvmlDeviceGetMaxPcieLinkGeneration(h), nv.nvmlDeviceGetMaxPcieLinkWidth(h)
+        # NVML writes an 8-digit PCI domain, sysfs a 4-digit one
+        numa = "" if bus is None else read_file(
+            root / "sys/bus/pci/devices" / bus.lower()[-12:] / "numa_node").strip()
+        mgen, mwidth = got.get("pcie_gen_max"), got.get("pcie_width_max")
         gpus.append({
             "index": i, "name": name.decode() if isinstance(name, bytes) else name,
-            "memory_bytes": int(nv.nvmlDeviceGetMemoryInfo(h).total), "pci_bus_id": bus,
-            "pcie_gen": gen, "pcie_width": width, "pcie_gen_max": mgen, "pcie_width_max": mwidth,
-            "pcie_link_gbps_max": pcie_link_gbps(mgen, mwidth),
+            "memory_bytes": None if memory is None else int(memory.total), "pci_bus_id": bus,
+            "pcie_gen": got.get("pcie_gen"), "pcie_width": got.get("pcie_width"),
+            "pcie_gen_max": mgen, "pcie_width_max": mwidth,
+            "pcie_link_gbps_max": None if mgen is None or mwidth is None
+            else pcie_link_gbps(mgen, mwidth),
             "numa_node": int(numa) if numa and int(numa) >= 0 else None, "driver": driver,
         })
     return gpus

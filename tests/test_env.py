@@ -137,6 +137,94 @@ def test_gpu_through_nvml(fake_sysfs: Path, monkeypatch: pytest.MonkeyPatch) -> 
     assert gpu["driver"] == "580.1" and gpu["memory_bytes"] == 80 * 10**9
 
 
+class NotSupported(Exception):
+    """Stands in for pynvml.NVMLError_NotSupported."""
+
+
+# FakeNvml query -> the GPU record fields it fills (the rest must still be read)
+PER_GPU = {
+    "nvmlDeviceGetName": ("name",),
+    "nvmlDeviceGetMemoryInfo": ("memory_bytes",),
+    "nvmlDeviceGetPciInfo": ("pci_bus_id", "numa_node"),
+    "nvmlDeviceGetCurrPcieLinkGeneration": ("pcie_gen",),
+    "nvmlDeviceGetCurrPcieLinkWidth": ("pcie_width",),
+    "nvmlDeviceGetMaxPcieLinkGeneration": ("pcie_gen_max", "pcie_link_gbps_max"),
+    "nvmlDeviceGetMaxPcieLinkWidth": ("pcie_width_max", "pcie_link_gbps_max"),
+    "nvmlDeviceGetHandleByIndex": ("name", "memory_bytes", "pci_bus_id", "numa_node",
+                                   "pcie_gen", "pcie_width", "pcie_gen_max",
+                                   "pcie_width_max", "pcie_link_gbps_max"),
+    "nvmlSystemGetDriverVersion": ("driver",),
+}
+
+
+@pytest.mark.parametrize("query", sorted(PER_GPU))
+def test_each_refused_nvml_query_is_none_and_a_note(
+        query: str, fake_sysfs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPU audit finding 1: NVML refusing one query (NotSupported for the PCIe link under
+    vGPU, confidential computing, gVisor) leaves that field None with a note; every other
+    field is still read and the record is still collected."""
+    pci = fake_sysfs / "sys/bus/pci/devices/0000:3b:00.0"
+    pci.mkdir(parents=True)
+    (pci / "numa_node").write_text("1\n")
+    full = FakeNvml()
+    monkeypatch.setitem(sys.modules, "pynvml", full)
+    (whole,) = collect_env(fake_sysfs)["gpus"]
+    refusing = FakeNvml()
+
+    def refuse(*args: object) -> None:
+        raise NotSupported("Not Supported")
+
+    setattr(refusing, query, refuse)
+    monkeypatch.setitem(sys.modules, "pynvml", refusing)
+    env = collect_env(fake_sysfs)
+    (gpu,) = env["gpus"]
+    assert gpu.keys() == whole.keys()
+    for key, value in whole.items():
+        assert gpu[key] == (None if key in PER_GPU[query] else value), key
+    assert [n for n in env["notes"] if "NVML" in n] == [n for n in env["notes"]
+                                                        if "NotSupported" in n]
+    assert len([n for n in env["notes"] if "NotSupported: Not Supported" in n]) == 1
+
+
+def test_refused_pcie_queries_keep_every_command_alive(
+        fake_sysfs: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """All four PCIe link queries refused: `kvbench env` (the record every probe and run
+    stores) exits 0 and says what NVML would not tell."""
+    nv = FakeNvml()
+
+    def refuse(*args: object) -> None:
+        raise NotSupported("Not Supported")
+
+    for query in ("nvmlDeviceGetCurrPcieLinkGeneration", "nvmlDeviceGetCurrPcieLinkWidth",
+                  "nvmlDeviceGetMaxPcieLinkGeneration", "nvmlDeviceGetMaxPcieLinkWidth"):
+        setattr(nv, query, refuse)
+    monkeypatch.setitem(sys.modules, "pynvml", nv)
+    with pytest.raises(SystemExit) as e:
+        main(["env", "--json", "--root", str(fake_sysfs)])
+    assert e.value.code == 0
+    env = json.loads(capsys.readouterr().out)
+    (gpu,) = env["gpus"]
+    assert gpu["name"] == "NVIDIA H100 PCIe" and gpu["pcie_link_gbps_max"] is None
+    assert sum("GPU 0 pcie_" in n for n in env["notes"]) == 4
+
+
+def test_nvml_without_a_device_count_lists_gpus_through_torch(
+        fake_sysfs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVML that cannot count its GPUs: a note, and the GPUs torch sees (none here)."""
+    nv = FakeNvml()
+
+    def refuse() -> None:
+        raise NotSupported("Unknown Error")
+
+    nv.nvmlDeviceGetCount = refuse
+    monkeypatch.setitem(sys.modules, "pynvml", nv)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 0)
+    env = collect_env(fake_sysfs)
+    assert env["gpus"] == []
+    assert any(n.startswith("NVML device count: NotSupported") for n in env["notes"])
+
+
 def test_missing_pynvml_is_a_note(fake_sysfs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import raises ImportError
     env = collect_env(fake_sysfs)
