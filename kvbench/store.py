@@ -8,6 +8,8 @@ record points at it through env_id.
 from __future__ import annotations
 
 import datetime as dt
+import gzip
+import io
 import json
 import os
 import shlex
@@ -174,8 +176,8 @@ def load(path: Path | str) -> ResultSet:
     if not path.is_file():
         raise KvbenchError(f"result file '{path}' does not exist")
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
+        lines = read_lines(path)
+    except (OSError, EOFError, UnicodeDecodeError) as e:
         raise KvbenchError(f"cannot read result file '{path}': {e}") from None
     rs = ResultSet(path)
     last = max((i for i, ln in enumerate(lines) if ln.strip()), default=-1)
@@ -212,14 +214,30 @@ def load(path: Path | str) -> ResultSet:
     return rs
 
 
+def open_text(path: Path | str, mode: str = "r") -> Any:
+    """A text file of JSON Lines, gzip-compressed when its name ends in .gz (how the large
+    records under results/ are committed; written with no timestamp, so the same records
+    give the same bytes)."""
+    path = Path(path)
+    if path.suffix == ".gz":
+        return io.TextIOWrapper(gzip.GzipFile(path, mode + "b", mtime=0), encoding="utf-8")
+    return path.open(mode, encoding="utf-8")
+
+
+def read_lines(path: Path | str) -> list[str]:
+    """Every line of a (possibly gzip-compressed) JSON Lines file."""
+    with open_text(path) as f:
+        return f.read().splitlines()
+
+
 def slim(paths: Iterable[Path], out: Path, keep: tuple[str, ...]) -> list[dict[str, Any]]:
     """Copy result files into one without their bulky per-layer traces (the committed
     summary of a results folder): env lines and every record, except `trace.*` metrics
     other than the decode-phase ones named in `keep`. Returns the run records kept."""
     kept = []
-    with Path(out).open("w") as f:
+    with open_text(out, "w") as f:
         for p in paths:
-            for line in Path(p).read_text().splitlines():
+            for line in read_lines(p):
                 r = json.loads(line)
                 m = r.get("metric", "")
                 if m.startswith("trace.") and not (m in keep and

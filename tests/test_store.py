@@ -113,3 +113,25 @@ def test_slim_keeps_env_lines_records_and_only_the_named_decode_traces(tmp_path)
     assert kept == [rows[1], rows[2]]
     out = [json.loads(x) for x in (tmp_path / "summary.jsonl").read_text().splitlines()]
     assert out == [rows[0], rows[1], rows[2]]
+
+
+def test_gzip_records_load_like_plain_ones_and_write_the_same_bytes_twice(tmp_path) -> None:
+    """Large committed records are .jsonl.gz: load, slim and report read them as they read
+    plain JSON Lines, and slim writes them without a timestamp (no churn in git)."""
+    import gzip
+
+    from kvbench.store import slim
+
+    plain = tmp_path / "r.jsonl"
+    with ResultWriter(plain, {"env_id": "e"}) as w:
+        w.write(measured("probe", "timer", "m", "ns", "lower", [1.0, 2.0, 3.0]))
+    first = slim([plain], tmp_path / "a.jsonl.gz", ())
+    packed = (tmp_path / "a.jsonl.gz").read_bytes()
+    assert slim([plain], tmp_path / "a.jsonl.gz", ()) == first
+    assert packed[:2] == b"\x1f\x8b" and packed == (tmp_path / "a.jsonl.gz").read_bytes()
+    assert gzip.decompress(packed).decode() == plain.read_text()
+    rs = load(tmp_path / "a.jsonl.gz")
+    assert [r["samples"] for r in rs.records] == [[1.0, 2.0, 3.0]] and "e" in rs.envs
+    (tmp_path / "bad.jsonl.gz").write_bytes(packed[: len(packed) // 2])  # truncated archive
+    with pytest.raises(KvbenchError, match="cannot read result file"):
+        load(tmp_path / "bad.jsonl.gz")

@@ -9,15 +9,17 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from kvbench.store import read_lines
+
 HERE = Path(__file__).parent
 
 
 def issue12(names: set[str]) -> list[dict]:
     """Budget-64 (or reference) eval records of `names` from issue 12's run of the same
-    protocol (results/page-sparse/summary.jsonl), for cases our suite did not reach."""
-    path = HERE.parent / "page-sparse" / "summary.jsonl"
+    protocol (results/page-sparse/summary.jsonl.gz), for cases our suite did not reach."""
+    path = HERE.parent / "page-sparse" / "summary.jsonl.gz"
     out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
+    for line in read_lines(path) if path.exists() else []:
         r = json.loads(line)
         p = r.get("params", {})
         if (r.get("kind") == "run" and r["name"] in names and p.get("mode") == "eval"
@@ -63,7 +65,7 @@ def ppl_table(recs: list[dict]) -> list[str]:
             "accuracy from ArkVale-style non-eviction selection (Fig. 1b, LongBench, no "
             "numbers in the text). pnm-kv and png-kv attend the same budget set, so their "
             "perplexities must agree; they differ only in where the work runs. Rows marked "
-            "issue 12's record come from results/page-sparse/summary.jsonl (same protocol, "
+            "issue 12's record come from results/page-sparse/summary.jsonl.gz (same protocol, "
             "text, model and machine, measured earlier) where our suite did not reach them."]
     return out
 
@@ -71,8 +73,8 @@ def ppl_table(recs: list[dict]) -> list[str]:
 def passkey_table(recs: list[dict]) -> list[str]:
     """Passkey accuracy and tokens attended per step and layer, budgets 64 and 256: ours
     beside issue 12's arkvale, quest and full (same protocol)."""
-    path = HERE.parent / "page-sparse" / "summary.jsonl"
-    other = [json.loads(x) for x in (path.read_text().splitlines() if path.exists() else [])]
+    path = HERE.parent / "page-sparse" / "summary.jsonl.gz"
+    other = [json.loads(x) for x in (read_lines(path) if path.exists() else [])]
     other = [{**r, "issue12": True} for r in other if r.get("kind") == "run"
              and r["name"] in ("arkvale", "quest", "full") and r.get("status") == "ok"
              and r["params"].get("mode") == "passkey" and r["params"].get("depth") == 0.5]

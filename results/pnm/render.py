@@ -24,6 +24,7 @@ from measured import parallel_table, passkey_table, ppl_table, shapes_table  # b
 from project import tables as projection_tables  # results/pnm/project.py, beside this file
 
 from kvbench.plan import PlanConfig, plan
+from kvbench.store import open_text, read_lines
 
 HERE = Path(__file__).parent
 
@@ -42,10 +43,10 @@ def summarise() -> None:
     raw = sorted({p for pattern in RAW for p in HERE.glob(pattern)})
     if not raw:
         return
-    out, names = HERE / "summary.jsonl", {p.name for p in raw}
-    old = [x for x in out.read_text().splitlines() if json.loads(x).get("file") not in names
+    out, names = HERE / "summary.jsonl.gz", {p.name for p in raw}
+    old = [x for x in read_lines(out) if json.loads(x).get("file") not in names
            ] if out.exists() else []
-    with out.open("w") as f:
+    with open_text(out, "w") as f:
         f.writelines(x + "\n" for x in old)
         for path in raw:
             summed: dict[tuple, dict] = {}  # device counters summed over layers
@@ -75,9 +76,9 @@ def summarise() -> None:
 
 def records(pattern: str) -> list[dict]:
     """The ok run records of summary.jsonl that came from files matching `pattern`."""
-    path = HERE / "summary.jsonl"
+    path = HERE / "summary.jsonl.gz"
     out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
+    for line in read_lines(path) if path.exists() else []:
         r = json.loads(line)
         if (r.get("kind") == "run" and r.get("status") == "ok"
                 and fnmatch.fnmatch(r["file"], pattern)):
