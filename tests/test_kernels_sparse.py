@@ -89,3 +89,37 @@ def test_packed_selection_is_reused_and_checked():
     assert max_err(out, reference(q, k, v, keep=keep)[0]) < 1e-5
     with pytest.raises(KvbenchError, match="does not fit"):
         sparse_attention(q, k[:, :, :30], v[:, :, :30], sel)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_torch_path_padding_never_reads_nan(device, monkeypatch):
+    """GPU audit finding 4: on the torch path (every CUDA call) a row shorter than the
+    longest gathers its padding from position 0 (nested lists) or from whatever its index
+    holds past its length; scout keeps NaN in non-resident blocks and png-kv's pool slots
+    are never-written memory. Weight 0 x NaN is NaN: the output must stay finite and equal
+    attention over the selected keys alone."""
+    from kvbench.kernels import cpu
+
+    monkeypatch.setattr(cpu, "native_ok", lambda q: False)  # the path CUDA takes
+    q, k, v = make(2, 4, 2, 1, 30, 16)
+    keep = torch.zeros(2, 2, 30, dtype=torch.bool)
+    keep[0, 0, 5:25] = True  # the longest row: 20 keys
+    keep[0, 1, [3, 9, 17]] = True  # 3 keys, 17 padded slots
+    keep[1, 0, 10:14] = True
+    keep[1, 1, 29] = True
+    kb, vb = k.clone(), v.clone()  # outside every selection: NaN, inf, -inf
+    kb[:, :, 0], vb[:, :, 0] = float("nan"), float("nan")
+    kb[:, :, 1], vb[:, :, 1] = float("inf"), float("-inf")
+    ref, ref_lse = reference(q, k, v, keep=keep)
+    q, kb, vb = q.to(device), kb.to(device), vb.to(device)
+    nested, _ = sparse_attention(q, kb, vb, ragged(keep))  # padding: position 0 (NaN)
+    idx = torch.ones(2, 2, 20, dtype=torch.long)  # padding: position 1 (+-inf)
+    lens = keep.sum(-1)
+    for b in range(2):
+        for h in range(2):
+            idx[b, h, :lens[b, h]] = torch.nonzero(keep[b, h]).flatten()
+    padded, lse = sparse_attention(q, kb, vb, idx, lengths=lens)
+    for out in (nested, padded):
+        assert out.device.type == device and bool(torch.isfinite(out).all())
+        assert max_err(out.cpu(), ref) < 1e-5
+    assert max_err(lse.cpu(), ref_lse) < 1e-4

@@ -100,7 +100,9 @@ def sparse_attention(
     `group` rows per task and `threads` default to HGCA's batch x heads / threads split.
     `indices` is a Selection from pack_indices or what pack_indices takes.
     Off the native kernel's reach (CUDA, float16, Lq > 32) the keys are gathered and the
-    torch path runs instead.
+    torch path runs instead; the rows' padding gathers position 0 (or whatever the index
+    holds past lens), whose k/v are zeroed there, so a NaN or inf outside a row's selection
+    never reaches its output.
     """
     import torch
 
@@ -130,10 +132,16 @@ def sparse_attention(
     note_backend("torch", q)
     n = idx.shape[1]
     pos = idx.to(torch.int64).view(b, hkv, n)
-    pad = torch.arange(n).view(1, 1, n) >= lens.view(b, hkv, 1)
+    pad = torch.arange(n).view(1, 1, n) >= lens.view(b, hkv, 1)  # [B, Hkv, N], on the host
     gather = pos.to(q.device)[..., None].expand(b, hkv, n, d)
-    res = torch_attention(q, k.gather(2, gather), v.gather(2, gather), scale, causal, start,
-                          key_pos=pos.masked_fill(pad, -1))
+    kg, vg = k.gather(2, gather), v.gather(2, gather)  # [B, Hkv, N, D]
+    if bool(pad.any()):
+        # a padded slot gets weight 0, but 0 x NaN/inf is NaN: what it gathered (scout's
+        # non-resident blocks are NaN, png-kv's empty pool slots never written) is zeroed
+        hole = pad.to(q.device)[..., None]
+        kg.masked_fill_(hole, 0)
+        vg.masked_fill_(hole, 0)
+    res = torch_attention(q, kg, vg, scale, causal, start, key_pos=pos.masked_fill(pad, -1))
     if out is None or lse is None:
         return res
     out.copy_(res[0])
