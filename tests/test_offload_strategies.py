@@ -256,7 +256,7 @@ def test_hgca_beta0_perplexity_equals_full_on_bundled_model(tmp_path: Path) -> N
     (["hgca", "--beta", "-0.5"], "--beta -0.5: must be >= 0"),
     (["hgca", "--gpu-share", "0"], "--gpu-share 0.0: must be in (0, 1]"),
     (["hgca", "--gpu-share", "1.5"], "--gpu-share 1.5: must be in (0, 1]"),
-    (["hgca", "--cpu-threads", "0"], "--cpu-threads 0: must be at least 1"),
+    (["hgca", "--cpu-threads", "-1"], "--cpu-threads -1: must be >= 0 (0: automatic)"),
     (["hgca", "--gpu-tokens", "100", "--block", "64"], "does not divide the GPU window"),
     (["hgca", "--gpu-share", "0.01"], "leaves no room for the prompt"),
     (["h2o", "--gpu-share", "0"], "--gpu-share 0.0: must be in (0, 1]"),

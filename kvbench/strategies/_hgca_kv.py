@@ -5,7 +5,10 @@ The accelerator holds a ring of fixed-size blocks, k/v [B, Hkv, W, D], with a mo
 average of attention weights (MAW) per resident entry and query head, [B, Hq, W]. The
 host holds KV_cpu (every evicted entry, k/v [B, Hkv, N, D]) and the contextual cache
 KV_ctx: per (batch, KV head) row the selected entries, stored contiguously ([B, Hkv, N, D]
-with per-row lengths), which is what the host's sparse attention reads.
+with per-row lengths), which is what the host's sparse attention reads. Only the CPU reads
+KV_cpu and KV_ctx (native kernel, gathers), so they are pageable; the eviction staging that
+the side stream's D2H writes is exactly sized and pinned on CUDA (strategies._hostcopy,
+GPU audit finding 3).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from kvbench.errors import require
 from kvbench.kernels.cpu import default_threads
 from kvbench.strategies import _budget
+from kvbench.strategies._hostcopy import HostKV
 
 if TYPE_CHECKING:
     import torch
@@ -44,8 +48,10 @@ class HgcaParams:
     block: int = field(default=0, metadata={
         "help": f"KV block size in tokens (0: the largest power of two up to {BLOCK} that "
                 f"leaves the window at least {MIN_BLOCKS} blocks)."})
-    cpu_threads: int = field(default=default_threads(), metadata={
-        "help": "Threads of the host sparse attention (default: this machine's CPUs)."})
+    cpu_threads: int = field(default=0, metadata={
+        "help": "Threads of the host sparse attention (0: this process's CPUs, less one "
+                "where CUDA is present, for the thread that launches the GPU work; the run "
+                "records the number)."})
 
     window_blocks: int = field(default=0, metadata={
         "derived": True, "help": "Blocks in the accelerator window (set by the run)."})
@@ -55,7 +61,8 @@ class HgcaParams:
         _budget.check(self.gpu_share, self.gpu_tokens)
         require(0 < self.alpha <= 1, f"--alpha {self.alpha}: must be in (0, 1]")
         require(self.block >= 0, f"--block {self.block}: must be at least 1 (0: automatic)")
-        require(self.cpu_threads >= 1, f"--cpu-threads {self.cpu_threads}: must be at least 1")
+        require(self.cpu_threads >= 0,
+                f"--cpu-threads {self.cpu_threads}: must be >= 0 (0: automatic)")
 
     def tokens(self, max_len: int) -> int:
         """Accelerator window W in tokens for a cache of max_len, unchecked (block resolved
@@ -75,6 +82,13 @@ class HgcaParams:
         return w
 
 
+def host_threads(cuda: bool) -> int:
+    """The automatic --cpu-threads: this process's CPUs, less one on a CUDA run (GPU audit
+    finding 18: every core busy in the host part stalls the thread launching GPU work)."""
+    n = default_threads()
+    return max(1, n - 1) if cuda else n
+
+
 def host_dtype(dtype: torch.dtype) -> torch.dtype:
     """The host copies' dtype: what the native kernel reads (float16 becomes float32)."""
     import torch
@@ -90,30 +104,43 @@ class LayerKV:
 
         s, b, n = ctx.spec, ctx.batch, ctx.max_len
         hkv, hq, d = s.n_kv_heads, s.n_heads, s.head_dim
-        pin = ctx.accel.type == "cuda"
         hd = host_dtype(ctx.dtype)
+        self.host = HostKV(ctx.accel.type == "cuda")  # DMA staging, pinned on CUDA
         self.w = w
         self.gk = torch.empty(b, hkv, w, d, dtype=ctx.dtype, device=ctx.accel)
         self.gv = torch.empty_like(self.gk)
         self.maw = torch.zeros(b, hq, w, dtype=torch.float32, device=ctx.accel)
         self.n = 0  # resident entries
         self.tail = 0  # slot of the oldest resident entry (block aligned)
-        self.hk = torch.empty(b, hkv, n, d, dtype=hd, pin_memory=pin)  # KV_cpu
-        self.hv = torch.empty_like(self.hk, pin_memory=pin)
+        self.hk = torch.empty(b, hkv, n, d, dtype=hd)  # KV_cpu
+        self.hv = torch.empty_like(self.hk)
         self.n_host = 0
         self.ck = torch.empty(b, hkv, n, d, dtype=hd)  # KV_ctx, contiguous per row
         self.cv = torch.empty_like(self.ck)
         self.lens = torch.zeros(b * hkv, dtype=torch.int32)
         self.cpos = torch.empty(b * hkv, n, dtype=torch.int32)  # KV_ctx entries' positions
         self.seen = (0, 0)  # (host entries, resident entries) the last decode step attended
-        self.sk = torch.empty(b, hkv, block, d, dtype=hd, pin_memory=pin)  # eviction staging
-        self.sv = torch.empty_like(self.sk, pin_memory=pin)
-        self.smaw = torch.empty(b, hq, block, dtype=torch.float32, pin_memory=pin)
+        self.sk = self.host.empty((b, hkv, block, d), hd)  # eviction staging
+        self.sv = self.host.empty((b, hkv, block, d), hd)
+        self.smaw = self.host.empty((b, hq, block), torch.float32)
         self.out: torch.Tensor | None = None  # host part's output buffers [B, Hq, 1, D]
         self.lse: torch.Tensor | None = None
+        self.merged: Any = None  # CUDA event: the merge that read out/lse is done
         self.jobs: list[Future[dict[str, float]]] = []  # worker jobs, in submission order
         self.copied: Any = None  # CUDA event: the staging copy is complete
         self.side: Any = None  # CUDA event: the side stream's last MAW update / copy is done
+
+    @staticmethod
+    def pinned(ctx: RunContext, block: int) -> int:
+        """Host bytes one layer page-locks on CUDA: eviction staging k/v [B, Hkv, block, D]
+        and MAW [B, Hq, block] (HostKV, exact), output [B, Hq, 1, D] and lse [B, Hq, 1]
+        (kernels.cpu.output_buffers); 0 on other accelerators."""
+        if ctx.accel.type != "cuda":
+            return 0
+        s, b = ctx.spec, ctx.batch
+        he = host_dtype(ctx.dtype).itemsize
+        return b * (2 * s.n_kv_heads * block * s.head_dim * he
+                    + s.n_heads * (block * 4 + s.head_dim * he + 4))
 
     @staticmethod
     def nbytes(ctx: RunContext, w: int, block: int) -> tuple[int, int]:

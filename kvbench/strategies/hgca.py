@@ -59,7 +59,15 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from kvbench.strategies import STRATEGIES, Strategy, column_scores, decode_weights
-from kvbench.strategies._hgca_kv import BLOCK, MIN_BLOCKS, HgcaParams, LayerKV, ingest_maw
+from kvbench.strategies._hgca_kv import (
+    BLOCK,
+    MIN_BLOCKS,
+    HgcaParams,
+    LayerKV,
+    host_threads,
+    ingest_maw,
+)
+from kvbench.strategies._hostcopy import transfer
 
 if TYPE_CHECKING:
     import torch
@@ -81,7 +89,12 @@ class Hgca(Strategy):
         """Resolve --block 0 (the largest power of two up to BLOCK whose window holds at
         least MIN_BLOCKS blocks, else the largest that divides the window) and record the
         window's blocks; a window under MIN_BLOCKS blocks is warned about: the ring then
-        evicts most of what it holds at once."""
+        evicts most of what it holds at once. --cpu-threads 0 becomes `host_threads` (CUDA
+        present: the run's automatic device is the GPU)."""
+        import torch
+
+        if not params.cpu_threads:
+            params = replace(params, cpu_threads=host_threads(torch.cuda.is_available()))
         block = params.block
         if not block:
             fits = [b for b in (BLOCK >> i for i in range(BLOCK.bit_length()))
@@ -102,11 +115,13 @@ class Hgca(Strategy):
     def placement(cls, params: HgcaParams, ctx: RunContext) -> dict[str, int]:
         """Per layer (LayerKV.nbytes): ring k/v and MAW on the accelerator; KV_cpu, KV_ctx
         (float32 for a float16 model), eviction staging and output buffers on the host;
-        plus the host's row index [B * Hkv, max_len] int32."""
+        plus the host's row index [B * Hkv, max_len] int32. "pinned": the staging and
+        output buffers (LayerKV.pinned), part of "host"."""
         p, _ = cls.for_run(params, ctx.max_len)
         accel, host = LayerKV.nbytes(ctx, p.window(ctx.max_len), p.block)
         index = ctx.batch * ctx.spec.n_kv_heads * ctx.max_len * 4
-        return {"accel": ctx.n_layers * accel, "host": ctx.n_layers * host + index}
+        return {"accel": ctx.n_layers * accel, "host": ctx.n_layers * host + index,
+                "pinned": ctx.n_layers * LayerKV.pinned(ctx, p.block)}
 
     def __init__(self, params: HgcaParams, ctx: RunContext) -> None:
         import torch
@@ -139,39 +154,36 @@ class Hgca(Strategy):
         with self.ctx.counters.timed("bookkeeping.issue"):
             L.jobs.append(self.worker.submit(fn, L, *args))
 
-    def _stage(self, L: LayerKV, k: torch.Tensor, v: torch.Tensor,
-               maw: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Host staging for evicted k/v [B, Hkv, n, D] and MAW [B, Hq, n]; counts d2h bytes."""
-        import torch
-
-        n = k.shape[2]
-        with self.ctx.counters.background():  # the next step's same layer joins it
-            self.ctx.counters.moved("d2h", (k.numel() + v.numel()) * k.element_size()
-                                    + maw.numel() * 4)
-        if n <= L.sk.shape[2]:
-            return L.sk[:, :, :n], L.sv[:, :, :n], L.smaw[:, :, :n]
-        # a prefill's or append's overflow: staged once, in fresh host buffers
-        return (torch.empty(k.shape, dtype=L.hk.dtype), torch.empty(v.shape, dtype=L.hk.dtype),
-                torch.empty(maw.shape, dtype=torch.float32))
-
     def _evict(self, L: LayerKV, k: torch.Tensor, v: torch.Tensor, maw: torch.Tensor) -> None:
         """Lines 11-13 then 23-25: copy k/v [B, Hkv, n, D] and MAW [B, Hq, n] to the host
-        (side stream on CUDA) and hand the selection to the worker."""
+        and hand the selection to the worker. One block (a decode step's eviction) goes to
+        the layer's pinned staging: on CUDA made contiguous in the host dtype on the side
+        stream, then an async D2H (GPU audit finding 6). A prefill's or append's overflow
+        (more than one block) is copied once, blocking, to fresh pageable buffers."""
         import torch
 
-        staged = self._stage(L, k, v, maw)
-        if self.stream is None:
-            with self.ctx.counters.timed("bookkeeping.evict"):
-                for dst, src in zip(staged, (k, v, maw), strict=True):
-                    dst.copy_(src)
+        c = self.ctx.counters
+        src = (k, v, maw)
+        with c.background():  # the next step's same layer joins it
+            c.moved("d2h", (k.numel() + v.numel()) * k.element_size() + maw.numel() * 4)
+        if k.shape[2] != L.sk.shape[2]:
+            with c.timed("bookkeeping.evict"):
+                staged = tuple(x.to("cpu", dt, copy=True) for x, dt in
+                               zip(src, (L.hk.dtype, L.hk.dtype, torch.float32), strict=True))
             self._submit(L, self._select, *staged, None)
             return
-        with self.ctx.counters.timed("bookkeeping.issue"):
+        staged = (L.sk, L.sv, L.smaw)
+        if self.stream is None:
+            with c.timed("bookkeeping.evict"):
+                for dst, x in zip(staged, src, strict=True):
+                    dst.copy_(x)
+            self._submit(L, self._select, *staged, None)
+            return
+        with c.timed("bookkeeping.issue"):
             self.stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.stream):
-                for dst, src in zip(staged, (k, v, maw), strict=True):
-                    dst.copy_(src, non_blocking=True)
-                    src.record_stream(self.stream)  # k/v may be a temporary (overflow)
+                for dst, x in zip(staged, src, strict=True):
+                    transfer(dst, x.to(dst.dtype).contiguous())
                 L.copied = L.side = torch.cuda.Event()
                 L.copied.record(self.stream)
         self._submit(L, self._select, *staged, L.copied)
@@ -205,12 +217,14 @@ class Hgca(Strategy):
 
     def _select(self, L: LayerKV, k: torch.Tensor, v: torch.Tensor, maw: torch.Tensor,
                 copied: Any) -> dict[str, float]:
-        """Worker: KV_cpu += evicted block; KV_ctx += its entries with MAW > beta / W."""
+        """Worker: KV_cpu += evicted block; KV_ctx += its entries with MAW > beta / W.
+        The clock starts once the D2H copy has landed (GPU audit finding 13): waiting for
+        the side stream is not selection time."""
         import torch
 
-        t0 = time.perf_counter()
         if copied is not None:
             copied.synchronize()
+        t0 = time.perf_counter()
         with torch.inference_mode():
             L.keep(k, v, maw, self._threshold(self.w), L.add_host(k, v))
         return {"select": time.perf_counter() - t0}
@@ -264,6 +278,9 @@ class Hgca(Strategy):
             from kvbench.kernels.cpu import output_buffers
 
             L.out, L.lse = output_buffers(qh)  # pinned on CUDA: read in place by the merge
+        elif L.merged is not None:  # the last step's merge read them with an async H2D
+            L.merged.synchronize()  # (GPU audit finding 15): done before the rewrite
+            L.merged = None
         sel = Selection(self.idx[:, :nmax], L.lens, nmax)  # row r: KV_ctx[r, :lens[r]]
         out, lse = sparse_attention(qh, L.ck, L.cv, sel, causal=False, scale=self.scale,
                                     threads=self.p.cpu_threads, out=L.out, lse=L.lse)
@@ -408,6 +425,8 @@ class Hgca(Strategy):
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
+        import torch
+
         from kvbench.kernels.attention import merge
 
         L = self.layers[layer]
@@ -432,6 +451,9 @@ class Hgca(Strategy):
             c.join()
             with c.timed("bookkeeping.merge"):
                 out, _ = merge(out, lse_w, *host)
+                if self.stream is not None:  # the next step's kernel rewrites out/lse
+                    L.merged = torch.cuda.Event()
+                    L.merged.record(torch.cuda.current_stream())
         full = L.n == self.w  # line 10: full after the append, evict the oldest block
         self._manage(L, q, lse_w, L.tail if full else None)
         if full:

@@ -9,8 +9,13 @@ on CUDA a side stream, pinned buffers and an event per copy; on a CPU-only machi
 "accelerator" is the CPU, the copy is a memcpy on a helper thread, and the bytes are
 counted on the h2d link all the same (transfer time is then DRAM time, not PCIe time).
 
-Two staging buffers [B, Hkv, max_len, D] (for k and v each) alternate between calls: one is
-read by the current layer's attention while the other is filled. The prefill attends over
+Layout, token-major so that the first n tokens of a layer are one contiguous block (GPU
+audit, issue 28, finding 5: a [:, :, :n] slice of a [B, Hkv, max_len, D] buffer is strided,
+and ATen stages a strided host <-> device copy through pageable memory, which blocks):
+host k/v [max_len, B, Hkv, D] per layer, exactly sized and page-locked on CUDA
+(strategies._hostcopy.HostKV), and two accelerator staging buffers of the same shape (for
+k and v each) that alternate between calls: one is read by the current layer's attention
+(as the view [B, Hkv, n, D]) while the other is filled. The prefill attends over
 the prompt where it was computed (the accelerator) and writes it back to the host. An
 append (a later turn's prompt, T tokens) runs the decode path with T new tokens: the
 layer's host KV is staged in, the new k/v join it there and on the host, and attention is
@@ -24,6 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from kvbench.strategies import STRATEGIES, Strategy
+from kvbench.strategies._hostcopy import HostKV, transfer
 
 if TYPE_CHECKING:
     import torch
@@ -36,27 +42,27 @@ class Offload(Strategy):
     """FlexGen-style: all KV on the host, each layer copied in for dense attention, overlapped."""
 
     name = "offload"
-    version = "1"
+    version = "2"
     exact = ()  # every token attended: always exact
 
     @classmethod
     def placement(cls, params: object, ctx: RunContext) -> dict[str, int]:
-        """Every layer's KV on the host; two one-layer staging buffers (k and v each, the
-        whole cache length) on the accelerator."""
+        """Every layer's KV on the host (all of it a DMA source, pinned on CUDA); two
+        one-layer staging buffers (k and v each, the whole cache length) on the accelerator."""
         layer = ctx.batch * ctx.max_len * ctx.spec.kv_bytes_per_token(ctx.elem_bytes, 1)
-        return {"accel": 2 * layer, "host": ctx.n_layers * layer}
+        host = ctx.n_layers * layer
+        return {"accel": 2 * layer, "host": host, "pinned": host}
 
     def __init__(self, params: object, ctx: RunContext) -> None:
         import torch
 
         super().__init__(params, ctx)
         s = ctx.spec
-        shape = (ctx.batch, s.n_kv_heads, ctx.max_len, s.head_dim)
+        shape = (ctx.max_len, ctx.batch, s.n_kv_heads, s.head_dim)  # token-major
         self.cuda = ctx.accel.type == "cuda"
-        self.hk = [torch.empty(shape, dtype=ctx.dtype, pin_memory=self.cuda)
-                   for _ in range(ctx.n_layers)]
-        self.hv = [torch.empty(shape, dtype=ctx.dtype, pin_memory=self.cuda)
-                   for _ in range(ctx.n_layers)]
+        self.host = HostKV(self.cuda)
+        self.hk = [self.host.empty(shape, ctx.dtype) for _ in range(ctx.n_layers)]
+        self.hv = [self.host.empty(shape, ctx.dtype) for _ in range(ctx.n_layers)]
         self.sk = [torch.empty(shape, dtype=ctx.dtype, device=ctx.accel) for _ in range(2)]
         self.sv = [torch.empty(shape, dtype=ctx.dtype, device=ctx.accel) for _ in range(2)]
         self.length = [0] * ctx.n_layers
@@ -70,20 +76,20 @@ class Offload(Strategy):
         import torch
 
         n = self.length[layer]
-        src = (self.hk[layer][:, :, :n], self.hv[layer][:, :, :n])
-        dst = (self.sk[buf][:, :, :n], self.sv[buf][:, :, :n])
+        src = (self.hk[layer][:n], self.hv[layer][:n])  # contiguous prefixes
+        dst = (self.sk[buf][:n], self.sv[buf][:n])
         # the next layer's attention waits for it (the stage graph's look-ahead)
         self.ctx.counters.moved("h2d", 2 * src[0].numel() * src[0].element_size(), ahead=1)
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream())  # buf's last reader is done
             with torch.cuda.stream(self.stream):
                 for d, s in zip(dst, src, strict=True):
-                    d.copy_(s, non_blocking=True)
+                    transfer(d, s)
                 self.pending = torch.cuda.Event()
                 self.pending.record(self.stream)
         else:
             pairs = list(zip(dst, src, strict=True))
-            self.pending = self.copier.submit(lambda: [d.copy_(s) for d, s in pairs])
+            self.pending = self.copier.submit(lambda: [transfer(d, s) for d, s in pairs])
 
     def _wait(self) -> None:
         """The accelerator waits for the copy into the current buffer (timed as idle)."""
@@ -97,10 +103,11 @@ class Offload(Strategy):
         self.pending = None
 
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write new k/v [B, Hkv, T, D] back to the host cache (d2h)."""
-        n0, n1 = self.length[layer], self.length[layer] + k.shape[2]
-        self.hk[layer][:, :, n0:n1].copy_(k, non_blocking=self.cuda)
-        self.hv[layer][:, :, n0:n1].copy_(v, non_blocking=self.cuda)
+        """Write new k/v [T, B, Hkv, D] (token-major, contiguous) back to the host cache
+        (d2h, queued on the current stream before any later prefetch of the layer)."""
+        n0, n1 = self.length[layer], self.length[layer] + k.shape[0]
+        transfer(self.hk[layer][n0:n1], k)
+        transfer(self.hv[layer][n0:n1], v)
         self.ctx.counters.moved("d2h", 2 * k.numel() * k.element_size())
         self.length[layer] = n1
 
@@ -110,7 +117,7 @@ class Offload(Strategy):
 
         out, _ = dense_attention(q, k, v)
         self.ctx.counters.attended("accel", q, k.shape[2])
-        self._store(layer, k, v)
+        self._store(layer, tokens_first(k), tokens_first(v))
         if layer == self.ctx.n_layers - 1:  # the first decode step's layer 0
             if self.cuda:
                 import torch
@@ -127,13 +134,25 @@ class Offload(Strategy):
 
         buf, n = self.cur, self.length[layer]
         n1 = n + k.shape[2]
+        kt, vt = tokens_first(k), tokens_first(v)
         self._wait()
-        self.sk[buf][:, :, n:n1], self.sv[buf][:, :, n:n1] = k, v
-        self._store(layer, k, v)
+        self.sk[buf][n:n1], self.sv[buf][n:n1] = kt, vt
+        self._store(layer, kt, vt)
         self._prefetch((layer + 1) % self.ctx.n_layers, buf ^ 1)  # overlaps this attention
-        out, _ = dense_attention(q, self.sk[buf][:, :, :n1], self.sv[buf][:, :, :n1])
+        out, _ = dense_attention(q, heads_first(self.sk[buf][:n1]),
+                                 heads_first(self.sv[buf][:n1]))
         self.ctx.counters.attended("accel", q, n1)
         self.cur = buf ^ 1
         return out
 
     append = decode  # the same path with T >= 2 new tokens
+
+
+def tokens_first(x: torch.Tensor) -> torch.Tensor:
+    """k/v [B, Hkv, T, D] as a contiguous [T, B, Hkv, D] (a copy on x's device)."""
+    return x.permute(2, 0, 1, 3).contiguous()
+
+
+def heads_first(x: torch.Tensor) -> torch.Tensor:
+    """A token-major [n, B, Hkv, D] buffer as the view [B, Hkv, n, D] attention reads."""
+    return x.permute(1, 2, 0, 3)
