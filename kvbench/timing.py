@@ -99,12 +99,18 @@ def block_medians(samples: Sequence[float], blocks: Sequence[int]) -> list[float
 class Timing:
     """Seconds per call for every timed repetition, and how they were taken. `blocks`: the
     sample counts of the passes the samples were taken in, in order (`Timing.join`); empty
-    for one pass."""
+    for one pass. `calls`: calls of the timed function per sample (a sample is their time
+    divided by it). `cover`: what was queued on the device ahead of each sample to keep the
+    host's launch time out of it (time_cuda), and `exposed` how many samples' launches
+    outlasted it all the same (their calls may have waited for the host)."""
 
     seconds: tuple[float, ...]
     timer: str
     warmup: int
     blocks: tuple[int, ...] = ()
+    calls: int = 1
+    cover: str = ""
+    exposed: int = 0
 
     @property
     def stats(self) -> Stats:
@@ -123,14 +129,20 @@ class Timing:
         """One timing of the samples of several passes over a quantity taken at different
         times of a run; `blocks` keeps which samples each pass took (the units that are
         nearly independent on a machine whose speed drifts over seconds, kvbench.compare)."""
-        return cls(tuple(s for t in passes for s in t.seconds), passes[0].timer,
-                   passes[0].warmup, tuple(len(t.seconds) for t in passes))
+        first = passes[0]
+        return cls(tuple(s for t in passes for s in t.seconds), first.timer, first.warmup,
+                   tuple(len(t.seconds) for t in passes), first.calls, first.cover,
+                   sum(t.exposed for t in passes))
 
     def method(self) -> dict[str, Any]:
-        out = {"timer": self.timer, "warmup": self.warmup, "reps": len(self.seconds),
-               "statistic": "median"}
+        out: dict[str, Any] = {"timer": self.timer, "warmup": self.warmup,
+                               "reps": len(self.seconds), "statistic": "median"}
         if len(self.blocks) > 1:
             out["blocks"] = list(self.blocks)
+        if self.calls > 1:
+            out["calls_per_sample"] = self.calls
+        if self.cover:
+            out.update(before=self.cover, launch_exposed=self.exposed)
         return out
 
 
@@ -279,34 +291,84 @@ def time_rounds(fns: Sequence[Callable[[], float]], policy: Policy = DEFAULT,
     return [Timing(tuple(s), timer, policy.warmup, blocks) for s in samples]
 
 
+COVER = 2.0  # time_cuda's device wait: this many times the host's time to enqueue a sample
+COVER_TEXT = ("torch.cuda._sleep queued ahead of the start event, twice the host's longest "
+              "enqueue of a sample's calls so far")
+_SLEEP_PROBE = 10_000_000  # cycles of the one timed torch.cuda._sleep that calibrates it
+_SLEEP_RATE: dict[int, float] = {}  # CUDA device index -> torch.cuda._sleep cycles a second
+
+
+def sleep_rate() -> float:
+    """Cycles a second of torch.cuda._sleep on the current CUDA device (its SM clock),
+    timed once with CUDA events and kept for the process."""
+    import torch
+
+    dev = torch.cuda.current_device()
+    if dev not in _SLEEP_RATE:
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(_SLEEP_PROBE // 10)  # untimed: covers the timed one's launch
+        e0.record()
+        torch.cuda._sleep(_SLEEP_PROBE)
+        e1.record()
+        e1.synchronize()
+        _SLEEP_RATE[dev] = _SLEEP_PROBE / (e0.elapsed_time(e1) * 1e-3)
+    return _SLEEP_RATE[dev]
+
+
 def time_cuda(
     fn: Callable[[], object],
     policy: Policy = DEFAULT,
     before: Callable[[], object] | None = None,
+    calls: int = 1,
+    cover: bool = False,
 ) -> Timing:
-    """Time fn() on the current CUDA stream with a pair of CUDA events per call.
+    """Time fn() on the current CUDA stream with CUDA events: `calls` calls of fn between
+    one pair of events, a sample being the pair's time divided by `calls`.
 
     `before`, when given, is enqueued ahead of the start event each repetition (for example
     a short device-side wait) so that the host's launch overhead of fn is hidden behind it.
+    `cover` queues such a wait itself, sized to COVER times the longest host time seen to
+    enqueue a sample's calls (the warm-up's first, at least one warm-up round): the device
+    then runs the calls back to back and a sample is their device time, not the host's
+    launch rate (torch ops of a few microseconds of device work each take several of host
+    time). Samples whose enqueue outlasted the wait are counted (Timing.exposed).
     """
     import torch
 
-    for _ in range(policy.warmup):
-        fn()
+    if calls < 1 or (cover and before is not None):
+        raise ValueError("time_cuda: calls >= 1, and cover or before, not both")
+    warmup = max(policy.warmup, 1) if cover else policy.warmup
+    enqueue = 0.0  # longest host time to enqueue one sample's calls, seconds
+    for _ in range(warmup):
+        t0 = time.perf_counter_ns()
+        for _ in range(calls):
+            fn()
+        enqueue = max(enqueue, (time.perf_counter_ns() - t0) * 1e-9)
     torch.cuda.synchronize()
+    rate = sleep_rate() if cover else 0.0
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     samples: list[float] = []
+    exposed = 0
     start = time.perf_counter_ns()
     while not policy.done(len(samples), (time.perf_counter_ns() - start) * 1e-9):
-        if before is not None:
+        wait = COVER * enqueue
+        if cover:
+            torch.cuda._sleep(int(wait * rate))
+        elif before is not None:
             before()
-        e0 = torch.cuda.Event(enable_timing=True)
-        e1 = torch.cuda.Event(enable_timing=True)
         e0.record()
-        fn()
+        t0 = time.perf_counter_ns()
+        for _ in range(calls):
+            fn()
+        took = (time.perf_counter_ns() - t0) * 1e-9
         e1.record()
         e1.synchronize()
-        samples.append(e0.elapsed_time(e1) * 1e-3)
-    return Timing(tuple(samples), "cuda_event", policy.warmup)
+        if cover:
+            exposed += int(took > wait)
+            enqueue = max(enqueue, took)
+        samples.append(e0.elapsed_time(e1) * 1e-3 / calls)
+    return Timing(tuple(samples), "cuda_event", warmup, calls=calls,
+                  cover=COVER_TEXT if cover else "", exposed=exposed)
 
 
 def time_stages(setup: Callable[[], Any], stages: Sequence[Callable[[Any], object]],

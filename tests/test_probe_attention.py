@@ -157,3 +157,58 @@ def test_attention_decode_rounds_read_and_sdpa(tmp_path: Path):
     assert frac["method"]["isa"] in ("avx2", "portable") and frac["method"]["bar"] == ">= 0.85"
     assert "per-round" in sdpa["method"]["statistic"] and sdpa["method"]["goal"] == ">= 1.5"
     assert ("host_read_gbps", 4) not in by and ("bar.cpu_dense_over_host_read", 4) not in by
+
+
+def test_gpu_modes_time_covered_calls_per_event_pair(monkeypatch):
+    """Audit finding 7, on the CUDA-shaped fake: a step of 20 launches (7 us of host, 1 us
+    of device each) is timed GPU_CALLS calls per event pair behind a wait covering their
+    launches, so a sample is the step's 20 us of device time, not its 140 us of launches."""
+    from fake_cuda import FakeCuda
+
+    from kvbench.probes.attention import GPU_CALLS
+    from kvbench.timing import Policy
+
+    fake = FakeCuda(launch_ns=7_000).install(monkeypatch)
+
+    def step() -> None:
+        for _ in range(20):
+            fake.launch(1_000)
+
+    probe = AttentionProbe()
+    probe.policy = Policy(warmup=1, min_reps=3, min_time_s=0.0)
+    t = probe._time(step, "cuda")
+    assert GPU_CALLS > 1 and t.seconds == pytest.approx((20e-6,) * 3, rel=1e-12)
+    pair = fake.log[len(fake.log) - 1 - fake.log[::-1].index("record", 1):]
+    assert pair == ["record", *["kernel"] * (20 * GPU_CALLS), "record"]
+    assert t.method()["calls_per_sample"] == GPU_CALLS and t.method()["launch_exposed"] == 0
+
+
+def test_device_copy_counts_read_plus_write_and_the_decode_bar_divides_by_it():
+    """Audit finding 8: a 1 GiB device copy in 1 ms moves 2 GiB (read + written), the
+    roofline's memory_gbps convention; GPU decode of 64 MiB of KV in 25 us is read at
+    2684.35456 GB/s, 1.25 of the copy's 2147.483648 GB/s."""
+    from kvbench.kernels.workload import Point
+    from kvbench.probes.attention import DEVICE_COPY_BYTES
+    from kvbench.timing import Timing
+
+    assert DEVICE_COPY_BYTES == 1073741824
+    probe = AttentionProbe()
+    gen = probe._copy_records({"device": [Timing((1e-3,) * 3, "cuda_event", 1)]}, 2)
+    recs = []
+    try:
+        while True:
+            recs.append(next(gen))
+    except StopIteration as done:
+        host_bw, dev_bw = done.value
+    (rec,) = recs
+    assert rec.metric == "device_copy_gbps" and rec.params["counted"] == "read+write"
+    assert rec.value == pytest.approx(2147.483648, rel=1e-12) and dev_bw == rec.value
+    # batch 1, 32 KV heads, 4096 tokens, head dim 128, bf16: K and V of 32 MiB each
+    p = Point(1, 32, 32, 128, 0, 4096, 1, "bfloat16")
+    kv = 2 * 32 * 4096 * 128 * 2
+    assert kv == 64 << 20
+    res = {"gpu": (Timing((25e-6,), "cuda_event", 1), kv)}
+    (bar,) = probe._bars(p, {}, res, host_bw, dev_bw)
+    assert bar.metric == "bar.gpu_decode_over_device_copy"
+    assert bar.value == pytest.approx(2684.35456 / 2147.483648, rel=1e-12) == 1.25
+    assert bar.method["device_copy"] == "bytes read + written" and bar.method["pass"] is True

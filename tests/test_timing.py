@@ -159,3 +159,61 @@ def test_passes_alternate_their_order_and_split_the_policy() -> None:
     assert [p.min_reps for p in shares] == [2] * 4 and shares[0].min_time_s == 0.1
     assert [p.warmup for p in shares] == [1, 0, 0, 0]  # warmed up in the first pass only
     assert t.blocks == (2, 2, 2, 2) and t.seconds == (1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 4.0, 4.0)
+
+
+def test_time_cuda_one_call_per_event_pair_is_launch_bound(monkeypatch) -> None:
+    """The CUDA-shaped fake (tests/fake_cuda.py): 150 us of host per launch, 10 us of device
+    work. One call per event pair, nothing queued ahead: each sample is the launch, not the
+    kernel (what the attention probe's GPU modes measured, audit finding 7)."""
+    from fake_cuda import FakeCuda
+
+    from kvbench.timing import time_cuda
+
+    fake = FakeCuda(launch_ns=150_000).install(monkeypatch)
+    t = time_cuda(lambda: fake.launch(10_000), Policy(warmup=1, min_reps=3, min_time_s=0.0))
+    assert t.seconds == pytest.approx((160e-6,) * 3, rel=1e-12)
+    assert t.calls == 1 and "calls_per_sample" not in t.method()
+
+
+def test_time_cuda_covers_launches_and_divides_by_the_calls(monkeypatch) -> None:
+    """cover + calls: the wait queued ahead of the start event outlasts the enqueue of the
+    8 calls, which run back to back between one event pair; a sample is their device time
+    over 8, exactly."""
+    from fake_cuda import FakeCuda
+
+    from kvbench.timing import COVER_TEXT, sleep_rate, time_cuda
+
+    fake = FakeCuda(launch_ns=150_000, sleep_ghz=2.0).install(monkeypatch)
+    t = time_cuda(lambda: fake.launch(10_000), Policy(warmup=1, min_reps=4, min_time_s=0.0),
+                  calls=8, cover=True)
+    assert t.seconds == pytest.approx((10e-6,) * 4, rel=1e-12)
+    assert sleep_rate() == pytest.approx(2e9, rel=1e-12)
+    assert t.method() == {"timer": "cuda_event", "warmup": 1, "reps": 4, "statistic": "median",
+                          "calls_per_sample": 8, "before": COVER_TEXT, "launch_exposed": 0}
+    # the last sample as queued: the wait, the start event, 8 calls, the end event
+    assert fake.log[-11:] == ["sleep", "record", *["kernel"] * 8, "record"]
+    assert fake.made == 4  # two to calibrate the wait, one pair reused by every sample
+
+
+def test_time_cuda_counts_samples_whose_launches_outlast_the_wait(monkeypatch) -> None:
+    """The warm-up enqueued fast (10 us), the first sample slowly (100 us): its calls waited
+    for the host, which the timing says (exposed); the wait then grows and covers them."""
+    from fake_cuda import FakeCuda
+
+    from kvbench.timing import time_cuda
+
+    fake = FakeCuda(launch_ns=10_000).install(monkeypatch)
+    calls = []
+
+    def step() -> None:
+        calls.append(1)
+        fake.launch_ns = 10_000 if len(calls) == 1 else 100_000
+        fake.launch(5_000)
+
+    t = time_cuda(step, Policy(warmup=1, min_reps=3, min_time_s=0.0), cover=True)
+    assert t.exposed == 1 and t.method()["launch_exposed"] == 1
+    assert t.seconds[0] > 5e-6 and t.seconds[1:] == pytest.approx((5e-6,) * 2, rel=1e-12)
+    joined = Timing.join([t, t])
+    assert joined.exposed == 2 and joined.calls == 1 and joined.cover == t.cover
+    with pytest.raises(ValueError):
+        time_cuda(step, calls=0)
