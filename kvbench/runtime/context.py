@@ -35,6 +35,12 @@ UNITS = {"tokens": "tokens", "flops": "FLOP", "bytes_read": "B", "bytes_moved": 
          "topk_sorts": "sorts", "topk_candidates": "pages", "reductions": "messages",
          "device_load": "B"}
 
+# Phases of host work (issuing to a worker or a side stream, joining the worker, gathers on
+# the host, the PNM role's CPU work): timed with the host clock on CUDA too, where CUDA
+# events on the compute stream would time the stream's gaps instead of the host's work.
+HOST_PHASES = frozenset({"bookkeeping.issue", "bookkeeping.handoff", "bookkeeping.predict",
+                         "bookkeeping.speculate", "bookkeeping.pnm_select", "pnm.attention"})
+
 
 class Counters:
     """Work per (quantity, where, layer), one value per step; cheap enough for every step.
@@ -58,6 +64,7 @@ class Counters:
         self._v: dict[tuple[str, str, int], dict[int, float]] = defaultdict(
             lambda: defaultdict(float))
         self._events: list[tuple[str, int, int, Any, Any, Any]] = []
+        self._pairs: list[tuple[Any, Any]] = []  # CUDA event pairs free for reuse
         self._k0 = 0  # kernel clock at the step's start (CPU runs' dispatch account)
         self._excluded = 0.0  # seconds of the step in waits and carried blocks
 
@@ -134,16 +141,18 @@ class Counters:
 
     @contextmanager
     def timed(self, phase: str, wait: bool = False) -> Iterator[None]:
-        """Time the block into ("time", phase): CUDA events on a GPU, perf_counter otherwise.
+        """Time the block into ("time", phase): on a GPU with a pair of CUDA events on the
+        current stream, taken from a pool and resolved at `step_end`; with perf_counter_ns
+        otherwise, and for HOST_PHASES on a GPU too.
 
         Graph: a block that recorded no modelled work becomes a "host" task of its
         measured seconds, unless it only waits (`wait`, or phase "attention"/"accel_idle")."""
         n0 = len(self.graph.tasks)
-        if self.cuda:
+        if self.cuda and phase not in HOST_PHASES:
             import torch
 
-            e0 = torch.cuda.Event(enable_timing=True)
-            e1 = torch.cuda.Event(enable_timing=True)
+            e0, e1 = self._pairs.pop() if self._pairs else (
+                torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             e0.record()
             yield
             e1.record()
@@ -173,18 +182,25 @@ class Counters:
         (kvbench.timing.kernel: matmuls, attention, merges), waits and carried blocks leave
         of it becomes one chained "host" task "dispatch" of that many measured seconds: the
         Python and small torch ops of the decoder and the strategy, which the accelerator
-        role shares with them here. (On CUDA the host issues asynchronously: none.)"""
+        role shares with them here. On CUDA the host issues asynchronously (no dispatch
+        task): the step's event pairs are resolved (`resolve`) and go back to the pool, so
+        a run holds the events of one step, not of every step."""
         if self.cuda:
+            self.resolve()
             return
         rest = seconds - (kernel_ns() - self._k0) * 1e-9 - self._excluded
         self.graph.record(self.step, self.layer, "host", "dispatch", {"seconds": max(rest, 0.0)})
 
     def resolve(self) -> None:
-        """Turn recorded CUDA event pairs into seconds (call after a synchronize)."""
+        """Turn recorded CUDA event pairs into seconds (waiting for each end event, at no
+        cost after a synchronize) and return the pairs to the pool."""
         for phase, layer, step, e0, e1, task in self._events:
-            self._v[("time", phase, layer)][step] += e0.elapsed_time(e1) * 1e-3
+            e1.synchronize()
+            s = e0.elapsed_time(e1) * 1e-3
+            self._v[("time", phase, layer)][step] += s
             if task is not None:
-                task.work["seconds"] = e0.elapsed_time(e1) * 1e-3
+                task.work["seconds"] = s
+            self._pairs.append((e0, e1))
         self._events.clear()
 
     def series(self) -> Iterator[tuple[str, str, int, dict[int, float]]]:
