@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -190,3 +191,38 @@ def test_query_is_what_the_layer_hands_its_strategy(tmp_path: Path) -> None:
                                        seen[("q", layer)], rtol=1e-5, atol=1e-5)
             hf_q = loaded.hf_model.model.layers[layer].self_attn.q_proj.weight
             assert torch.equal(model.query_weight(layer), hf_q)
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])
+def test_random_weights_never_materialise_fp32_on_the_device(dtype_name: str) -> None:
+    """GPU audit finding 16: random weights are cast on the meta device, then allocated,
+    so the device never holds an fp32 copy (twice the bf16 bytes that check_fit counts:
+    OPT-30B or llama-70b would not load on an H100). Every tensor the load creates on the
+    target device (here the CPU, watched through a dispatch mode) is in the model dtype."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kvbench.models.weights import load
+
+    dtype = getattr(torch, dtype_name)
+    made: list[tuple[str, torch.dtype]] = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                               kwargs: dict | None = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                    made.append((str(func), t.dtype))
+            return out
+
+    spec = ModelSpec("tiny-gqa", "llama", 2, 6, 2, 48, 96, 100, 512, head_dim=8)
+    with Watch():
+        model = load(spec, "random", 2, dtype, torch.device("cpu"), seed=3).model
+    params = dict(model.named_parameters())
+    assert params and {p.dtype for p in params.values()} == {dtype}
+    assert all(p.device.type == "cpu" for p in params.values())
+    assert {d for _, d in made} == {dtype}, sorted({m for m in made if m[1] != dtype})
+    assert any("empty" in f for f, _ in made)  # the watch saw the allocation itself
+    matrices = [p for p in params.values() if p.dim() >= 2]
+    assert all(0.01 < float(p.detach().float().std()) < 0.03 for p in matrices)  # normal(0, 0.02)

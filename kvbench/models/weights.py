@@ -151,7 +151,9 @@ def _meta(spec: ModelSpec, n_layers: int) -> Decoder:
 
 def _random(spec: ModelSpec, n_layers: int, dtype: torch.dtype, device: torch.device,
             seed: int) -> Decoder:
-    model = _meta(spec, n_layers).to_empty(device=device).to(dtype)
+    # cast while on meta, then allocate: the device holds dtype's bytes only (an fp32
+    # model materialised first would need twice bf16's, more than check_fit counted)
+    model = _meta(spec, n_layers).to(dtype).to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
