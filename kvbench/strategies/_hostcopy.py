@@ -83,3 +83,13 @@ def transfer(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
         host = dst if src.is_cuda else src
         assert host.is_pinned(), "transfer from/to pageable host memory: pin it (HostKV)"
     return dst.copy_(src, non_blocking=cuda)
+
+
+def tokens_first(x: torch.Tensor) -> torch.Tensor:
+    """k/v [B, Hkv, T, D] as a contiguous [T, B, Hkv, D] (a copy on x's device)."""
+    return x.permute(2, 0, 1, 3).contiguous()
+
+
+def heads_first(x: torch.Tensor) -> torch.Tensor:
+    """A token-major [n, B, Hkv, D] buffer as the view [B, Hkv, n, D] attention reads."""
+    return x.permute(1, 2, 0, 3)

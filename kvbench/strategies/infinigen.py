@@ -27,8 +27,20 @@ reproduces the public Llama accuracy code, which thresholds every head with head
 Exact setting: `--alpha inf` and a budget covering the context (every token prefetched).
 The per-layer skew warm-up is then irrelevant (dense or speculated, every token is read).
 Multi-turn appends are not defined by InfiniGen: `--turns` > 1 is refused.
-Layout per layer: host k/v [B, Hkv, max_len, D] (pinned when CUDA), partial keys
-[B, Hkv, max_len, d'], A [Hkv, D, D] and channel ids [Hkv, d'] on the accelerator.
+Layout per layer: host k/v token-major [max_len, B, Hkv, D] (a prefix is one contiguous
+block: stores and whole-cache reads are single DMA copies), partial keys [B, Hkv, max_len,
+d'], A [Hkv, D, D] and channel ids [Hkv, d'] on the accelerator. Two gather staging
+buffers [B * Hq * n'_max, D] (k and v each) and the speculation's token ids [B, Hq, n'_max]
+and count are host DMA buffers; all host buffers are exactly sized and pinned on CUDA
+(strategies._hostcopy, GPU audit findings 3 and 6).
+
+Schedule of a decode step on CUDA (GPU audit finding 10): at layer i's input the
+speculation for layer i+1 is queued (partial scores, top n'_max ids, their D2H into the
+pinned id buffer and an event); layer i's attention is queued next, and only then does the
+host wait for the ids, gather the tokens into a staging buffer and queue their H2D on a
+side stream, while the GPU runs layer i. The gather reads host KV that earlier steps' D2H
+stores wrote: it waits for the layer's last store event first (finding 15), and a staging
+buffer is rewritten only after the H2D that last read it is done.
 """
 
 from __future__ import annotations
@@ -38,6 +50,7 @@ from typing import TYPE_CHECKING
 
 from kvbench.errors import require
 from kvbench.strategies import STRATEGIES, Strategy, position_mask
+from kvbench.strategies._hostcopy import HostKV, heads_first, tokens_first, transfer
 from kvbench.strategies._pages import check_layers
 
 if TYPE_CHECKING:
@@ -98,7 +111,7 @@ class InfiniGen(Strategy):
     """InfiniGen: layer-ahead speculation with partial weights, prefetch of selected tokens."""
 
     name = "infinigen"
-    version = "1"
+    version = "2"
     params = InfiniGenParams
     # every token fetched, skewed from the prompt on (so the speculation path runs)
     exact = (("alpha", float("inf")), ("budget_tokens", 1 << 20), ("skew_tokens", 1))
@@ -109,6 +122,22 @@ class InfiniGen(Strategy):
         # (at most every token of one layer, bounded here by the partial share again)
         return {"accel": int(kv_bytes * params.partial_ratio), "host": kv_bytes}
 
+    @staticmethod
+    def most(params: InfiniGenParams, max_len: int) -> int:
+        """n'_max: the most tokens a speculation fetches per head (the cap at max_len)."""
+        return min(params.budget_tokens or max(1, int(0.2 * max_len)), max_len)
+
+    @classmethod
+    def placement(cls, params: InfiniGenParams, ctx: RunContext) -> dict[str, int]:
+        """`kv_placement`, plus on the host the gather staging (two k/v pairs [B * Hq *
+        n'_max, D]), the ids [B, Hq, n'_max] int64 and the count; "pinned": every host
+        buffer on CUDA (HostKV)."""
+        out = super().placement(params, ctx)
+        rows = ctx.batch * ctx.spec.n_heads * cls.most(params, ctx.max_len)
+        out["host"] += 4 * rows * ctx.spec.head_dim * ctx.elem_bytes + 8 * rows + 4
+        out["pinned"] = out["host"] if ctx.accel.type == "cuda" else 0
+        return out
+
     def __init__(self, params: InfiniGenParams, ctx: RunContext) -> None:
         import torch
 
@@ -118,10 +147,21 @@ class InfiniGen(Strategy):
         b, hkv, d = ctx.batch, s.n_kv_heads, s.head_dim
         self.dp = max(1, int(params.partial_ratio * d))
         pin = ctx.accel.type == "cuda"
-        shape = (b, hkv, ctx.max_len, d)
-        self.host_k = [torch.empty(shape, dtype=ctx.dtype, pin_memory=pin)
-                       for _ in range(ctx.n_layers)]
-        self.host_v = [torch.empty_like(t, pin_memory=pin) for t in self.host_k]
+        self.host = HostKV(pin)
+        shape = (ctx.max_len, b, hkv, d)  # token-major
+        self.host_k = [self.host.empty(shape, ctx.dtype) for _ in range(ctx.n_layers)]
+        self.host_v = [self.host.empty(shape, ctx.dtype) for _ in range(ctx.n_layers)]
+        most = self.most(params, ctx.max_len)
+        rows = b * s.n_heads * most
+        self.stage = [(self.host.empty((rows, d), ctx.dtype),
+                       self.host.empty((rows, d), ctx.dtype)) for _ in range(2)]
+        self.ids = self.host.empty((b * s.n_heads * most,), torch.int64)
+        self.count = self.host.empty((1,), torch.float32)
+        self.stored: dict[int, torch.cuda.Event] = {}  # layer -> its last store's D2H
+        self.staged: list[torch.cuda.Event | None] = [None, None]  # H2D out of stage[j]
+        # the speculation queued at layer i's input: (layer i+1, ids on the accelerator
+        # [B, Hq, n'_max] best first, cap, tokens cached, D2H event of ids and count)
+        self.queued: tuple[int, torch.Tensor, int, int, torch.cuda.Event | None] | None = None
         self.part = [torch.empty(b, hkv, ctx.max_len, self.dp, dtype=ctx.dtype,
                                  device=ctx.accel) for _ in range(ctx.n_layers)]
         self.skew: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * ctx.n_layers
@@ -155,11 +195,17 @@ class InfiniGen(Strategy):
         return xa.gather(-1, ch[None, :, None, :].expand(*xa.shape[:3], -1))
 
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
-        """Write T tokens' k/v [B, Hkv, T, D] to the host and their partial keys."""
+        """Write T tokens' k/v [B, Hkv, T, D] to the host (token-major rows n0..n1, one
+        contiguous D2H each, then an event for the host's gathers) and their partial keys."""
+        import torch
+
         n0 = self.length[layer]
         n1 = n0 + k.shape[2]
-        self.host_k[layer][:, :, n0:n1].copy_(k, non_blocking=True)
-        self.host_v[layer][:, :, n0:n1].copy_(v, non_blocking=True)
+        transfer(self.host_k[layer][n0:n1], tokens_first(k))
+        transfer(self.host_v[layer][n0:n1], tokens_first(v))
+        if self.stream is not None:
+            self.stored[layer] = torch.cuda.Event()
+            self.stored[layer].record(torch.cuda.current_stream())
         self.ctx.counters.moved("d2h", 2.0 * k.numel() * self.ctx.elem_bytes)
         if self.skew[layer] is not None:
             self.part[layer][:, :, n0:n1] = self._partial(layer, k).to(k.dtype)
@@ -167,9 +213,10 @@ class InfiniGen(Strategy):
         return n1
 
     def _warm(self, layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
-        """Collect queries q [B, Hq, T, D] until `skew_tokens`; then skew and build the
-        partial keys of every cached token: from the new keys k [B, Hkv, T, D] when they are
-        all of them (a prompt), else read back from the host (counted)."""
+        """Collect queries q [B, Hq, T, D] until `skew_tokens`; then skew from the first
+        `skew_tokens` of them (GPU audit finding 21) and build the partial keys of every
+        cached token: from the new keys k [B, Hkv, T, D] when they are all of them (a
+        prompt), else read back from the host (one H2D, after the stores on this stream)."""
         import torch
 
         if self.skew[layer] is not None:
@@ -178,13 +225,13 @@ class InfiniGen(Strategy):
         seen.append(q.float())
         if sum(t.shape[2] for t in seen) < self.p.skew_tokens:
             return
-        self.skew[layer] = skew(torch.cat(seen, dim=2), self.ctx.spec.n_kv_heads,
-                                self.p.partial_ratio)
+        first = torch.cat(seen, dim=2)[:, :, :self.p.skew_tokens]
+        self.skew[layer] = skew(first, self.ctx.spec.n_kv_heads, self.p.partial_ratio)
         del self.warm[layer]
         n = self.length[layer]
         keys = k
         if n > k.shape[2]:
-            keys = self.host_k[layer][:, :, :n].to(q.device)
+            keys = heads_first(self._read(self.host_k[layer], n, q.device))
             self.ctx.counters.moved("h2d", 1.0 * keys.numel() * self.ctx.elem_bytes)
         self.part[layer][:, :, :n] = self._partial(layer, keys).to(keys.dtype)
 
@@ -199,8 +246,17 @@ class InfiniGen(Strategy):
         self._warm(layer, q, k)
         return out
 
+    def _read(self, host: torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
+        """The first n tokens of a token-major host buffer on `device`, [n, B, Hkv, D]."""
+        import torch
+
+        out = torch.empty((n, *host.shape[1:]), dtype=host.dtype, device=device)
+        return transfer(out, host[:n])
+
     def layer_input(self, layer: int, x: torch.Tensor) -> None:
-        """During a decode step at layer i: speculate layer i+1 and prefetch its tokens."""
+        """During a decode step at layer i: queue the speculation of layer i+1 (its top
+        n'_max token ids per head and their count, copied to pinned host buffers); the
+        gather and prefetch follow layer i's attention (`_prefetch`)."""
         import torch
 
         nxt = layer + 1
@@ -222,30 +278,66 @@ class InfiniGen(Strategy):
                 top = top[:, :1].expand_as(top)
             count = (logits >= top - p.alpha).sum(-1).float().mean()
             cap = p.budget_tokens or max(1, int(0.2 * n))
-            n_sel = max(1, min(int(count), cap, n))
-            idx = logits.topk(n_sel, dim=-1).indices  # [B, Hq, n']
-            self.chosen[nxt] = idx
+            idx = logits.topk(min(cap, n), dim=-1).indices  # [B, Hq, n'_max], best first
+            transfer(self.ids[:idx.numel()], idx.flatten())
+            transfer(self.count, count.reshape(1))
+            ev = None
+            if self.stream is not None:
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream())
             counters.add("flops", "accel", 2.0 * b * hq * n * self.dp)
             counters.add("bytes_read", "accel", 1.0 * b * hkv * n * self.dp
                          * self.ctx.elem_bytes)
-            hi = idx.cpu()
-            bi = torch.arange(b)[:, None, None]
-            kv_head = (torch.arange(hq) // g)[None, :, None]
-            sel_k = self.host_k[nxt][bi, kv_head, hi]  # host gather [B, Hq, n', D]
-            sel_v = self.host_v[nxt][bi, kv_head, hi]
+        self.queued = (nxt, idx, cap, n, ev)
+
+    def _prefetch(self, layer: int) -> None:
+        """After layer i's attention is queued: gather the tokens speculated for layer
+        i + 1 on the host (top n' = max(1, min(count, cap, n)) per head) into a staging
+        buffer and queue their H2D (a side stream and an event on CUDA)."""
+        import torch
+
+        if self.queued is None or self.queued[0] != layer + 1:
+            return
+        nxt, idx, cap, n, ev = self.queued
+        self.queued = None
+        counters = self.ctx.counters
+        with counters.timed("bookkeeping.speculate"):
+            if ev is not None:
+                ev.synchronize()  # ids and count on the host
+            b, hq, most = idx.shape
+            n_sel = max(1, min(int(self.count[0]), cap, n))
+            self.chosen[nxt] = idx[:, :, :n_sel]
+            hi = self.ids[:idx.numel()].view(b, hq, most)[:, :, :n_sel]
+            hkv = self.ctx.spec.n_kv_heads
+            # row of (token, batch, KV head) in the token-major host buffer [n, B, Hkv]
+            rows = ((hi * b + torch.arange(b)[:, None, None]) * hkv
+                    + (torch.arange(hq) // (hq // hkv))[None, :, None]).flatten()
+            j, m, d = nxt % 2, rows.numel(), self.host_k[nxt].shape[-1]
+            if self.staged[j] is not None:
+                self.staged[j].synchronize()  # the H2D that last read stage[j] is done
+            if nxt in self.stored:
+                self.stored.pop(nxt).synchronize()  # the layer's host KV has landed
+            sel = []
+            for host, stage in zip((self.host_k[nxt], self.host_v[nxt]), self.stage[j],
+                                   strict=True):
+                torch.index_select(host.view(-1, d), 0, rows, out=stage[:m])
+                sel.append(stage[:m])
             # a prefetch for layer i+1's attention (the stage graph's look-ahead)
-            counters.moved("h2d", 2.0 * sel_k.numel() * self.ctx.elem_bytes, ahead=1)
+            counters.moved("h2d", 2.0 * m * d * self.ctx.elem_bytes, ahead=1)
+            dev = self.ctx.accel
             if self.stream is None:
-                self.fetched[nxt] = (sel_k.to(q.device), sel_v.to(q.device))
+                self.fetched[nxt] = tuple(transfer(torch.empty(m, d, dtype=t.dtype, device=dev),
+                                                   t).view(b, hq, n_sel, d) for t in sel)
                 return
             with torch.cuda.stream(self.stream):
-                fk = sel_k.pin_memory().to(q.device, non_blocking=True)
-                fv = sel_v.pin_memory().to(q.device, non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(self.stream)
+                fk, fv = (transfer(torch.empty(m, d, dtype=t.dtype, device=dev), t)
+                          for t in sel)
+                done = torch.cuda.Event()
+                done.record(self.stream)
             fk.record_stream(torch.cuda.current_stream())
             fv.record_stream(torch.cuda.current_stream())
-            self.fetched[nxt], self.ready[nxt] = (fk, fv), ev
+            self.staged[j] = self.ready[nxt] = done
+            self.fetched[nxt] = (fk.view(b, hq, n_sel, d), fv.view(b, hq, n_sel, d))
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
@@ -254,17 +346,20 @@ class InfiniGen(Strategy):
 
         from kvbench.kernels.attention import dense_attention
 
+        self._prefetch(layer - 1)  # at the latest: a speculation layer i's call left queued
         n = self._store(layer, k, v)
         self._warm(layer, q, k)
         counters = self.ctx.counters
         fetched = self.fetched.pop(layer, None)
         if fetched is None:  # a dense layer, or one still warming: the whole cache
             self.chosen[layer] = None
-            kc = self.host_k[layer][:, :, :n].to(q.device, non_blocking=True)
-            vc = self.host_v[layer][:, :, :n].to(q.device, non_blocking=True)
+            kc = heads_first(self._read(self.host_k[layer], n, q.device))
+            vc = heads_first(self._read(self.host_v[layer], n, q.device))
             counters.moved("h2d", 2.0 * kc.numel() * self.ctx.elem_bytes)
             counters.attended("accel", q, n)
-            return dense_attention(q, kc, vc, causal=False)[0]
+            out = dense_attention(q, kc, vc, causal=False)[0]
+            self._prefetch(layer)  # layer i+1's tokens, once this attention is queued
+            return out
         if layer in self.ready:
             with counters.timed("accel_idle"):
                 torch.cuda.current_stream().wait_event(self.ready.pop(layer))
@@ -274,4 +369,6 @@ class InfiniGen(Strategy):
         b, hq, m, d = kc.shape
         counters.attention("accel", 1.0 * b * m, 4.0 * b * hq * m * d,
                            2.0 * kc.numel() * self.ctx.elem_bytes, q.numel() * self.ctx.elem_bytes)
-        return dense_attention(q, kc, vc, causal=False)[0]
+        out = dense_attention(q, kc, vc, causal=False)[0]
+        self._prefetch(layer)
+        return out

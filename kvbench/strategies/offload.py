@@ -29,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from kvbench.strategies import STRATEGIES, Strategy
-from kvbench.strategies._hostcopy import HostKV, transfer
+from kvbench.strategies._hostcopy import HostKV, heads_first, tokens_first, transfer
 
 if TYPE_CHECKING:
     import torch
@@ -146,13 +146,3 @@ class Offload(Strategy):
         return out
 
     append = decode  # the same path with T >= 2 new tokens
-
-
-def tokens_first(x: torch.Tensor) -> torch.Tensor:
-    """k/v [B, Hkv, T, D] as a contiguous [T, B, Hkv, D] (a copy on x's device)."""
-    return x.permute(2, 0, 1, 3).contiguous()
-
-
-def heads_first(x: torch.Tensor) -> torch.Tensor:
-    """A token-major [n, B, Hkv, D] buffer as the view [B, Hkv, n, D] attention reads."""
-    return x.permute(1, 2, 0, 3)
