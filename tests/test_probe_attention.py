@@ -131,6 +131,8 @@ def test_roofline_tiny_run(tmp_path: Path):
     (["--dtype", "int8"], "int8"),
     (["--linear-rows", "x"], "--linear-rows: positive integers"),
     (["--linear-rows", "0,8"], "--linear-rows: positive integers"),
+    (["--cuda-dtype", "int8"], "--cuda-dtype 'int8'"),
+    (["--cuda-matmul", "0"], "matmul sizes positive"),
 ])
 def test_roofline_bad_input(args, msg, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
@@ -212,3 +214,34 @@ def test_device_copy_counts_read_plus_write_and_the_decode_bar_divides_by_it():
     assert bar.metric == "bar.gpu_decode_over_device_copy"
     assert bar.value == pytest.approx(2684.35456 / 2147.483648, rel=1e-12) == 1.25
     assert bar.method["device_copy"] == "bytes read + written" and bar.method["pass"] is True
+
+
+def test_roofline_measures_each_device_in_its_dtype_and_size():
+    """Audit finding 19: the CPU in float32 at 2048, a CUDA GPU in bfloat16 (a run's default
+    there) at 8192 unless told otherwise; spellings normalised, bad ones refused."""
+    from kvbench.errors import KvbenchError
+    from kvbench.probes.roofline import RooflineConfig, device_setup
+
+    cfg = RooflineConfig()
+    assert device_setup(cfg, "cpu") == ("float32", 2048)
+    assert device_setup(cfg, "cuda:0") == device_setup(cfg, "cuda:1") == ("bfloat16", 8192)
+    mine = RooflineConfig(dtype="bfloat16", matmul=512, cuda_dtype="fp16", cuda_matmul=4096)
+    assert device_setup(mine, "cpu") == ("bfloat16", 512)
+    assert device_setup(mine, "cuda:0") == ("float16", 4096)
+    with pytest.raises(KvbenchError, match="--cuda-dtype 'int8'"):
+        device_setup(RooflineConfig(cuda_dtype="int8"), "cuda:0")
+
+
+@pytest.mark.gpu
+def test_roofline_cuda_peak_in_bf16_and_float32(tmp_path: Path):
+    out = tmp_path / "roof.jsonl"
+    run_cli(["probe", "roofline", "--model", "smollm2-135m", "--tokens", "256", "--matmul",
+             "128", "--cuda-matmul", "1024", "--min-time", "0", "--out", str(out)])
+    recs = load(out).records
+    peaks = {(r["params"]["device"], r["params"]["dtype"], r["params"]["n"]) for r in recs
+             if r["metric"] == "peak_flops" and r["status"] == "ok"}
+    assert {("cpu", "float32", 128), ("cuda:0", "bfloat16", 1024),
+            ("cuda:0", "float32", 1024)} <= peaks
+    att = {r["params"]["dtype"] for r in recs if r["metric"] == "attention_tflops"
+           and r["params"]["device"] == "cuda:0"}
+    assert att == {"bfloat16"}

@@ -8,7 +8,10 @@ attention at a model's shapes, measures those attention steps with kvbench.kerne
 draws the roofline with the measured points. `linear_gbps`: weight bytes per second of
 the decoder's own `Linear` (packed for the rows as a run packs it) at the model's MLP shape,
 cycled over 256 MiB of copies, rows from `--linear-rows`: what a decode step's dense layers
-stream at (kvbench.hwmodel reads it for `this`).
+stream at (kvbench.hwmodel reads it for `this`). Each device runs in its own dtype and
+matmul size: the CPU in --dtype at --matmul, a CUDA GPU in --cuda-dtype (bfloat16, a run's
+default there) at --cuda-matmul (8192: a 2048 matmul leaves bf16 tensor cores far from
+their peak), its peak in float32 as well (the profile's fallback for float32 runs).
 """
 
 from __future__ import annotations
@@ -40,8 +43,10 @@ class RooflineConfig:
     head_dim: int = opt(0, "Head dimension (with --heads).", min=0)
     tokens: int = opt(2048, "Context tokens of the attention points.")
     batch: int = opt(1, "Batch size of the attention points.")
-    dtype: str = opt("float32", "float32, bfloat16 or float16.")
-    matmul: int = opt(2048, "Square matmul size for the peak FLOP/s.")
+    dtype: str = opt("float32", "dtype on the CPU: float32, bfloat16 or float16.")
+    matmul: int = opt(2048, "Square matmul size for the CPU's peak FLOP/s.")
+    cuda_dtype: str = opt("bfloat16", "dtype on CUDA GPUs (a run's default there).")
+    cuda_matmul: int = opt(8192, "Square matmul size for a CUDA GPU's peak FLOP/s.")
     min_time: float = opt(0.2, "Seconds to time each quantity at least.")
     linear_rows: str = opt("1,8", "Rows (batch x tokens) of the decode-shaped linear points.")
 
@@ -74,12 +79,22 @@ def shapes(config: RooflineConfig) -> tuple[str, int, int, int]:
     return spec.name, spec.n_heads, spec.n_kv_heads, spec.head_dim
 
 
+def device_setup(config: RooflineConfig, device: str) -> tuple[str, int]:
+    """(dtype torch name, matmul size) on `device` ("cpu", "cuda:N"): --dtype and --matmul
+    on the CPU, --cuda-dtype and --cuda-matmul on a CUDA GPU."""
+    from kvbench.units import dtype_name
+
+    if device.startswith("cuda"):
+        return dtype_name(config.cuda_dtype, "--cuda-dtype"), config.cuda_matmul
+    return dtype_name(config.dtype), config.matmul
+
+
 @PROBES.register
 class RooflineProbe(Probe):
     """Peak FLOP/s and bandwidth per device; attention intensity and points (HGCA Fig. 1)."""
 
     name = "roofline"
-    version = "1"
+    version = "2"
     config = RooflineConfig
 
     def run(self, config: RooflineConfig) -> Iterator[Record]:
@@ -88,38 +103,43 @@ class RooflineProbe(Probe):
         from kvbench.kernels.workload import torch_dtype
 
         label, heads, kv_heads, head_dim = shapes(config)
-        require(config.tokens >= 32 and config.batch > 0 and config.matmul > 0,
-                "tokens must be >= 32, batch and matmul size positive")
+        require(config.tokens >= 32 and config.batch > 0 and config.matmul > 0
+                and config.cuda_matmul > 0,
+                "tokens must be >= 32, batch and matmul sizes positive")
         try:  # checked before the first record, so a rejected command writes nothing
             rows = [int(r) for r in config.linear_rows.split(",")]
         except ValueError:
             rows = []
         require(bool(rows) and min(rows) > 0,
                 f"--linear-rows: positive integers, got '{config.linear_rows}'")
+        device_setup(config, "cuda")  # --cuda-dtype checked without a GPU too
         devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-        dts = {d: torch_dtype(config.dtype, d.split(":")[0]) for d in devices}
+        setup = {d: device_setup(config, d) for d in devices}
+        dts = {d: torch_dtype(setup[d][0], d.split(":")[0]) for d in devices}
         policy = Policy(warmup=1, min_reps=3, min_time_s=config.min_time, max_reps=50,
                         max_time_s=max(3.0, 4 * config.min_time))
-        elem = torch.empty(0, dtype=dts["cpu"]).element_size()
         base = {"model": label, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
-                "tokens": config.tokens, "batch": config.batch, "dtype": config.dtype}
-        for stage, q in STAGES.items():
-            flops, nbytes = intensity(q or config.tokens, config.tokens, config.batch, heads,
-                                      kv_heads, head_dim, elem)
-            rec = measured("probe", self.name, "intensity", "FLOP/B", "none", [flops / nbytes],
-                           {**base, "stage": stage}, {"formula": "4*B*H*D*visible pairs / "
-                                                      "(Q+O+K+V bytes)"})
-            rec.provenance = "projected"
-            yield rec
+                "tokens": config.tokens, "batch": config.batch}
+        for name in dict.fromkeys(dt for dt, _ in setup.values()):  # each dtype once
+            elem = getattr(torch, name).itemsize
+            for stage, q in STAGES.items():
+                flops, nbytes = intensity(q or config.tokens, config.tokens, config.batch,
+                                          heads, kv_heads, head_dim, elem)
+                rec = measured("probe", self.name, "intensity", "FLOP/B", "none",
+                               [flops / nbytes], {**base, "dtype": name, "stage": stage},
+                               {"formula": "4*B*H*D*visible pairs / (Q+O+K+V bytes)"})
+                rec.provenance = "projected"
+                yield rec
         for dev in devices:
             with torch.cuda.device(dev) if dev.startswith("cuda") else nullcontext():
-                yield from in_passes(self._points(config, rows, dev, dts[dev], base, elem),
-                                     policy)
+                yield from in_passes(self._points(config, rows, dev, dts[dev], setup[dev][1],
+                                                  base), policy)
 
-    def _points(self, config: RooflineConfig, rows: list[int], dev: str, dt: Any,
-                base: dict[str, Any], elem: int) -> list[tuple[Measure, RecordOf]]:
-        """The quantities of one device, to be timed together in passes: peak matmul
-        FLOP/s, copy GB/s, the decode-shaped linear points and attention per stage."""
+    def _points(self, config: RooflineConfig, rows: list[int], dev: str, dt: Any, n: int,
+                base: dict[str, Any]) -> list[tuple[Measure, RecordOf]]:
+        """The quantities of one device in dtype `dt`, to be timed together in passes: peak
+        matmul FLOP/s of n x n by n x n (also in float32 on a GPU running another dtype),
+        copy GB/s, the decode-shaped linear points and attention per stage."""
         import torch
 
         from kvbench.kernels import dense_attention
@@ -135,20 +155,24 @@ class RooflineProbe(Probe):
             return lambda t: measured("probe", self.name, metric, unit, "higher",
                                       [per_s(s) for s in t.seconds], params, t.method())
 
-        n = config.matmul
-        a = torch.randn(n, n, device=dev).to(dt)
+        name = str(dt).removeprefix("torch.")
+        base = {**base, "dtype": name}
         size = 256 << 20
         src = torch.ones(size, dtype=torch.uint8, device=dev)
         dst = torch.empty_like(src)
-        todo = [(timed(lambda: torch.mm(a, a)),
-                 rate("peak_flops", "TFLOP/s", lambda s: 2 * n**3 / s / 1e12,
-                      {"device": dev, "dtype": config.dtype, "n": n})),
-                (timed(lambda: dst.copy_(src)),
-                 rate("memory_gbps", "GB/s", lambda s: gbps(2 * size, s),
-                      {"device": dev, "bytes": size, "how": "torch copy_, read+write"}))]
+        todo: list[tuple[Measure, RecordOf]] = []
+        for mdt in dict.fromkeys([dt] + ([torch.float32] if dev.startswith("cuda") else [])):
+            a = torch.randn(n, n, device=dev).to(mdt)
+            todo.append((timed(lambda a=a: torch.mm(a, a)),
+                         rate("peak_flops", "TFLOP/s", lambda s: 2 * n**3 / s / 1e12,
+                              {"device": dev, "dtype": str(mdt).removeprefix("torch."),
+                               "n": n})))
+        todo.append((timed(lambda: dst.copy_(src)),
+                     rate("memory_gbps", "GB/s", lambda s: gbps(2 * size, s),
+                          {"device": dev, "bytes": size, "how": "torch copy_, read+write"})))
         todo += [(timed(run), rate("linear_gbps", "GB/s", lambda s, nb=nbytes: gbps(nb, s),
                                    params))
-                 for run, nbytes, params in self._linear(config, rows, dev, dt)]
+                 for run, nbytes, params in self._linear(config, rows, dev, dt, name)]
         _, heads, kv_heads, head_dim = shapes(config)
         gen = torch.Generator().manual_seed(0)
         k = torch.randn(config.batch, kv_heads, config.tokens, head_dim, generator=gen)
@@ -157,15 +181,15 @@ class RooflineProbe(Probe):
             lq = q or config.tokens
             qt = torch.randn(config.batch, heads, lq, head_dim).to(dev, dt)
             flops, nbytes = intensity(lq, config.tokens, config.batch, heads, kv_heads,
-                                      head_dim, elem)
+                                      head_dim, dt.itemsize)
             todo.append((timed(lambda qt=qt: dense_attention(qt, k, v)),
                          rate("attention_tflops", "TFLOP/s", lambda s, f=flops: f / s / 1e12,
                               {**base, "stage": stage, "device": dev,
                                "intensity": round(flops / nbytes, 4)})))
         return todo
 
-    def _linear(self, config: RooflineConfig, points: list[int], dev: str, dt: Any
-                ) -> list[tuple[Callable[[], None], int, dict[str, Any]]]:
+    def _linear(self, config: RooflineConfig, points: list[int], dev: str, dt: Any,
+                name: str) -> list[tuple[Callable[[], None], int, dict[str, Any]]]:
         """(run, weight bytes, params) per --linear-rows: the weight GB/s of the model's MLP
         up-projection shape [ffn, hidden] (a decoder `Linear`, packed for the rows as a run
         packs it), cycled over enough copies to stream LINEAR_BYTES per call as a decode
@@ -192,7 +216,7 @@ class RooflineProbe(Probe):
                         lin(x)
 
             nbytes = one * len(lins)
-            out.append((run, nbytes, {"device": dev, "dtype": config.dtype, "rows": rows,
+            out.append((run, nbytes, {"device": dev, "dtype": name, "rows": rows,
                                       "shape": f"{n_out}x{n_in}", "weight_bytes": nbytes}))
         return out
 
