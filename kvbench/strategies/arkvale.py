@@ -21,7 +21,12 @@ Exact setting: a budget covering the context (no page ever leaves the accelerato
 
 Layout per sparse layer: pool k/v [B, Hkv, C + 1, S, D] on the accelerator (slot C is the
 current page), slot -> page ids [B, Hkv, C], digests [B, Hkv, ceil(max_len/S), D]; host
-backup k/v [B, Hkv, pages * S, D] (pinned when the accelerator is CUDA).
+backup k/v page-major [P_max, B, Hkv, S, D], so that a backup of pages first.. and the
+read of pages 0..nf-1 are one contiguous copy each, and one recall staging pair [B * Hkv *
+C, S, D] shared by the layers: exactly sized and pinned when the accelerator is CUDA
+(strategies._hostcopy; GPU audit findings 3 and 6). A recall gathers its pages on the host
+into the staging (after the layer's last backup D2H has landed, and after the H2D that last
+read the staging), then one async H2D and a scatter into the pool slots.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import TYPE_CHECKING
 
 from kvbench.errors import require
 from kvbench.strategies import STRATEGIES, Strategy, position_mask
+from kvbench.strategies._hostcopy import HostKV, transfer
 from kvbench.strategies._pages import (
     Digests,
     check_layers,
@@ -82,7 +88,7 @@ class ArkVale(Strategy):
     """ArkVale: page budget on the accelerator, pages recalled from host by digest score."""
 
     name = "arkvale"
-    version = "1"
+    version = "2"
     params = ArkValeParams
     exact = (("budget_tokens", 1 << 20),)  # no page leaves the accelerator
 
@@ -96,7 +102,8 @@ class ArkVale(Strategy):
     def placement(cls, params: ArkValeParams, ctx: RunContext) -> dict[str, int]:
         """Dense layers: k/v [B, Hkv, max_len, D] on the accelerator. Other layers: the pool
         k/v [B, Hkv, C + 1, S, D], digests lo/hi [B, Hkv, P_max, D] and slot_page int64
-        [B, Hkv, C] on the accelerator; the host backup k/v [B, Hkv, P_max, S, D]."""
+        [B, Hkv, C] on the accelerator; the host backup k/v [P_max, B, Hkv, S, D] and the
+        recall staging k/v [B * Hkv * C, S, D] ("pinned" on CUDA: all of the host part)."""
         s, e, page = ctx.spec, ctx.elem_bytes, params.page_size
         heads = ctx.batch * s.n_kv_heads
         p_max, c = -(-ctx.max_len // page), cls.slots(params, ctx.max_len)
@@ -105,7 +112,8 @@ class ArkVale(Strategy):
         accel = (dense * 2 * heads * ctx.max_len * s.head_dim * e
                  + sparse * heads * (2 * (c + 1) * page * s.head_dim * e
                                      + 2 * p_max * s.head_dim * e + 8 * c))
-        return {"accel": accel, "host": sparse * 2 * heads * p_max * page * s.head_dim * e}
+        host = (sparse * p_max + (c if sparse else 0)) * 2 * heads * page * s.head_dim * e
+        return {"accel": accel, "host": host, "pinned": host if ctx.accel.type == "cuda" else 0}
 
     def __init__(self, params: ArkValeParams, ctx: RunContext) -> None:
         import torch
@@ -116,12 +124,12 @@ class ArkVale(Strategy):
         hkv, d = s.n_kv_heads, s.head_dim
         self.c = self.slots(params, ctx.max_len)  # pool slots besides the current page
         p_max = -(-ctx.max_len // page)
-        pin = ctx.accel.type == "cuda"
+        self.host = HostKV(ctx.accel.type == "cuda")
         self.k: dict[int, torch.Tensor] = {}  # dense layers: [B, Hkv, max_len, D]
         self.v: dict[int, torch.Tensor] = {}
         self.pool_k: dict[int, torch.Tensor] = {}  # [B, Hkv, C + 1, S, D]
         self.pool_v: dict[int, torch.Tensor] = {}
-        self.host_k: dict[int, torch.Tensor] = {}  # [B, Hkv, P_max, S, D]
+        self.host_k: dict[int, torch.Tensor] = {}  # [P_max, B, Hkv, S, D]
         self.host_v: dict[int, torch.Tensor] = {}
         self.slot_page: dict[int, torch.Tensor] = {}  # [B, Hkv, C], -1: empty
         self.dig: dict[int, Digests] = {}
@@ -134,14 +142,18 @@ class ArkVale(Strategy):
             self.pool_k[i] = torch.empty(b, hkv, self.c + 1, page, d, dtype=ctx.dtype,
                                          device=ctx.accel)
             self.pool_v[i] = torch.empty_like(self.pool_k[i])
-            self.host_k[i] = torch.empty(b, hkv, p_max, page, d, dtype=ctx.dtype,
-                                         pin_memory=pin)
-            self.host_v[i] = torch.empty_like(self.host_k[i], pin_memory=pin)
+            self.host_k[i] = self.host.empty((p_max, b, hkv, page, d), ctx.dtype)
+            self.host_v[i] = self.host.empty((p_max, b, hkv, page, d), ctx.dtype)
             self.slot_page[i] = torch.full((b, hkv, self.c), -1, dtype=torch.long,
                                            device=ctx.accel)
             self.dig[i] = Digests(b, hkv, ctx.max_len, d, page, "cuboid-mean", ctx.accel,
                                   ctx.dtype)
         self.length = [0] * ctx.n_layers  # tokens cached
+        if self.host_k:
+            self.stage = tuple(self.host.empty((b * hkv * self.c, page, d), ctx.dtype)
+                               for _ in range(2))
+        self.stored: dict[int, torch.cuda.Event] = {}  # layer -> its last backup's D2H
+        self.staged: torch.cuda.Event | None = None  # the last recall's H2D out of stage
 
     def attended(self, layer: int) -> torch.Tensor | None:
         """Every resident page and the current one (all tokens while the pool holds all)."""
@@ -196,10 +208,7 @@ class ArkVale(Strategy):
             old = pg < fresh_first
             bo, ho, po, so = b[old], h[old], pg[old], slot[old]
             if po.numel():
-                hb, hh, hp = bo.cpu(), ho.cpu(), po.cpu()
-                dev = self.ctx.accel
-                self.pool_k[layer][bo, ho, so] = self.host_k[layer][hb, hh, hp].to(dev)
-                self.pool_v[layer][bo, ho, so] = self.host_v[layer][hb, hh, hp].to(dev)
+                self._recall(layer, bo, ho, po, so)
                 page_elems = self.p.page_size * fresh_k.shape[-1]  # S * D per K or V
                 counters.moved("h2d", 2.0 * po.numel() * page_elems * self.ctx.elem_bytes)
             counters.add("pages", "recalled", float(po.numel()))
@@ -208,12 +217,42 @@ class ArkVale(Strategy):
             self.pool_v[layer][bf, hf, sf] = fresh_v[bf, hf, pf]
             sp[b, h, slot] = pg
 
+    def _recall(self, layer: int, b: torch.Tensor, h: torch.Tensor, page: torch.Tensor,
+                slot: torch.Tensor) -> None:
+        """Pages page[i] of (batch b[i], KV head h[i]) from the host backup into pool slots
+        slot[i] (index tensors [m] on the accelerator): a host gather into the pinned
+        staging, one async H2D each for k and v, a scatter on the accelerator."""
+        import torch
+
+        if self.staged is not None:
+            self.staged.synchronize()  # the last recall's H2D has read the staging
+        if layer in self.stored:
+            self.stored.pop(layer).synchronize()  # the layer's backups have landed
+        hk = self.host_k[layer]
+        bsz, hkv = hk.shape[1], hk.shape[2]
+        rows = ((page.cpu() * bsz + b.cpu()) * hkv + h.cpu())  # in [P_max * B * Hkv]
+        m = rows.numel()
+        for host, stage, pool in ((hk, self.stage[0], self.pool_k[layer]),
+                                  (self.host_v[layer], self.stage[1], self.pool_v[layer])):
+            torch.index_select(host.view(-1, *host.shape[3:]), 0, rows, out=stage[:m])
+            dev = torch.empty(stage[:m].shape, dtype=stage.dtype, device=pool.device)
+            pool[b, h, slot] = transfer(dev, stage[:m])
+        if pool.is_cuda:
+            self.staged = torch.cuda.Event()
+            self.staged.record(torch.cuda.current_stream())
+
     def _complete(self, layer: int, first: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Back up full pages k/v [B, Hkv, m, S, D] (on the accelerator) to the host as pages
-        first..first+m-1 and digest them (ArkVale's decode_backup_1_page, save_1_digest)."""
+        first..first+m-1 (page-major: one contiguous D2H each, then an event for the host's
+        gathers) and digest them (ArkVale's decode_backup_1_page, save_1_digest)."""
+        import torch
+
         m = k.shape[2]
-        self.host_k[layer][:, :, first:first + m].copy_(k, non_blocking=True)
-        self.host_v[layer][:, :, first:first + m].copy_(v, non_blocking=True)
+        transfer(self.host_k[layer][first:first + m], k.permute(2, 0, 1, 3, 4).contiguous())
+        transfer(self.host_v[layer][first:first + m], v.permute(2, 0, 1, 3, 4).contiguous())
+        if k.is_cuda:
+            self.stored[layer] = torch.cuda.Event()
+            self.stored[layer].record(torch.cuda.current_stream())
         self.dig[layer].put(first, k)
         self.ctx.counters.moved("d2h", 2.0 * k.numel() * self.ctx.elem_bytes)
 
@@ -261,11 +300,13 @@ class ArkVale(Strategy):
         seg_v = torch.cat([self.pool_v[layer][:, :, c, :t], v], dim=2)
         keys, vals = seg_k, seg_v
         counters = self.ctx.counters
-        if nf:  # the cached full pages, read from the host backup
-            keys = torch.cat([self.host_k[layer][:, :, :nf].flatten(2, 3).to(k.device), seg_k],
-                             dim=2)
-            vals = torch.cat([self.host_v[layer][:, :, :nf].flatten(2, 3).to(k.device), seg_v],
-                             dim=2)
+        if nf:  # the cached full pages, read from the host backup (contiguous, page-major)
+            old = []
+            for host in (self.host_k[layer], self.host_v[layer]):
+                dev = torch.empty(host[:nf].shape, dtype=host.dtype, device=k.device)
+                old.append(transfer(dev, host[:nf]).permute(1, 2, 0, 3, 4).flatten(2, 3))
+            keys = torch.cat([old[0], seg_k], dim=2)
+            vals = torch.cat([old[1], seg_v], dim=2)
             counters.moved("h2d", 2.0 * (nf - min(nf, c)) * k[:, :, :1].numel() * size
                            * self.ctx.elem_bytes)
         out, _ = dense_attention(q, keys, vals)
