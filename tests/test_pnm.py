@@ -267,3 +267,56 @@ def test_cuda_exact_setting_equals_full(name: str) -> None:
         model.setup(s, c.counters, 90)
         nll[n] = decode_run(model, s, rows, 40, "eval", torch.cuda.synchronize).nll
     assert max(abs(a - b) for a, b in zip(nll["full"], nll[name], strict=True)) < 1e-4
+
+
+@pytest.mark.parametrize("cls, params", [(PnmKV, PnmParams), (PngKV, PngParams)])
+def test_attended_mask_is_on_the_accelerator(cls, params) -> None:
+    """GPU audit finding 2: the device role's positions live on the host, but eval mode
+    gathers the attended mask with indices on the accelerator, so the mask must be there
+    (a CPU mask met CUDA indices and every pnm/png eval run on a GPU died). The run is on
+    the CPU; the context then names another accelerator ('meta'), which the dense and the
+    sparse layer's masks must follow."""
+    import dataclasses
+
+    g = torch.Generator().manual_seed(0)
+    c = ctx()
+    s = cls(params(budget_tokens=8, page_size=4, sinks=1, window_pages=1, dense_layers=1), c)
+    k0, v0 = torch.randn(2, 2, 37, 8, generator=g), torch.randn(2, 2, 37, 8, generator=g)
+    for layer in (0, 1):
+        s.prefill(layer, torch.randn(2, 6, 37, 8, generator=g), k0, v0)
+        s.decode(layer, torch.randn(2, 6, 1, 8, generator=g), k0[:, :, :1], v0[:, :, :1])
+    on_cpu = {layer: s.attended(layer) for layer in (0, 1)}
+    assert bool(on_cpu[0].all()) and not bool(on_cpu[1].all())  # dense, then sparse
+    s.ctx = dataclasses.replace(c, accel=torch.device("meta"))
+    for layer in (0, 1):
+        mask = s.attended(layer)
+        assert mask.device.type == "meta" and mask.shape == on_cpu[layer].shape == (2, 6, 38)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["pnm-kv", "png-kv"])
+def test_cuda_eval_mode_counts_topk_recall(name: str) -> None:
+    """On a GPU, eval mode (the full-attention shadow) over a budget below the context:
+    the attended masks meet the reference's CUDA indices, and every decode step of the
+    sparse layer gets a top-key recall in [0, 1], below 1 somewhere."""
+    import dataclasses
+
+    from kvbench.models.weights import load
+    from kvbench.runtime.run import decode_run
+    from kvbench.runtime.shadow import Shadow
+    from kvbench.strategies import STRATEGIES
+
+    cuda = torch.device("cuda")
+    model = load(SPEC, "random", 2, torch.float32, cuda, seed=1).model
+    rows = torch.randint(0, 100, (2, 90), generator=torch.Generator().manual_seed(0)).to(cuda)
+    counters = Counters(2, 4, cuda=True)
+    c = RunContext(SPEC, 2, 2, 90, torch.float32, cuda, CPU, counters, model)
+    cls = STRATEGIES.get(name)
+    s = Shadow(cls(dataclasses.replace(cls.params(), budget_tokens=32, page_size=8, sinks=1,
+                                       window_pages=1, dense_layers=1), c), c)
+    model.setup(s, counters, 90)
+    decode_run(model, s, rows, 10, "eval", torch.cuda.synchronize)
+    s.flush()
+    recall = {layer: steps for qn, _, layer, steps in counters.series() if qn == "topk_recall"}
+    assert len(recall[1]) == 10 and all(0 <= r <= 1 for r in recall[1].values())
+    assert min(recall[1].values()) < 1

@@ -82,3 +82,77 @@ def test_report_labels_eval_mode_times() -> None:
     assert label(rec("decode_tokens_per_s", "tokens/s", "eval")).endswith("(eval mode)")
     assert label(rec("tbt", "s", "generate")) == "tbt"
     assert label(rec("perplexity", "ppl", "eval")) == "perplexity"
+
+
+SPARSE = {  # budgets below the 73-token context, so the selections change every step
+    "arkvale": {"budget_tokens": 32, "page_size": 8, "dense_layers": 1, "sinks": 1,
+                "window_pages": 1},
+    "h2o": {"gpu_share": 0.3},
+    "hgca": {"gpu_share": 0.3},
+    "infinigen": {"budget_tokens": 24, "dense_layers": 1, "skew_tokens": 16},
+    "png-kv": {"budget_tokens": 32, "page_size": 8, "dense_layers": 1, "sinks": 1,
+               "window_pages": 1},
+    "pnm-kv": {"budget_tokens": 32, "page_size": 8, "dense_layers": 1, "sinks": 1,
+               "window_pages": 1},
+    "quest": {"budget_tokens": 32, "page_size": 8, "dense_layers": 1},
+    "scout": {"budget_tokens": 32, "page_size": 8, "dense_layers": 1, "recall_interval": 2},
+    "streaming": {"gpu_share": 0.3},
+}
+
+
+def test_every_strategy_with_a_mask_is_covered() -> None:
+    from kvbench.strategies import STRATEGIES, Strategy
+
+    assert set(SPARSE) == {n for n in STRATEGIES.names()
+                           if STRATEGIES.get(n).attended is not Strategy.attended}
+
+
+@pytest.mark.parametrize("name", sorted(SPARSE))
+def test_attended_masks_are_read_at_flush(name: str) -> None:
+    """GPU audit finding 12: a decode's attended mask is read in flush, outside the timed
+    step (hgca's joins its worker and copies the mask, scout's syncs), and equals the mask
+    read right after that decode: nothing between the step and the next begin_step changes
+    which positions a layer attended. Every (step, layer) gets its topk_recall."""
+    import dataclasses
+
+    from kvbench.models import ModelSpec
+    from kvbench.models.weights import load as load_model
+    from kvbench.runtime.run import decode_run
+    from kvbench.strategies import STRATEGIES
+
+    spec = ModelSpec("tiny-gqa", "llama", 2, 6, 2, 48, 96, 100, 512, head_dim=8)
+    cpu = torch.device("cpu")
+    model = load_model(spec, "random", 2, torch.float32, cpu, seed=1).model
+    counters = Counters(spec.n_kv_heads, 4)
+    ctx = RunContext(spec, 2, 1, 73, torch.float32, cpu, cpu, counters, model)
+    cls = STRATEGIES.get(name)
+    inner = cls(dataclasses.replace(cls.params(), **SPARSE[name]), ctx)
+    attended, decode = inner.attended, inner.decode
+    eager: list[torch.Tensor] = []  # read right after each decode (not by the shadow)
+    late: list[tuple[str, torch.Tensor]] = []  # what the shadow read, and where
+
+    def decode_spy(layer: int, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor) -> torch.Tensor:
+        out = decode(layer, q, k, v)
+        eager.append(attended(layer).clone())
+        return out
+
+    def attended_spy(layer: int) -> torch.Tensor:
+        mask = attended(layer)
+        late.append((inspect.stack()[1].function, mask.clone()))
+        return mask
+
+    inner.decode, inner.attended = decode_spy, attended_spy
+    shadow = Shadow(inner, ctx)
+    model.setup(shadow, counters, 73)
+    rows = torch.randint(0, 100, (1, 73), generator=torch.Generator().manual_seed(0))
+    decode_run(model, shadow, rows, 8, "eval", lambda: None)
+    shadow.flush()
+    assert {caller for caller, _ in late} == {"flush"}
+    assert len(late) == len(eager) == 8 * 2
+    for (_, mask), ref in zip(late, eager, strict=True):
+        assert mask.device == ctx.accel and torch.equal(mask, ref)
+    assert any(not bool(m.all()) for m in eager)  # some step really was sparse
+    recall = {(layer, s) for qn, _, layer, steps in counters.series()
+              if qn == "topk_recall" for s in steps}
+    assert recall == {(layer, s) for layer in (0, 1) for s in range(1, 9)}

@@ -13,9 +13,14 @@ share of full attention's top-10 keys per query head among them is counted as qu
 The reference is computed outside the timed region (issue 11.4): a call only keeps copies of
 its q/k/v `[B, H, T, D]` and the strategy's output, and the full-attention work runs at the
 next `begin_step` (which the run calls before starting a step's clock, synchronising CUDA
-after it) or at `flush` after the last step. The step times are then the strategy's own but
-for those copies (four per layer and step); the shadow's cache and copies still count in the
-process's peak memory, which eval runs therefore do not report as the strategy's.
+after it) or at `flush` after the last step. A decode's attended mask is read there too
+(GPU audit finding 12: hgca's `attended` joins its eviction worker and copies the mask to
+the device, scout's syncs), from the state the step left: no call between a step's last
+layer and the next `begin_step` changes which positions a layer's last decode attended
+(a multi-turn run's prefix-cache hook only exports the KV), and each layer decodes once
+per step. The step times are then the strategy's own but for those copies (four per layer
+and step); the shadow's cache and copies still count in the process's peak memory, which
+eval runs therefore do not report as the strategy's.
 """
 
 from __future__ import annotations
@@ -44,11 +49,10 @@ class Shadow(Strategy):
         c = ctx.counters
         private = Counters(c.kv_heads, c.elem_bytes, c.cuda)
         self.ref = Full(NoParams(), dataclasses.replace(ctx, counters=private))
-        # (step, layer, reference call, q, k, v, strategy output, attended mask) not yet
-        # compared
+        # (step, layer, reference call, q, k, v, strategy output, whether a decode: its
+        # attended mask is read at flush) not yet compared
         self._pending: list[tuple[int, int, Callable[..., torch.Tensor], torch.Tensor,
-                                  torch.Tensor, torch.Tensor, torch.Tensor,
-                                  torch.Tensor | None]] = []
+                                  torch.Tensor, torch.Tensor, torch.Tensor, bool]] = []
 
     def begin_step(self, step: int) -> None:
         self.flush()
@@ -59,12 +63,14 @@ class Shadow(Strategy):
 
     def flush(self) -> None:
         """Run the deferred full-attention calls in order and count each output's error at
-        the (step, layer) it belongs to."""
+        the (step, layer) it belongs to, and a decode's top-key recall from the strategy's
+        attended mask (read now, outside the step's clock)."""
         import torch
 
         c = self.ctx.counters
         now = c.step, c.layer
-        for step, layer, call, q, k, v, out, mask in self._pending:
+        for step, layer, call, q, k, v, out, decode in self._pending:
+            mask = self.inner.attended(layer) if decode else None
             ref = call(layer, q, k, v)
             c.step, c.layer = step, layer
             err = torch.linalg.vector_norm((out.float() - ref.float()).flatten())
@@ -80,7 +86,7 @@ class Shadow(Strategy):
     def _recall(self, layer: int, q: torch.Tensor, mask: torch.Tensor, top: int = 10
                 ) -> float:
         """Share of full attention's `top` keys per query head (q [B, Hq, 1, D] over the
-        reference cache) that the strategy attended (mask [B, Hq, n])."""
+        reference cache) that the strategy attended (mask [B, Hq, n], on any device)."""
         import torch
 
         n = mask.shape[2]
@@ -88,17 +94,17 @@ class Shadow(Strategy):
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # [B, Hq, n, D]
         logits = torch.matmul(q.float(), k.transpose(-1, -2)).squeeze(2)  # [B, Hq, n]
         best = logits.topk(min(top, n), dim=-1).indices
-        return float(mask.gather(2, best).float().mean())
+        return float(mask.to(best.device).gather(2, best).float().mean())
 
     def _defer(self, ref: Callable[..., torch.Tensor], run: Callable[..., torch.Tensor],
                layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                decode: bool = False) -> torch.Tensor:
-        """The strategy's `run`(layer, q, k, v); the reference `ref` waits for `flush`."""
+        """The strategy's `run`(layer, q, k, v); the reference `ref` (and for a decode the
+        strategy's attended mask) waits for `flush`."""
         saved = q.clone(), k.clone(), v.clone()  # the caller may reuse its buffers
         out = run(layer, q, k, v)
-        mask = self.inner.attended(layer) if decode else None
         self._pending.append((self.ctx.counters.step, layer, ref, *saved, out.clone(),
-                              None if mask is None else mask.clone()))
+                              decode))
         return out
 
     def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor,

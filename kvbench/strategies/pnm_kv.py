@@ -72,13 +72,15 @@ class PnmKV(Strategy):
         self.last: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
 
     def attended(self, layer: int) -> torch.Tensor | None:
+        """Bool [B, Hq, n] on the accelerator (where eval mode's reference runs), though the
+        device role's positions live on the host."""
         import torch
 
         n, hq = self.dev.length[layer], self.ctx.spec.n_heads
         sel = self.last.get(layer)
         if sel is None:  # dense
-            return torch.ones(self.ctx.batch, hq, n, dtype=torch.bool)
-        return position_mask(sel[0], n, hq, sel[1])
+            return torch.ones(self.ctx.batch, hq, n, dtype=torch.bool, device=self.ctx.accel)
+        return position_mask(sel[0], n, hq, sel[1]).to(self.ctx.accel)
 
     def append(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
