@@ -7,7 +7,7 @@ STAMP := $(VENV)/.kvbench-installed
 STAMP_TIME := $(shell date +%Y%m%d-%H%M%S)
 DEMO_OUT ?= results/demo-$(STAMP_TIME).jsonl
 
-.PHONY: install demo test lint clean bench-check
+.PHONY: install demo test lint clean bench-check gpu-smoke
 
 $(STAMP): pyproject.toml setup.py $(wildcard probes/*.c)
 	test -x $(BIN)/python || $(PY) -m venv --system-site-packages $(VENV)
@@ -45,6 +45,12 @@ BENCH_OUT ?= results/bench-check-$(STAMP_TIME).jsonl
 bench-check: install
 	$(BIN)/kvbench suite run suites/smoke.toml --out $(BENCH_OUT)
 	$(BIN)/kvbench suite check suites/smoke.toml $(BENCH_OUT)
+
+# The GPU campaign in four chunks of <= 7 minutes (tools/gpu-smoke; no install from the
+# network): `make gpu-smoke CHUNK=A`, then B, C, D on the GPU machine; DRY=1 prints the steps.
+CHUNK ?= A
+gpu-smoke:
+	bash tools/gpu-smoke $(CHUNK)
 
 clean:
 	rm -rf build *.egg-info kvbench/_native*.so
