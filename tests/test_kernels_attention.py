@@ -235,3 +235,87 @@ def test_isa_rejects_unknown_name():
         pytest.skip("native library not built")
     with pytest.raises(KvbenchError, match="unknown kernel instruction set"):
         cpu.isa("sse9")
+
+
+def cpu_flash(q, k, v, causal, scale):
+    """torch's fused flash kernel for the CPU: the shape of the CUDA ones (out, lse)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
+                                                                      scale=scale)
+
+
+def test_fused_parts_split_causal_attention_at_the_square_block():
+    from kvbench.kernels.attention import fused_parts
+
+    assert fused_parts(1, 67, True, 66) == [(0, 67, False)]  # decode: every key visible
+    assert fused_parts(8, 67, False, 59) == [(0, 67, False)]
+    assert fused_parts(7, 67, True, 60) == [(0, 60, False), (60, 67, True)]  # append
+    assert fused_parts(40, 40, True, 0) == [(0, 40, True)]  # prefill
+    assert fused_parts(4, 67, True, 10) == [(0, 10, False), (10, 14, True)]
+    assert fused_parts(7, 67, True, 63) is None  # the block would pass the last key
+    assert fused_parts(3, 4, True, -2) is None  # queries before the keys
+
+
+@pytest.mark.parametrize("lq, lk, q_start, causal", [
+    (1, 67, None, True), (7, 67, None, True), (40, 40, None, True), (4, 67, 10, True),
+    (8, 67, None, False)])
+def test_fused_split_and_group_fold_match_reference(lq, lk, q_start, causal):
+    """The fused path's decomposition (parts merged by lse, grouped heads folded or run per
+    head offset) with a fused kernel that runs here, against the float64 reference."""
+    from kvbench.kernels.attention import fused_parts, fused_run
+
+    q, k, v = make(2, 8, 2, lq, lk, 32)
+    start = lk - lq if q_start is None else q_start
+    parts = fused_parts(lq, lk, causal, start)
+    out, lse = fused_run(q, k, v, 32 ** -0.5, parts, cpu_flash)
+    ref, ref_lse = reference(q, k, v, causal=causal, q_start=q_start)
+    assert out.shape == q.shape and lse.shape == q.shape[:3] and lse.dtype == torch.float32
+    assert max_err(out, ref) < 1e-5 and max_err(lse, ref_lse) < 1e-4
+
+
+def test_fused_attention_falls_back_and_remembers_refusals(monkeypatch):
+    from kvbench.kernels import attention
+
+    tried = []
+
+    def refuses(q, k, v, causal, scale):
+        tried.append(1)
+        raise RuntimeError("No available kernel")
+
+    monkeypatch.setattr(attention, "_REFUSED", set())
+    monkeypatch.setattr(attention, "FUSED", {"sdpa-flash": refuses, "sdpa-efficient": cpu_flash})
+    q, k, v = make(1, 4, 2, 5, 30, 16)
+    for _ in range(2):
+        out, lse, name = attention.fused_attention(q, k, v, 0.25, True, 25)
+        ref, ref_lse = reference(q, k, v)
+        assert name == "sdpa-efficient"
+        assert max_err(out, ref) < 1e-5 and max_err(lse, ref_lse) < 1e-4
+    assert tried == [1] and {("sdpa-flash", torch.float32, 16)} == attention._REFUSED
+    monkeypatch.setattr(attention, "FUSED", {"sdpa-flash": refuses})
+    assert attention.fused_attention(q, k, v, 0.25, True, 25) is None  # refused: torch path
+    assert attention.fused_attention(q, k, v, 0.25, True, 27) is None  # no split: torch path
+
+
+def test_query_chunks_are_gpu_sized_on_cuda():
+    """B=8 x 32 heads x 32K keys: 2 queries a chunk within the CPU's 2^24 scores, 32 within
+    CUDA's 2^28 (16x fewer launches for the torch path's prefill there)."""
+    from kvbench.kernels.attention import query_chunk
+
+    assert query_chunk(8, 32, 32768, cuda=False) == 2
+    assert query_chunk(8, 32, 32768, cuda=True) == 32
+    assert query_chunk(64, 64, 1 << 20, cuda=True) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lq, q_start", [(1, None), (32, None), (300, None), (4, 10)])
+def test_cuda_fused_attention_matches_reference(dtype, lq, q_start):
+    from kvbench.kernels.attention import backend_use
+
+    q, k, v = make(2, 8, 2, lq, 300, 64, dtype)
+    backend_use(reset=True)
+    out, lse = dense_attention(q.cuda(), k.cuda(), v.cuda(), q_start=q_start)
+    used = backend_use(reset=True)
+    ref, ref_lse = reference(q, k, v, q_start=q_start)
+    assert len(used) == 1 and next(iter(used.values())).startswith("sdpa-"), used
+    assert out.dtype == dtype and max_err(out.cpu(), ref) < TOL.get(dtype, 2e-2)
+    assert max_err(lse.cpu(), ref_lse) < 1e-2

@@ -11,16 +11,21 @@ Lq <= 32, decode when Lq == 1) and query i sees keys 0 .. q_start + i. A caller 
 the keys into parts passes each part's q_start so that the parts merge into full attention.
 
 On the CPU, float32 and bfloat16 decode/append (Lq <= 32) run the native multi-threaded
-kernel (kvbench.kernels.cpu); everything else (prefill, CUDA, other dtypes) runs the torch
-path below, query-chunked so a 2048-token prefill does not materialise all scores at once.
-The torch path is taken silently only in the sense that the call succeeds: every call counts
-the backend that ran (`backend_use`), which runs and probes store as `method.backend`, and
-`native_status` says why the native library did not load (`kvbench env` shows it).
+kernel (kvbench.kernels.cpu). On CUDA, torch's fused attention kernels that return the
+log-sum-exp run it (`fused_attention`: flash, else memory-efficient; their causal mask is
+used only on a square block, so causal attention is split into a part every query sees and
+that block, merged by lse). Everything else (CPU prefill, other dtypes, a fused kernel that
+refuses the shapes) runs the torch path below, query-chunked so a prefill does not
+materialise all scores at once (`query_chunk`: a GPU-sized budget on CUDA). Every call
+counts the backend that ran (`backend_use`: "native", "sdpa-flash", "sdpa-efficient" or
+"torch"), which runs and probes store as `method.backend`, and `native_status` says why the
+native library did not load (`kvbench env` shows it).
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvbench.errors import KvbenchError, require
@@ -29,21 +34,32 @@ from kvbench.timing import kernel
 if TYPE_CHECKING:
     import torch
 
-# Most float32 score elements one query chunk of the torch path may hold at a time.
+# Most float32 score elements one query chunk of the torch path may hold at a time: on the
+# CPU (64 MiB), and on CUDA (1 GiB; with its exp, 2-3 GiB of temporaries), where a CPU-sized
+# budget meant ~10^7 launches for a 32K prefill at batch 8 x 32 heads (2 queries a chunk).
 _MAX_SCORES = 1 << 24
+_MAX_SCORES_CUDA = 1 << 28
+
+# A fused kernel: (q [B, H, Lq, D], k/v [B, H, Lk, D], causal on a square block, scale)
+# -> (out [B, H, Lq, D] in q's dtype, lse [B, H, Lq] float32).
+Fused = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor", bool, float],
+                 tuple["torch.Tensor", "torch.Tensor"]]
+# (kernel, dtype, head dim) a fused kernel refused once: not tried again in this process
+_REFUSED: set[tuple[str, object, int]] = set()
 
 # (backend, phase) -> attention calls since the last `backend_use(reset=True)`
 _USE: Counter[tuple[str, str]] = Counter()
 
 
 def note_backend(backend: str, q: torch.Tensor) -> None:
-    """Count one attention call of q `[B, Hq, Lq, D]` on `backend` ("native" or "torch");
+    """Count one attention call of q `[B, Hq, Lq, D]` on `backend` ("native", "torch" or a
+    fused CUDA kernel, "sdpa-flash" / "sdpa-efficient");
     phase "decode" when Lq == 1, else "prefill/append"."""
     _USE[(backend, "decode" if q.shape[2] == 1 else "prefill/append")] += 1
 
 
 def backend_use(reset: bool = False) -> dict[str, str]:
-    """phase -> backends that ran it since the last reset ("native", "torch" or
+    """phase -> backends that ran it since the last reset (e.g. "native", "torch" or
     "native+torch"), as stored in records' `method.backend`; empty when nothing ran."""
     out: dict[str, set[str]] = {}
     for backend, phase in _USE:
@@ -115,8 +131,9 @@ def dense_attention(
 
     q `[B, Hq, Lq, D]`, k/v `[B, Hkv, Lk, D]`; `scale` defaults to D ** -0.5; `q_start`
     (causal only) is the absolute key position of query 0, default Lk - Lq. `backend` is
-    "auto" (native CPU kernel where it applies, else torch), "native" or "torch";
-    `threads` caps the native kernel's threads (default: every CPU this process may use).
+    "auto" (native CPU kernel where it applies, a fused kernel on CUDA, else the torch
+    path), "native" or "torch" (the chunked torch path); `threads` caps the native
+    kernel's threads (default: every CPU this process may use).
     """
     from kvbench.kernels import cpu
 
@@ -133,8 +150,109 @@ def dense_attention(
     if native and backend != "torch":
         note_backend("native", q)
         return cpu.run(q, k, v, scale=scale, causal=causal, q_start=start, threads=threads)
+    if q.is_cuda and backend == "auto":
+        fused = fused_attention(q, k, v, scale, causal, start)
+        if fused is not None:
+            note_backend(fused[2], q)
+            return fused[0], fused[1]
     note_backend("torch", q)
     return torch_attention(q, k, v, scale, causal, start)
+
+
+def fused_parts(lq: int, lk: int, causal: bool, q_start: int
+                ) -> list[tuple[int, int, bool]] | None:
+    """Key ranges (k0, k1, causal) whose partial attentions, merged by lse, are the
+    attention of Lq queries over Lk keys (query i sees keys <= q_start + i when causal):
+    keys before q_start every query sees (no mask), then the square block q_start ..
+    q_start + Lq - 1 under the fused kernels' causal mask (the one shape where their
+    upper-left and lower-right alignments agree). None when that block does not fit in
+    the keys, or queries precede them (q_start < 0): the torch path does those."""
+    if not causal or q_start >= lk - 1:  # every query sees every key
+        return [(0, lk, False)]
+    if q_start < 0 or q_start + lq > lk:
+        return None
+    return [(0, q_start, False)] * (q_start > 0) + [(q_start, q_start + lq, True)]
+
+
+def fused_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+              parts: list[tuple[int, int, bool]], op: Fused
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q `[B, Hq, Lq, D]` over k/v `[B, Hkv, Lk, D]` by `op` over each of
+    `parts` (fused_parts), merged by lse. Grouped-query heads: an unmasked part folds each
+    KV head's query heads into its query length ([B, Hkv, G * Lq, D], one call); the causal
+    block runs once per head offset j in the group (query heads j, G + j, ... read KV heads
+    0, 1, ...), so no K/V is copied G times."""
+    import torch
+
+    b, hq, lq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    got = None
+    for k0, k1, causal in parts:
+        kp, vp = k[:, :, k0:k1], v[:, :, k0:k1]
+        if not causal:
+            o, lse = op(q.reshape(b, hkv, g * lq, d), kp, vp, False, scale)
+            o, lse = o.reshape(b, hq, lq, d), lse.reshape(b, hq, lq)
+        else:
+            o = torch.empty_like(q)
+            lse = torch.empty(b, hq, lq, dtype=torch.float32, device=q.device)
+            for j in range(g):
+                o[:, j::g], lse[:, j::g] = op(q[:, j::g], kp, vp, True, scale)
+        got = (o, lse) if got is None else merge(*got, o, lse)
+    assert got is not None
+    return got
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch
+
+    got = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
+                                                            scale=scale)
+    return got[0], got[1]
+
+
+def _efficient(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch
+
+    got = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0,
+                                                                causal, scale=scale)
+    return got[0], got[1][:, :, :q.shape[2]]  # its lse rows are padded to a multiple of 32
+
+
+FUSED: dict[str, Fused] = {"sdpa-flash": _flash, "sdpa-efficient": _efficient}
+
+
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    causal: bool, q_start: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, str] | None:
+    """(out, lse, kernel name) by the first of FUSED that accepts the shapes and dtype
+    (flash: half types; memory-efficient: float32 too), or None (fused_parts has no split,
+    or every kernel refused: the caller runs the torch path). A refusal is remembered per
+    (kernel, dtype, head dim)."""
+    import torch
+
+    parts = fused_parts(q.shape[2], k.shape[2], causal, q_start)
+    if parts is None:
+        return None
+    for name, op in FUSED.items():
+        key = (name, q.dtype, q.shape[3])
+        if key in _REFUSED:
+            continue
+        try:
+            return (*fused_run(q, k, v, scale, parts, op), name)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError:  # no kernel for these shapes/dtype on this GPU or build
+            _REFUSED.add(key)
+    return None
+
+
+def query_chunk(b: int, hq: int, lk: int, cuda: bool) -> int:
+    """Queries per chunk of the torch path: as many as keep B * Hq * chunk * Lk float32
+    scores within the budget (_MAX_SCORES, or _MAX_SCORES_CUDA on CUDA), at least one."""
+    return max(1, (_MAX_SCORES_CUDA if cuda else _MAX_SCORES) // max(1, b * hq * lk))
 
 
 @kernel
@@ -158,7 +276,7 @@ def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     out = torch.empty(b, hkv, g, lq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hkv, g, lq, dtype=torch.float32, device=q.device)
     qg = q.reshape(b, hkv, g, lq, d)
-    chunk = max(1, _MAX_SCORES // max(1, b * hq * lk))
+    chunk = query_chunk(b, hq, lk, q.is_cuda)
     if key_pos is None:
         keys = torch.arange(lk, device=q.device).view(1, 1, 1, lk)
     else:
