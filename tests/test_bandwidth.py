@@ -1,5 +1,5 @@
 """Bandwidth probe method (issue 3): interleaved rounds, the stability statistics, --repeat,
-and which memcpy store path a copy takes."""
+which memcpy store path a copy takes, and when the GPU bars run (audit finding #20)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ import pytest
 
 from kvbench.cli import main
 from kvbench.memory import Endpoint
-from kvbench.probes import _copy
+from kvbench.probes import _copy, bandwidth
 from kvbench.probes._bandwidth_stats import CV_BAR, cv_by_size, stability
 from kvbench.probes._copy import HostCopier, Pair
-from kvbench.probes.bandwidth import series
+from kvbench.probes._gpu_copy import GpuCopier
+from kvbench.probes.bandwidth import BandwidthConfig, BandwidthProbe, series
 from kvbench.store import load
-from kvbench.timing import Policy, time_rounds
+from kvbench.timing import Policy, Timing, time_rounds
 
 H0 = Endpoint("host", 0)
 M = 1 << 20
@@ -157,3 +158,50 @@ def test_sweep_view_never_redraws_during_a_measurement(tmp_path: Path,
     assert seen == [(False, False), (True, False)]  # the 2nd sweep runs under the live view
     bw = [r for r in load(out).records if r["metric"] == "bandwidth"]
     assert all(r["method"]["cpus_per_thread"] >= 1 for r in bw)
+
+
+def test_pair_directions_name_the_device_d() -> None:
+    g0, g1 = Endpoint("gpu", 0), Endpoint("gpu", 1)
+    assert [Pair(a, b).direction for a, b in ((H0, g0), (g0, H0), (g0, g1), (H0, H0))] == [
+        "h2d", "d2h", "d2d", "h2h"]
+    plan = _copy.Plan([Pair(g0, g1)], [], ["pageable", "pinned"], [], [4096])
+    assert plan.kinds_of(plan.pairs[0]) == ["device"] and plan.steps == 1
+
+
+class StubGpu(GpuCopier):
+    """A torch-engine copier without CUDA: every copy takes 1 ms, the torch loop 4 GB/s."""
+
+    def __init__(self, pair: Pair, kind: str, span: int, bidirectional: bool) -> None:
+        self.buffers, self.span = [], span
+        self.routes = [(None, None)] * (2 if bidirectional else 1)
+
+    def timing(self, size: int, policy: Policy, latency: bool = False) -> Timing:
+        return Timing((1e-3,) * 3, "cuda_event", 1)
+
+    def torch_loop_gbps(self, size: int, reps: int = 10, rounds: int = 5) -> list[float]:
+        return [4.0, 2.0]
+
+    def close(self) -> None: ...
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_gpu_bars_run_for_pinned_h2d_in_one_direction_only(
+        bidirectional: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pinned H2D with the torch engine gets its bars (probe / torch loop, per loop round);
+    with --bidirectional the probe moves both directions at once, so they are waived
+    (they divided one direction's bytes by both directions' time)."""
+    monkeypatch.setattr(_copy, "gpu_count", lambda: 1)
+    monkeypatch.setattr(bandwidth, "open_copier",
+                        lambda pair, kind, size, threads, bidir, root, engine:
+                        StubGpu(pair, kind, 256 * M, bidir))
+    cfg = BandwidthConfig(src="host:0", dst="gpu:0", memory="pinned", sizes="4K",
+                          bidirectional=bidirectional, quick=True)
+    recs = {r.metric: r for r in BandwidthProbe().run(cfg)}
+    loop, link = recs["torch_loop_ratio"], recs["pcie_link_ratio"]
+    assert loop.params["size"] == 256 * M and loop.params["engine"] == "torch"
+    if bidirectional:
+        assert {loop.status, link.status} == {"waived"} and "--bidirectional" in loop.reason
+    else:
+        probe = 256 * M / 1e-3 / 1e9
+        assert loop.samples == [probe / 4.0, probe / 2.0]
+        assert link.status == "waived" and "NVML" in link.reason  # no NVML link here

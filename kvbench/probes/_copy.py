@@ -3,7 +3,8 @@
 A `Pair` is a source and destination endpoint; `open_copier` gives the object that copies
 between them with NUMA-placed host buffers (`kvbench.memory.HostBuffer`): host-to-host in
 native pinned threads (probes/copy.c, `HostCopier`), anything touching a GPU through torch
-CUDA (`kvbench.probes._gpu_copy.GpuCopier`). Every copy advances through a span of at least
+CUDA (`kvbench.probes._gpu_copy.GpuCopier`) or, as a raw-CUDA reference, cudaMemcpyAsync
+through cupy (`kvbench.probes._cupy.CupyCopier`). Every copy advances through a span of at least
 twice the LLC, so small copies read memory rather than a cache line the previous copy left
 behind. A host memcpy call (one per thread and copy) of at least glibc's
 x86_non_temporal_threshold (`nt_threshold`, 192M on the 2-core CI VM) writes with
@@ -25,6 +26,7 @@ from typing import Any
 
 from kvbench.errors import KvbenchError
 from kvbench.memory import Endpoint, HostBuffer, endpoints, gpu_count, llc_bytes, runner_cpus
+from kvbench.probes._cupy import CupyCopier
 from kvbench.probes._gpu_copy import GpuCopier
 from kvbench.schema import ParamValue, Record, not_measured
 from kvbench.timing import PASSES, Policy, Timing, time_native, time_rounds
@@ -33,6 +35,7 @@ from kvbench.units import parse_sizes
 MEMORY_KINDS = ("pageable", "pinned")
 SAMPLE_S = 2e-3  # native samples repeat a copy until they last about this long
 NO_GPU = "no CUDA GPU on this machine"
+_SIDE = {"host": "h", "gpu": "d"}  # Pair.direction's letters: h2d, d2h, d2d, h2h
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,7 @@ class Pair:
 
     @property
     def direction(self) -> str:
-        return f"{self.src.kind[0]}2{self.dst.kind[0]}"
+        return f"{_SIDE[self.src.kind]}2{_SIDE[self.dst.kind]}"
 
     def label(self) -> str:
         return f"{self.src}->{self.dst}"
@@ -268,11 +271,16 @@ class HostCopier:
 
 
 def open_copier(pair: Pair, kind: str, max_size: int, threads: int, bidirectional: bool,
-                root: Path | str = "/") -> HostCopier | GpuCopier:
-    """The copier for pair with buffers of max(max_size, 2 x LLC) bytes per endpoint."""
+                root: Path | str = "/", engine: str = "torch"
+                ) -> HostCopier | GpuCopier | CupyCopier:
+    """The copier for pair with buffers of max(max_size, 2 x LLC) bytes per endpoint; a
+    pair touching a GPU copies through `engine`: torch (GpuCopier) or cupy (CupyCopier,
+    cudaMemcpyAsync)."""
     span = max(max_size, 2 * llc_bytes(root))
     if pair.direction == "h2h":
         return HostCopier(pair, kind, span, threads, bidirectional, root)
+    if engine == "cupy":
+        return CupyCopier(pair, kind, span, bidirectional)
     return GpuCopier(pair, kind, span, bidirectional)
 
 

@@ -4,11 +4,13 @@ Reproduces the measurement of the CXL KV-storage paper, section 3.1 / Fig. 1a (c
 between host buffers placed on a NUMA node, CXL memory-only nodes included, and the GPU,
 1 KB to 256 MB) for every pair the machine has: host-to-host in pinned native threads,
 host-to-device, device-to-host and device-to-device through torch CUDA timed with CUDA
-events behind a device-side wait. Pinned host memory is the node's buffer registered with
-cudaHostRegister; pageable is the same buffer unregistered. Per pair it derives the peak,
-the size reaching 90% of it, the half-bandwidth size and the small-copy latency floor
-(kvbench.probes._bandwidth_stats), and measures its bars against plain memcpy loops, the
-PCIe link and a bare torch copy loop.
+events behind a device-side wait, or (`--engine cupy`, the raw-CUDA reference for GPU
+copies) by cudaMemcpyAsync through cupy with its own events (kvbench.probes._cupy). Pinned
+host memory is the node's buffer registered with cudaHostRegister; pageable is the same
+buffer unregistered. Per pair it derives the peak, the size reaching 90% of it, the
+half-bandwidth size and the small-copy latency floor (kvbench.probes._bandwidth_stats), and
+measures its bars against plain memcpy loops, the PCIe link and a bare torch copy loop
+(pinned H2D in one direction with the torch engine: waived otherwise).
 
 Host-to-host sizes are sampled in interleaved rounds, so each size's median spans the whole
 sweep and drift of the machine's memory bandwidth moves every size alike; `repeat` sweeps N
@@ -25,11 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvbench.errors import KvbenchError
+from kvbench.errors import KvbenchError, require
 from kvbench.options import check_ranges, config_command, opt
 from kvbench.probes import PROBES, Probe
 from kvbench.probes._bandwidth_stats import STABLE_SIZE, cv_by_size, derived, stability
 from kvbench.probes._copy import (
+    CupyCopier,
     HostCopier,
     Pair,
     Plan,
@@ -38,6 +41,7 @@ from kvbench.probes._copy import (
     nt_threshold,
     open_copier,
 )
+from kvbench.probes._cupy import cupy_runtime
 from kvbench.probes._gpu_copy import GpuCopier
 from kvbench.schema import Record, measured, not_measured
 from kvbench.timing import DEFAULT, QUICK, Policy
@@ -50,6 +54,7 @@ DEFAULT_SIZES = "1K..256M"
 # 2-core VM (load 4) the median of 2 ms samples moved 7% between 0.2 s windows, 2.5-3%
 # between 5-10 s ones.
 HOST_ROUNDS = Policy(warmup=1, min_reps=5, min_time_s=1.0)
+ENGINES = ("torch", "cupy")
 ROUNDS = "interleaved rounds: one sample of every size per round, direction alternating"
 
 
@@ -76,9 +81,12 @@ class BandwidthConfig(CopyPairs):
     quick: bool = opt(False, "Fewer repetitions (quick look, CI).")
     repeat: int = opt(1, "Sweeps per pair and memory kind, fresh buffers each; 2 or more "
                       "adds repeat_cv_median_ge_1m, the stability bar.", min=1)
+    engine: str = opt("torch", "GPU copies through torch (tensor copy_) or cupy "
+                      "(cudaMemcpyAsync, the raw-CUDA reference; GPU bars only with torch).")
 
     def __post_init__(self) -> None:
         check_ranges(self)
+        require(self.engine in ENGINES, f"--engine '{self.engine}': torch or cupy")
 
 
 @PROBES.register
@@ -86,7 +94,7 @@ class BandwidthProbe(Probe):
     """Copy bandwidth between every pair of memories (host nodes, CXL, GPUs) against size."""
 
     name = "bandwidth"
-    version = "2"
+    version = "3"
     config = BandwidthConfig
 
     def run(self, config: BandwidthConfig) -> Iterator[Record]:
@@ -94,6 +102,8 @@ class BandwidthProbe(Probe):
             raise KvbenchError(f"--threads must be at least 1 (got {config.threads})")
         if config.repeat < 1:
             raise KvbenchError(f"--repeat must be at least 1 (got {config.repeat})")
+        if config.engine == "cupy":
+            cupy_runtime()  # a one-line error before any record where cupy is missing
         plan = make_plan(config.src, config.dst, config.sizes, config.memory, config.root)
         policy = QUICK if config.quick else DEFAULT
         load = os.getloadavg()[0]
@@ -121,10 +131,12 @@ class BandwidthProbe(Probe):
         params = {"src": str(pair.src), "dst": str(pair.dst), "direction": pair.direction,
                   "memory": kind, "threads": config.threads,
                   "bidirectional": config.bidirectional}
+        if pair.direction != "h2h":
+            params["engine"] = config.engine
         sweeps: list[dict[int, float]] = []
         for rep in range(config.repeat):
             copier = open_copier(pair, kind, plan.sizes[-1], config.threads,
-                                 config.bidirectional, config.root)
+                                 config.bidirectional, config.root, config.engine)
             try:
                 host = isinstance(copier, HostCopier)
                 policy = QUICK if config.quick else HOST_ROUNDS if host else DEFAULT
@@ -137,8 +149,7 @@ class BandwidthProbe(Probe):
                 yield from stability(self.name, "cv_median_ge_1m", {
                     s: float((r.stats or {})["cv"]) for s, r in zip(plan.sizes, recs, strict=True)
                     if s >= STABLE_SIZE}, params, load, "per-size sample CV of this sweep", False)
-                if rep == 0 and config.bars and isinstance(copier, GpuCopier) \
-                        and kind == "pinned" and pair.direction == "h2d":
+                if rep == 0 and config.bars and kind == "pinned" and pair.direction == "h2d":
                     yield from self._gpu_bars(copier, pair, policy, params, config.root)
             finally:
                 copier.close()
@@ -148,8 +159,8 @@ class BandwidthProbe(Probe):
                                  "repeated sweeps (fresh buffers each)", True)
         return sweeps[-1][plan.sizes[-1]]
 
-    def _sweep(self, copier: HostCopier | GpuCopier, sizes: list[int], policy: Policy,
-               params: dict[str, Any], repeat: str) -> list[Record]:
+    def _sweep(self, copier: HostCopier | GpuCopier | CupyCopier, sizes: list[int],
+               policy: Policy, params: dict[str, Any], repeat: str) -> list[Record]:
         """One record per size: GB/s of every sample (copies per sample x bytes / seconds)."""
         recs = []
         for size, (t, iters) in copier.sweep(sizes, policy).items():
@@ -161,7 +172,7 @@ class BandwidthProbe(Probe):
                               order=ROUNDS, memcpy_stores=copier.stores(size),
                               nt_threshold=nt_threshold())
             else:
-                method.update(order="one size after another",
+                method.update(order="one size after another", engine=params["engine"],
                               before="torch.cuda._sleep queued ahead of the start event")
             recs.append(measured("probe", self.name, "bandwidth", "GB/s", "higher",
                                  [gbps(copier.bytes_per_copy(size), s) for s in t.seconds],
@@ -205,15 +216,26 @@ class BandwidthProbe(Probe):
             "memcpy_stores": copier.stores(BAR_SIZE), "nt_threshold": nt_threshold(),
             "like_with_like": "both call glibc memcpy on the same per-thread lengths"})
 
-    def _gpu_bars(self, copier: GpuCopier, pair: Pair, policy: Policy, params: dict[str, Any],
-                  root: str) -> Iterator[Record]:
-        """Pinned H2D at 256M against the NVML PCIe link rate and a bare torch copy loop."""
+    def _gpu_bars(self, copier: GpuCopier | CupyCopier, pair: Pair, policy: Policy,
+                  params: dict[str, Any], root: str) -> Iterator[Record]:
+        """Pinned H2D at 256M against the NVML PCIe link rate and a bare torch copy loop:
+        one direction's rate of the torch engine, so waived for a bidirectional run (whose
+        copies move both ways at once: audit finding #20) and for --engine cupy."""
         from kvbench.envinfo import gpu_info
 
         size = min(BAR_SIZE, copier.span)
+        p = {**params, "size": size}
+        why = ""
+        if len(copier.routes) > 1:
+            why = "the GPU bars compare one direction's rate: not measured with --bidirectional"
+        elif not isinstance(copier, GpuCopier):
+            why = "the GPU bars are measured with --engine torch"
+        if why:
+            for metric in ("torch_loop_ratio", "pcie_link_ratio"):
+                yield not_measured("probe", self.name, metric, "waived", why, p)
+            return
         bw = gbps(size, copier.timing(size, policy).median)
         loop = copier.torch_loop_gbps(size)
-        p = {**params, "size": size}
         yield measured("probe", self.name, "torch_loop_ratio", "ratio", "higher",
                        [bw / g for g in loop], p,
                        {"per": "probe / bare torch pinned copy loop (same buffers)",
@@ -268,6 +290,8 @@ def series(records: list[dict[str, Any]], name: str, metric: str
         if r["name"] != name or r["metric"] != metric or r["status"] != "ok" or "size" not in p:
             continue
         label = f"{p['src']}->{p['dst']} {p.get('memory', '')}".strip()
+        if p.get("engine", "torch") != "torch":
+            label += f" {p['engine']}"
         if p.get("bidirectional"):
             label += " bidir"
         if not str((r.get("method") or {}).get("repeat", "1/1")).endswith("/1"):
