@@ -1,9 +1,11 @@
 """Measured energy of a run's decode (issue 14): host package energy from RAPL (powercap
 sysfs, /sys/class/powercap/intel-rapl:N/energy_uj, one counter per package, wrapping at
 max_energy_range_uj) and GPU energy from NVML's total-energy counter (mJ since the driver
-loaded, Volta and later). Each is read before and after the timed run (prefill and decode)
-and divided by the tokens it generated; a device whose counter cannot be read gets a
-waived record saying why.
+loaded, Volta and later) of the run's GPU: torch's current device, which is the run's
+(kvbench.runtime.run.resolve), found in NVML by its PCI address, since CUDA's device order
+(fastest first, CUDA_VISIBLE_DEVICES) need not be NVML's. Each is read before and after
+the timed run (prefill and decode) and divided by the tokens it generated; a device whose
+counter cannot be read gets a waived record saying why.
 """
 
 from __future__ import annotations
@@ -30,14 +32,26 @@ def _rapl(root: Path) -> tuple[list[Path], str]:
     return pkgs, ""
 
 
+def _pci_bus_id(index: int) -> str:
+    """The PCI address (domain:bus:device.function) of CUDA device `index`, as NVML takes it."""
+    import torch
+
+    p = torch.cuda.get_device_properties(index)
+    return f"{p.pci_domain_id:08x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+
+
 def _nvml() -> tuple[Any, str]:
+    """((pynvml, handle, "cuda:N at BUS"), "") for the run's GPU, or (None, why not)."""
     try:
         import pynvml
+        import torch
 
         pynvml.nvmlInit()
-        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        index = torch.cuda.current_device()
+        bus = _pci_bus_id(index)
+        h = pynvml.nvmlDeviceGetHandleByPciBusId(bus)
         pynvml.nvmlDeviceGetTotalEnergyConsumption(h)
-        return (pynvml, h), ""
+        return (pynvml, h, f"cuda:{index} at PCI {bus}"), ""
     except ImportError:
         return None, "nvidia-ml-py not installed (pip install kvbench[gpu])"
     except Exception as e:  # no driver, no GPU, or a GPU older than Volta
@@ -58,7 +72,7 @@ class Meter:
         if self.pkgs:
             out["host"] = sum(int((p / "energy_uj").read_text()) for p in self.pkgs) * 1e-6
         if self.gpu is not None:
-            nv, h = self.gpu
+            nv, h, _ = self.gpu
             out["accel"] = nv.nvmlDeviceGetTotalEnergyConsumption(h) * 1e-3
         return out
 
@@ -87,6 +101,6 @@ class Meter:
                                        f"/ {tokens} generated tokens",
                                 "joules": self.j[where],
                                 "counter": "RAPL package energy_uj" if where == "host"
-                                else "NVML total energy"})
+                                else f"NVML total energy of {self.gpu[2]}"})
             else:
                 yield not_measured("run", name, "energy_per_token", "waived", why, p)
