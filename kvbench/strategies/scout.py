@@ -41,22 +41,30 @@ real query selects and attends, i.e. --no-precompute's) and "pred_overlap" (shar
 real query's blocks that the predicted query selected), pages recalled/evicted and their bytes
 (link "h2d.recall"), `accel_idle`, worker seconds "host_attention".
 Exact setting: a budget covering the context (every block resident, nothing on the host).
-Layout per layer: host k/v [B, Hkv, max_len, D] (pinned on CUDA; sparse layers); accelerator
-k/v [B, Hkv, max_len, D] indexed by position, valid only where resident (blocks leaving it
-are set to NaN, so a stray read shows), digests [B, Hkv, ceil(max_len/S), D], resident mask
-and last-selected step [B, Hkv, ceil(max_len/S)].
+Layout per layer: host k/v token-major [max_len, B, Hkv, D] (sparse layers; a step's
+store is one contiguous D2H, the native kernel reads the view [B, Hkv, n, D]) and one recall
+staging pair [B * Hkv * C * S, D] shared by the layers, exactly sized and pinned on CUDA
+(strategies._hostcopy; GPU audit findings 3 and 6); accelerator k/v [B, Hkv, max_len, D]
+indexed by position, valid only where resident (blocks leaving it are set to NaN, so a stray
+read shows), digests [B, Hkv, ceil(max_len/S), D], resident mask and last-selected step
+[B, Hkv, ceil(max_len/S)]. Host reads of stored KV (the worker, --pred-error, a recall's
+gather) wait for the layer's last store event; a recall rewrites the staging only after the
+H2D that last read it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from kvbench.errors import require
+from kvbench.paths import check_out
 from kvbench.strategies import STRATEGIES, Strategy, position_mask
 from kvbench.strategies import _scout_recall as recall_file
+from kvbench.strategies._hostcopy import HostKV, heads_first, tokens_first, transfer
 from kvbench.strategies._pages import (
     Digests,
     attend_selected,
@@ -137,6 +145,8 @@ class ScoutParams:
                 f"--recall-evict '{self.recall_evict}': one of {', '.join(EVICT)}")
         require(not (self.calibrate_recall and self.recall_intervals),
                 "--calibrate-recall writes intervals, --recall-intervals reads them: pass one")
+        if self.calibrate_recall:  # before the run, not when it has ended
+            check_out(self.calibrate_recall, "--calibrate-recall", parents=False)
 
     @property
     def resident(self) -> int:
@@ -148,7 +158,7 @@ class Scout(Strategy):
     """ScoutAttention: resident blocks on the accelerator + layer-ahead host attention."""
 
     name = "scout"
-    version = "1"
+    version = "2"
     params = ScoutParams
     exact = (("budget_tokens", 1 << 20),)  # every block resident and selected
 
@@ -165,6 +175,19 @@ class Scout(Strategy):
     def kv_placement(cls, params: ScoutParams, kv_bytes: int) -> dict[str, int]:
         # the accelerator buffer is allocated whole (position-indexed), plus digests (1/S)
         return {"accel": kv_bytes + -(-kv_bytes // params.page_size), "host": kv_bytes}
+
+    @classmethod
+    def placement(cls, params: ScoutParams, ctx: RunContext) -> dict[str, int]:
+        """`kv_placement` on the accelerator; on the host the sparse layers' k/v and the
+        recall staging k/v [B * Hkv * C * S, D] ("pinned": all of it, on CUDA)."""
+        out = super().placement(params, ctx)
+        sparse = max(ctx.n_layers - params.dense_layers, 0)
+        token = ctx.batch * ctx.spec.kv_bytes_per_token(ctx.elem_bytes, 1)  # k and v
+        host = token * (sparse * ctx.max_len + (params.resident * params.page_size
+                                                if sparse else 0))
+        out["host"] = host
+        out["pinned"] = host if ctx.accel.type == "cuda" else 0
+        return out
 
     def __init__(self, params: ScoutParams, ctx: RunContext) -> None:
         import torch
@@ -186,9 +209,14 @@ class Scout(Strategy):
                       for _ in range(L)]
         self.acc_v = [torch.empty_like(t) for t in self.acc_k]
         sparse = range(params.dense_layers, L)
-        self.host_k = {i: torch.empty(b, hkv, n, d, dtype=ctx.dtype, pin_memory=pin)
-                       for i in sparse}
-        self.host_v = {i: torch.empty_like(self.host_k[i], pin_memory=pin) for i in sparse}
+        self.host = HostKV(pin)
+        self.host_k = {i: self.host.empty((n, b, hkv, d), ctx.dtype) for i in sparse}
+        self.host_v = {i: self.host.empty((n, b, hkv, d), ctx.dtype) for i in sparse}
+        if sparse:
+            rows = b * hkv * params.resident * params.page_size
+            self.stage = tuple(self.host.empty((rows, d), ctx.dtype) for _ in range(2))
+        self.stored: dict[int, Any] = {}  # layer -> CUDA event of its last store's D2H
+        self.staged: Any = None  # CUDA event: the last recall's H2D out of the staging
         self.dig = {i: Digests(b, hkv, n, d, params.page_size, "minmax", ctx.accel, ctx.dtype)
                     for i in sparse}
         self.res = {i: torch.zeros(b, hkv, p_max, dtype=torch.bool, device=ctx.accel)
@@ -268,20 +296,40 @@ class Scout(Strategy):
         qh = q.to(self.ctx.host)
         c.moved("d2h", 1.0 * qh.numel() * self.ctx.elem_bytes)
         job = self.worker.submit(self._host, layer, qh, pos.to(self.ctx.host),
-                                 lens.to(self.ctx.host), n_tot - 1)
+                                 lens.to(self.ctx.host), n_tot - 1, self.stored.get(layer))
         return pages, on, job, host_tokens
 
     def _host(self, layer: int, q: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor,
-              n: int) -> tuple[torch.Tensor, torch.Tensor, float, Counters]:
-        """Worker: attention of q over the host's selected tokens; own counters (merged
-        at the join, where the step and layer are the main thread's)."""
+              n: int, stored: Any) -> tuple[torch.Tensor, torch.Tensor, float, Counters]:
+        """Worker: attention of q over the host's selected tokens (of the first n, once the
+        store event `stored` has fired: they were written by D2H); own counters (merged at
+        the join, where the step and layer are the main thread's)."""
         from kvbench.runtime.context import Counters
 
+        if stored is not None:
+            stored.synchronize()
         c = Counters(self.ctx.counters.kv_heads, self.ctx.elem_bytes)
         t0 = time.perf_counter()
-        out, lse = attend_selected(q, self.host_k[layer][:, :, :n], self.host_v[layer][:, :, :n],
-                                   pos, lens, c, "host")
+        out, lse = attend_selected(q, heads_first(self.host_k[layer][:n]),
+                                   heads_first(self.host_v[layer][:n]), pos, lens, c, "host")
         return out, lse, time.perf_counter() - t0, c
+
+    def _store(self, layer: int, n0: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k/v [B, Hkv, T, D] to host rows n0..n0+T (one contiguous D2H each, then an event
+        that host reads of them wait for)."""
+        import torch
+
+        transfer(self.host_k[layer][n0:n0 + k.shape[2]], tokens_first(k))
+        transfer(self.host_v[layer][n0:n0 + k.shape[2]], tokens_first(v))
+        self.ctx.counters.moved("d2h", 2.0 * k.numel() * self.ctx.elem_bytes)
+        if k.is_cuda:
+            self.stored[layer] = torch.cuda.Event()
+            self.stored[layer].record(torch.cuda.current_stream())
+
+    def _landed(self, layer: int) -> None:
+        """This thread waits for the layer's stores to reach the host."""
+        if layer in self.stored:
+            self.stored[layer].synchronize()
 
     # -- the strategy calls -------------------------------------------------------------------
 
@@ -298,9 +346,7 @@ class Scout(Strategy):
         self.length[layer] = n
         if layer < self.p.dense_layers:
             return out
-        self.host_k[layer][:, :, :n].copy_(k)
-        self.host_v[layer][:, :, :n].copy_(v)
-        c.moved("d2h", 2.0 * k.numel() * self.ctx.elem_bytes)
+        self._store(layer, 0, k, v)
         dig = self.dig[layer]
         dig.update(self.acc_k[layer], 0, n)
         ws = max(-(-n // self.p.page_size) - self.p.window_pages, 0)
@@ -343,12 +389,10 @@ class Scout(Strategy):
                                   self.acc_v[layer][:, :, :n_tot], causal=False)[0]
             self._finish(layer, n_tot)
             return out
-        self.host_k[layer][:, :, n:n_tot].copy_(k)
-        self.host_v[layer][:, :, n:n_tot].copy_(v)
-        c.moved("d2h", 2.0 * k.numel() * self.ctx.elem_bytes)
         self.dig[layer].update(self.acc_k[layer], n, n_tot)
         pending = self.pending.pop(layer, None)
         pages, on, job, host_tokens, q_pred = pending or (*self._issue(layer, q, n_tot), None)
+        self._store(layer, n, k, v)  # after the host job took its event: it reads < n
         if layer in self.recalling:  # last step's recall copy must have landed
             with c.timed("accel_idle"):
                 torch.cuda.current_stream().wait_event(self.recalling.pop(layer))
@@ -406,8 +450,9 @@ class Scout(Strategy):
                             p.window_pages)
         pos, lens = page_tokens(real, p.page_size, n_tot)
         private = Counters(self.ctx.counters.kv_heads, self.ctx.elem_bytes)
-        ref, _ = attend_selected(q.to(host), self.host_k[layer][:, :, :n_tot],
-                                 self.host_v[layer][:, :, :n_tot], pos.to(host),
+        self._landed(layer)
+        ref, _ = attend_selected(q.to(host), heads_first(self.host_k[layer][:n_tot]),
+                                 heads_first(self.host_v[layer][:n_tot]), pos.to(host),
                                  lens.to(host), private, "host")
         ref = ref.to(out.device).float()
         err = torch.linalg.vector_norm((out.float() - ref).flatten())
@@ -445,25 +490,42 @@ class Scout(Strategy):
             self.res[layer][:, :, :ws] = (res & ~evict) | missing
             self._evict(layer, evict)
             b, h, j = missing.nonzero(as_tuple=True)
-            hb, hh, hj = b.to(self.ctx.host), h.to(self.ctx.host), j.to(self.ctx.host)
             c.moved("h2d.recall", 2.0 * j.numel() * p.page_size * q.shape[-1]
                     * self.ctx.elem_bytes)
-            for src, dst in ((self.host_k[layer], self.acc_k[layer]),
-                             (self.host_v[layer], self.acc_v[layer])):
-                blocks = self._blocks(src, 0, ws)[hb, hh, hj]  # [m, S, D]
-                if self.stream is None:
-                    self._blocks(dst, 0, ws)[b, h, j] = blocks
-                    continue
-                self.stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(self.stream):  # lands before this layer's next step
-                    self._blocks(dst, 0, ws)[b, h, j] = blocks.pin_memory().to(
-                        dst.device, non_blocking=True)
-                for t in (b, h, j):  # freed by the main stream only after the copy
-                    t.record_stream(self.stream)
-            if self.stream is not None:
-                ev = torch.cuda.Event()
-                ev.record(self.stream)
-                self.recalling[layer] = ev
+            self._copy_blocks(layer, ws, b, h, j)
+
+    def _copy_blocks(self, layer: int, ws: int, b: torch.Tensor, h: torch.Tensor,
+                     j: torch.Tensor) -> None:
+        """Blocks j[i] of (batch b[i], KV head h[i]) (index tensors [m] on the accelerator),
+        from the host into the accelerator k/v: gathered on the host into the pinned staging
+        [m * S, D], one H2D each for k and v and a scatter, on the side stream on CUDA
+        (waited for at this layer's next step)."""
+        import torch
+
+        s = self.p.page_size
+        if self.staged is not None:
+            self.staged.synchronize()  # the last recall's H2D has read the staging
+        self._landed(layer)
+        hk = self.host_k[layer]
+        bsz, hkv, d = hk.shape[1], hk.shape[2], hk.shape[3]
+        tok = (j.cpu()[:, None] * s + torch.arange(s)).flatten()  # [m * S] positions
+        rows = (tok * bsz + b.cpu().repeat_interleave(s)) * hkv + h.cpu().repeat_interleave(s)
+        m = rows.numel()
+        side = self.stream is not None
+        if side:
+            self.stream.wait_stream(torch.cuda.current_stream())
+        for src, stage, dst in ((hk, self.stage[0], self.acc_k[layer]),
+                                (self.host_v[layer], self.stage[1], self.acc_v[layer])):
+            torch.index_select(src.view(-1, d), 0, rows, out=stage[:m])
+            with torch.cuda.stream(self.stream) if side else contextlib.nullcontext():
+                dev = transfer(torch.empty(m, d, dtype=dst.dtype, device=dst.device),
+                               stage[:m])
+                self._blocks(dst, 0, ws)[b, h, j] = dev.view(-1, s, d)
+        if side:
+            for t in (b, h, j):  # freed by the main stream only after the copy
+                t.record_stream(self.stream)
+            self.staged = self.recalling[layer] = torch.cuda.Event()
+            self.staged.record(self.stream)
 
     def _finish(self, layer: int, n_tot: int) -> None:
         """Calibration: after the run's last decode step, write the intervals."""
