@@ -292,8 +292,8 @@ def time_rounds(fns: Sequence[Callable[[], float]], policy: Policy = DEFAULT,
 
 
 COVER = 2.0  # time_cuda's device wait: this many times the host's time to enqueue a sample
-COVER_TEXT = ("torch.cuda._sleep queued ahead of the start event, twice the host's longest "
-              "enqueue of a sample's calls so far")
+COVER_TEXT = ("torch.cuda._sleep queued ahead of the start event, twice the host's time to "
+              "enqueue the previous round's calls")
 _SLEEP_PROBE = 10_000_000  # cycles of the one timed torch.cuda._sleep that calibrates it
 _SLEEP_RATE: dict[int, float] = {}  # CUDA device index -> torch.cuda._sleep cycles a second
 
@@ -327,23 +327,24 @@ def time_cuda(
 
     `before`, when given, is enqueued ahead of the start event each repetition (for example
     a short device-side wait) so that the host's launch overhead of fn is hidden behind it.
-    `cover` queues such a wait itself, sized to COVER times the longest host time seen to
-    enqueue a sample's calls (the warm-up's first, at least one warm-up round): the device
-    then runs the calls back to back and a sample is their device time, not the host's
-    launch rate (torch ops of a few microseconds of device work each take several of host
-    time). Samples whose enqueue outlasted the wait are counted (Timing.exposed).
+    `cover` queues such a wait itself, sized to COVER times the host's time to enqueue the
+    previous round's calls (the last warm-up round's for the first sample; at least one
+    warm-up round): the device then runs the calls back to back and a sample is their
+    device time, not the host's launch rate (torch ops of a few microseconds of device
+    work each take several of host time). Samples whose enqueue outlasted the wait are
+    counted (Timing.exposed).
     """
     import torch
 
     if calls < 1 or (cover and before is not None):
         raise ValueError("time_cuda: calls >= 1, and cover or before, not both")
     warmup = max(policy.warmup, 1) if cover else policy.warmup
-    enqueue = 0.0  # longest host time to enqueue one sample's calls, seconds
+    enqueue = 0.0  # host seconds to enqueue the previous round's calls
     for _ in range(warmup):
         t0 = time.perf_counter_ns()
         for _ in range(calls):
             fn()
-        enqueue = max(enqueue, (time.perf_counter_ns() - t0) * 1e-9)
+        enqueue = (time.perf_counter_ns() - t0) * 1e-9
     torch.cuda.synchronize()
     rate = sleep_rate() if cover else 0.0
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -365,7 +366,7 @@ def time_cuda(
         e1.synchronize()
         if cover:
             exposed += int(took > wait)
-            enqueue = max(enqueue, took)
+            enqueue = took
         samples.append(e0.elapsed_time(e1) * 1e-3 / calls)
     return Timing(tuple(samples), "cuda_event", warmup, calls=calls,
                   cover=COVER_TEXT if cover else "", exposed=exposed)
