@@ -13,6 +13,7 @@ tokens at the end. The modes the attention probe times:
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -72,11 +73,44 @@ def torch_dtype(name: str, device: str) -> torch.dtype:
     return dt
 
 
+def release_host_cache() -> None:
+    """Hand the pinned host blocks that torch's caching host allocator keeps unused back to
+    the OS (it caches every freed `pin_memory()` block, rounded up to a power of two, for a
+    later request of the same size class); nothing to do without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    empty = (getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+             or getattr(torch._C, "_host_emptyCache", None))  # older torch
+    if empty is not None:
+        empty()
+
+
+def pinned(tensors: list[torch.Tensor], owner: object) -> list[torch.Tensor]:
+    """Pinned copies of host `tensors`, held by the returned list alone (keep no other
+    reference): when `owner` dies the list is emptied, so the copies are freed, and the
+    host cache released, so their blocks go back to the OS rather than stay cached."""
+    held = [t.pin_memory() for t in tensors]
+    weakref.finalize(owner, _unpin, held).atexit = False  # at exit the OS takes it all
+    return held
+
+
+def _unpin(held: list[torch.Tensor]) -> None:
+    held.clear()
+    release_host_cache()
+
+
 class Workload:
     """Tensors of one point: q `[B, H, Lq, D]`, host KV `[B, Hkv, host, D]` (pinned with CUDA),
     the device KV buffer `[B, Hkv, host + gpu, D]` (older host part first), and per-head
     selected host positions for the sparse part (`keep` of host_tokens, per-head counts
-    varying by up to +-50% as HGCA's per-head selection does)."""
+    varying by up to +-50% as HGCA's per-head selection does).
+
+    The pinned host KV leaves the process with the Workload (`pinned`): the probe measures
+    its grid in groups sized to a quarter of the memory free before the first (GPU audit
+    finding 17: Fig. 10's 16 x 56 heads x 64K fp16 points hold 30 GB of host KV each), so
+    blocks cached from one group would come on top of the next one's."""
 
     def __init__(self, p: Point, keep: float, threads: int, cuda: bool, seed: int = 0) -> None:
         import torch
@@ -91,10 +125,8 @@ class Workload:
         self.q = torch.randn(b, h, p.query, d, generator=gen).to(dt)
         total = p.host_tokens + p.gpu_tokens
         kv = torch.randn(2, b, hk, total, d, generator=gen).to(dt)
-        self.k_host = kv[0, :, :, : p.host_tokens].contiguous()
-        self.v_host = kv[1, :, :, : p.host_tokens].contiguous()
-        if cuda:
-            self.k_host, self.v_host = self.k_host.pin_memory(), self.v_host.pin_memory()
+        host = [kv[i, :, :, : p.host_tokens].contiguous() for i in (0, 1)]
+        self._host = pinned(host, self) if cuda else host  # k, v [B, Hkv, host, D]
         self.k_dev = kv[0].to(self.device)
         self.v_dev = kv[1].to(self.device)
         self.q_dev = self.q.to(self.device)
@@ -110,6 +142,14 @@ class Workload:
         self.selection = pack_indices(order.sort(dim=-1).values, b, hk, p.host_tokens,
                                       self.lengths)
         self.out, self.lse = output_buffers(self.q)
+
+    @property
+    def k_host(self) -> torch.Tensor:
+        return self._host[0]
+
+    @property
+    def v_host(self) -> torch.Tensor:
+        return self._host[1]
 
     @property
     def selected(self) -> int:
