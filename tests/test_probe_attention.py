@@ -245,3 +245,18 @@ def test_roofline_cuda_peak_in_bf16_and_float32(tmp_path: Path):
     att = {r["params"]["dtype"] for r in recs if r["metric"] == "attention_tflops"
            and r["params"]["device"] == "cuda:0"}
     assert att == {"bfloat16"}
+
+
+@pytest.mark.gpu
+def test_attention_gpu_modes_record_their_cover(tmp_path: Path):
+    from kvbench.probes.attention import GPU_CALLS
+
+    out = tmp_path / "att.jsonl"
+    run_cli([*TINY, "--modes", "gpu,gpu-transfer", "--passes", "2", "--out", str(out)])
+    recs = load(out).records
+    gpu = [r for r in recs if r["metric"] == "time" and r["params"].get("mode") == "gpu"]
+    assert gpu and all(r["status"] == "ok" for r in gpu)
+    for r in gpu:
+        assert r["method"]["calls_per_sample"] == GPU_CALLS and "launch_exposed" in r["method"]
+    (copy,) = [r for r in recs if r["metric"] == "device_copy_gbps"]
+    assert copy["params"]["counted"] == "read+write" and copy["version"] == "3"
