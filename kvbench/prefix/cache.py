@@ -18,6 +18,13 @@ index maps each chunk id to the newest entry holding it; an entry that no chunk 
 to any more (a later save of the same conversation holds all of it) is freed. When a save
 does not fit, least-recently-used entries are evicted (`evictions`); an entry larger than
 the whole capacity is not stored (`rejected`). `hits` and `misses` count chunks looked up.
+
+A load copies each run of chunks with `strategies._hostcopy.transfer` (async from a pinned
+tier on CUDA): a whole entry in one copy, a partial hit as one contiguous copy per (layer,
+k/v, KV head) row, since [..., a:e, :] of an entry is strided and ATen would stage a strided
+copy in pageable memory (GPU audit finding 6), so a record's "pinned" holds. The copies are
+queued on the current stream, as is every later write to the tier (a save's D2H), so none
+overwrites a range a load is still reading.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvbench.errors import require
 from kvbench.prefix.tiers import FORMAT_VERSION, DiskTier, MemoryTier, TierSpec, open_tier
+from kvbench.strategies._hostcopy import transfer
 
 if TYPE_CHECKING:
     import torch
@@ -205,8 +213,13 @@ class PrefixCache:
                 n = len(self.entries[key].chunk_ids) * self.chunk
                 src = self.tier.source(key).view(self.dtype).view(L, two, hkv, n, d)
                 a, e = s0 * self.chunk, min(s1 * self.chunk, s0 * self.chunk + h - t)
-                staging[b, :, :, :, t:t + e - a].copy_(src[:, :, :, a:e],
-                                                       non_blocking=self.tier.pinned)
+                dst, part = staging[b, :, :, :, t:t + e - a], src[:, :, :, a:e]
+                if dst.is_contiguous() and part.is_contiguous():  # the whole entry
+                    transfer(dst, part)
+                else:  # rows [e - a, D] of (layer, k/v, KV head), each contiguous
+                    for d_row, s_row in zip(dst.flatten(0, 2).unbind(0),
+                                            part.flatten(0, 2).unbind(0), strict=True):
+                        transfer(d_row, s_row)
                 t += e - a
                 if t == h:
                     break
