@@ -187,7 +187,7 @@ def fused_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     b, hq, lq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
-    got = None
+    got: list[tuple[torch.Tensor, torch.Tensor]] = []
     for k0, k1, causal in parts:
         kp, vp = k[:, :, k0:k1], v[:, :, k0:k1]
         if not causal:
@@ -198,9 +198,11 @@ def fused_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
             lse = torch.empty(b, hq, lq, dtype=torch.float32, device=q.device)
             for j in range(g):
                 o[:, j::g], lse[:, j::g] = op(q[:, j::g], kp, vp, True, scale)
-        got = (o, lse) if got is None else merge(*got, o, lse)
-    assert got is not None
-    return got
+        got.append((o, lse))
+    out, lse = got[0]
+    for part in got[1:]:
+        out, lse = merge(out, lse, *part)
+    return out, lse
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
