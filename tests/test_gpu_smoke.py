@@ -10,6 +10,7 @@ import os
 import shlex
 import subprocess
 import sys
+import tarfile
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -72,6 +73,31 @@ def test_every_chunk_has_steps_and_writes_under_out_gpu(commands) -> None:
         assert outs and all(o.startswith(f"out/gpu/{chunk}/") for o in outs), (chunk, outs)
     assert subprocess.run(["bash", str(ROOT / "tools/gpu-smoke"), "E"], cwd=ROOT,
                           capture_output=True, timeout=60).returncode == 2
+
+
+def test_steps_log_resume_and_pack(tmp_path: Path) -> None:
+    """Each step's output and exit code land in its log, a step done is not run again, none
+    starts past BUDGET_S, and the chunk's folder comes back as $OUT/<chunk>.tgz (PYTHON=true
+    stands in for python3, so every kvbench step succeeds at once)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "PYTHON": "true", "GPU_SMOKE_DIR": str(tmp_path / "gpu"),
+           "OUT": str(out)}
+
+    def smoke(chunk: str, **extra: str) -> list[str]:
+        return subprocess.run(["bash", str(ROOT / "tools/gpu-smoke"), chunk], cwd=tmp_path,
+                              env={**env, **extra}, capture_output=True, text=True, timeout=60,
+                              check=True).stdout.splitlines()
+
+    first = smoke("B")
+    assert [line.split()[1] for line in first] == ["timer", "bw", "bw-cupy-h2d", "bw-cupy-d2h",
+                                                  "lat", "roof32", "roof16"]
+    assert all(" rc=0 " in line for line in first)
+    assert (tmp_path / "gpu/B/bw.log").read_text() == "rc=0\n"
+    assert smoke("B") == []  # resumed: every step done
+    with tarfile.open(out / "B.tgz") as tar:
+        assert "B/roof16.log" in tar.getnames()
+    assert all(line.endswith("run A again") for line in smoke("A", BUDGET_S="0"))
 
 
 def test_every_kvbench_command_parses_into_its_config(commands, cli) -> None:
