@@ -68,14 +68,13 @@ def compare_cmd(
                                             "Repeatable."),
 ) -> None:
     """Compare two result files (or two machines of one); exit 1 when anything regressed."""
-    from kvbench.compare import compare_sets, regressed, select_env
+    from kvbench.compare import check_format, check_globs, compare_sets, regressed, select_env
     from kvbench.noise import load_calibration
     from kvbench.render import compare_output
     from kvbench.store import load
     from kvbench.units import parse_fraction
 
-    if fmt not in ("table", "markdown", "json"):
-        raise KvbenchError(f"unknown format '{fmt}' (table, markdown or json)")
+    check_format(fmt)
     frac = parse_fraction(threshold, "threshold")
     if new is None and not (base_env and new_env):
         raise KvbenchError("give a NEW result file, or --base-env and --new-env to compare "
@@ -83,6 +82,7 @@ def compare_cmd(
     old, cur = load(base), load(new or base)
     old = select_env(old, base_env) if base_env else old
     cur = select_env(cur, new_env) if new_env else cur
+    check_globs(metric or [], old, cur)
     spreads = load_calibration([load(p) for p in noise], [old, cur]) if noise else None
     rows = compare_sets(old, cur, frac, alpha, metric, noise=spreads)
     compare_output(rows, fmt, frac, alpha)
@@ -110,6 +110,7 @@ def suite_run_cmd(
 ) -> None:
     """Run every case of a suite into one result file; exit 1 when a case errored."""
     from kvbench.console import wrote
+    from kvbench.paths import check_out
     from kvbench.suite import load_suite, run_suite
 
     suite = load_suite(file)
@@ -119,6 +120,7 @@ def suite_run_cmd(
     if jobs > 1 and ray is not None:
         raise KvbenchError("--jobs is for one machine; with --ray each node runs as many "
                            "cases at once as it has CPU slots (ray start --num-cpus)")
+    check_out(path, "--out" if out else "the suite's output")
     if ray is None:
         errors = run_suite(suite, path, resume, only, jobs)
     else:
@@ -142,12 +144,13 @@ def suite_check_cmd(
     """Compare a suite's guarded metrics (each glob with its threshold) against the baseline;
     exit 1 when one regressed, when a guarded baseline quantity has no match in the results
     (its parameters changed: record a new baseline) or when none was found."""
-    from kvbench.compare import compare_sets, regressed
+    from kvbench.compare import check_format, compare_sets, regressed
     from kvbench.console import err_console
     from kvbench.render import compare_output
     from kvbench.store import load
     from kvbench.suite import baseline_path, load_suite
 
+    check_format(fmt)
     suite = load_suite(file)
     new = load(results)
     base = load(baseline or baseline_path(suite, new))
@@ -251,6 +254,10 @@ def roi_cmd(
     """The CXL KV-storage paper's ROI model: requests/s per GPU and GPUs needed, per h."""
     from kvbench.prefix import roi
 
+    if out is not None:
+        from kvbench.paths import check_out
+
+        check_out(out)
     c0 = prefill_tflop * 1e12
     if model:
         from kvbench.models import get_spec
@@ -261,6 +268,9 @@ def roi_cmd(
         shares = [float(v) for v in h.split(",") if v.strip()]
     except ValueError:
         raise KvbenchError(f"--h '{h}': comma-separated numbers in [0, 1]") from None
+    if not shares:
+        raise KvbenchError(f"--h '{h}' names no follow-up share: comma-separated numbers "
+                           "in [0, 1]")
     rows = [roi.roi(x, v) for v in shares]
     source = model or "given"
     roi.show(x, rows, source)

@@ -126,13 +126,35 @@ class Row:
     noise: float | None = None  # largest relative change run-to-run noise explains
 
 
+FORMATS = ("table", "markdown", "json")
+
+
+def check_format(fmt: str) -> None:
+    """KvbenchError unless `fmt` is one of the comparison's output formats."""
+    if fmt not in FORMATS:
+        raise KvbenchError(f"unknown format '{fmt}' ({', '.join(FORMATS)})")
+
+
+def _matches(r: dict[str, Any], glob: str) -> bool:
+    return fnmatch.fnmatch(r["metric"], glob) or fnmatch.fnmatch(f"{r['name']}.{r['metric']}",
+                                                                 glob)
+
+
+def check_globs(globs: Sequence[str], *sets: ResultSet) -> None:
+    """KvbenchError naming the first --metric glob that matches no record of `sets` (an
+    empty selection compares nothing and would pass)."""
+    for g in globs:
+        if not any(_matches(r, g) for rs in sets for r in rs.records):
+            raise KvbenchError(f"--metric '{g}' matches no quantity of "
+                               f"{' or '.join(sorted({str(rs.path) for rs in sets}))}")
+
+
 def _pool(rs: ResultSet, pattern: str | Sequence[str] | None,
           ) -> dict[RecordKey, list[dict[str, Any]]]:
     globs = [pattern] if isinstance(pattern, str) else list(pattern or [])
     groups: dict[RecordKey, list[dict[str, Any]]] = {}
     for r in rs.records:
-        if globs and not any(fnmatch.fnmatch(r["metric"], g)
-                             or fnmatch.fnmatch(f"{r['name']}.{r['metric']}", g) for g in globs):
+        if globs and not any(_matches(r, g) for g in globs):
             continue
         groups.setdefault(record_key(r), []).append(r)
     return groups

@@ -121,12 +121,18 @@ _OUT = _param("out", typing.Optional[Path],  # noqa: UP045
 def config_command(configs: Iterable[tuple[type, dict[str, str] | None]],
                    run: Callable[..., None], doc: str) -> Callable[..., None]:
     """A typer command whose options are the fields of each config class in turn, then
-    --out; it calls `run(config, ..., out)` with the configs built from the options."""
+    --out; it calls `run(config, ..., out)` with the configs built from the options, once
+    --out is known to be writable (kvbench.paths.check_out)."""
     configs = list(configs)
 
     def command(**kw: Any) -> None:
+        from kvbench.paths import check_out
+
         out = kw.pop("out")
-        run(*(collect(cls, kw) for cls, _ in configs), out)
+        built = [collect(cls, kw) for cls, _ in configs]
+        if out is not None:  # before anything is measured
+            check_out(out)
+        run(*built, out)
 
     params = [p for cls, helps in configs for p in options(cls, helps)]
     command.__signature__ = inspect.Signature([*params, _OUT])  # type: ignore[attr-defined]

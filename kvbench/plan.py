@@ -176,6 +176,7 @@ def run(cfg: PlanConfig, out: Path | None) -> None:
 
     result = plan(cfg)
     if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n")
     if cfg.json:
         print(json.dumps(result, indent=1))

@@ -330,6 +330,7 @@ def report(files: list[Path], fmt: str = "table", out: Path | None = None) -> Pa
     """Render `files` as a terminal table, markdown (stdout, or DIR/report.md + figures) or
     one self-contained DIR/report.html; returns the file written, if any."""
     from kvbench.console import wrote
+    from kvbench.paths import check_out
 
     if fmt not in FORMATS:
         raise KvbenchError(f"unknown format '{fmt}' ({', '.join(FORMATS)})")
@@ -342,6 +343,7 @@ def report(files: list[Path], fmt: str = "table", out: Path | None = None) -> Pa
             print(_markdown(build(files, Path(tmp)), None), end="")
         return None
     out = out or Path("results") / "report"
+    check_out(out, folder=True)
     out.mkdir(parents=True, exist_ok=True)
     if fmt == "markdown":
         rep = build(files, out / "figures")

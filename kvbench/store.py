@@ -13,6 +13,7 @@ import io
 import json
 import os
 import shlex
+import stat
 import subprocess
 import sys
 from collections.abc import Iterable
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvbench import __version__
+from kvbench import __version__, paths
 from kvbench.errors import KvbenchError
 from kvbench.schema import KNOWN_SCHEMA_VERSIONS, SCHEMA_VERSION, Record, now_iso
 
@@ -173,8 +174,11 @@ def load(path: Path | str) -> ResultSet:
     schema version this kvbench does not know.
     """
     path = Path(path)
-    if not path.is_file():
-        raise KvbenchError(f"result file '{path}' does not exist")
+    found = paths.stat(path, "result file")
+    if found is None:
+        raise KvbenchError(f"result file '{paths.shown(path)}' does not exist")
+    if not stat.S_ISREG(found.st_mode):
+        raise KvbenchError(f"result file '{paths.shown(path)}' is not a file")
     try:
         lines = read_lines(path)
     except (OSError, EOFError, UnicodeDecodeError) as e:

@@ -140,17 +140,34 @@ def _has_gpu() -> bool:
     return bool(torch.cuda.is_available())
 
 
+class CaseInterrupted(BaseException):
+    """An interrupt (Ctrl-C, SIGTERM) inside a unit: `cause`, with the records the unit had
+    finished, each marked `method.partial`, for the writer to keep before it goes on."""
+
+    def __init__(self, unit: Unit, records: list[Record], cause: BaseException) -> None:
+        super().__init__(unit.label)
+        self.unit, self.records, self.cause = unit, records, cause
+
+
 def _execute(unit: Unit, gpu: bool) -> list[Record]:
-    """Run one unit to completion; a failure or an unmet requirement becomes one record."""
+    """Run one unit to completion; a failure or an unmet requirement becomes one record,
+    an interrupt CaseInterrupted."""
     case = unit.case
     if case.requires == "gpu" and not gpu:
         return [not_measured(case.kind, case.name, "case", "waived",
                              "case requires a CUDA GPU; none on this machine", unit.params)]
+    records: list[Record] = []
     try:
-        records = list(case.records(case.build(unit.params)))
+        for rec in case.records(case.build(unit.params)):
+            records.append(rec)
     except Exception as e:  # a failing case is recorded and the suite goes on
         return [not_measured(case.kind, case.name, "case", "error",
                              f"{type(e).__name__}: {e}".strip(), unit.params)]
+    except BaseException as e:  # KeyboardInterrupt, SIGTERM (cli.Terminated): stop here
+        for rec in records:  # a strategy's run labels its own (steps completed)
+            rec.method.setdefault("partial", f"interrupted ({type(e).__name__}) before the "
+                                  "case finished")
+        raise CaseInterrupted(unit, records, e) from e
     return records or [not_measured(case.kind, case.name, "case", "error",
                                     "case produced no records", unit.params)]
 
@@ -271,6 +288,9 @@ def run_suite(suite: Suite, out: Path, resume: bool = False, only: str | None = 
         raise KvbenchError(f"'{out}' already holds results: pass --resume to continue it, "
                            "or --out a new file")
     todo = units(suite, only)
+    if not todo:
+        raise KvbenchError(f"--only '{only}' matches no case of {suite.path} (labels such as "
+                           f"'{units(suite)[0].label}', or case ids)")
     if fleet is not None:
         todo = fleet.plan(todo)
     done = recorded_units(out) if resume else set()
@@ -286,16 +306,23 @@ def run_suite(suite: Suite, out: Path, resume: bool = False, only: str | None = 
             task = bar.add_task(suite.name, total=len(pending))
             results = fleet.run(suite, pending) if fleet is not None else \
                 run_local(suite, pending, jobs)
-            for unit, records, env, concurrent in results:
-                sink.write(unit, records, env, concurrent)
-                status = records[0].status if len(records) == 1 else "ok"
-                where = f" on {unit.machine}" if unit.machine else ""
-                if status != "ok":
-                    errors += status == "error"
-                    bar.console.print(escape(f"{unit.label}{where}: {status} "
-                                             f"{records[0].reason}"))
-                bar.update(task, advance=1, description=escape(f"{suite.name}: {unit.label}"
-                                                                 f"{where}"))
+            try:
+                for unit, records, env, concurrent in results:
+                    sink.write(unit, records, env, concurrent)
+                    status = records[0].status if len(records) == 1 else "ok"
+                    where = f" on {unit.machine}" if unit.machine else ""
+                    if status != "ok":
+                        errors += status == "error"
+                        bar.console.print(escape(f"{unit.label}{where}: {status} "
+                                                 f"{records[0].reason}"))
+                    bar.update(task, advance=1, description=escape(
+                        f"{suite.name}: {unit.label}{where}"))
+            except CaseInterrupted as e:  # what the running unit finished, marked partial
+                if e.records:
+                    sink.write(e.unit, e.records, None, False)
+                    bar.console.print(escape(f"{e.unit.label}: interrupted, {len(e.records)} "
+                                             "record(s) kept, marked partial"))
+                raise e.cause from None
             if suite.ratios and only is None:
                 sink.ratios(load(out))
     finally:

@@ -10,6 +10,7 @@ as the `kvbench run NAME` command in a child process.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 import sys
 import types
@@ -193,25 +194,58 @@ def _target(case: dict[str, Any]) -> tuple[str, str, type, Any]:
 
 
 def _run_strategy(name: str, params: dict[str, Any]) -> Iterator[Record]:
-    """Run `kvbench run NAME` with these options into a scratch file and yield its records."""
+    """Run `kvbench run NAME` with these options into a scratch file and yield its records.
+
+    The run has a session of its own, so an interrupt reaches it once, from here: on
+    Ctrl-C or SIGTERM it is sent the same signal, stops after its current decode step and
+    stores the steps it finished (marked partial), which are yielded before the interrupt
+    goes on."""
+    import signal
     import subprocess
     import tempfile
 
     from kvbench.options import to_argv
-    from kvbench.schema import Record as Rec
-    from kvbench.store import load
 
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "run.jsonl"
+        out, log = Path(tmp) / "run.jsonl", Path(tmp) / "stderr.txt"
         args = [sys.executable, "-m", "kvbench.cli", "run", name, "--out", str(out),
                 *to_argv(params)]
-        proc = subprocess.run(args, capture_output=True, text=True)
-        if proc.returncode != 0 or not out.exists():
-            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            raise RuntimeError(f"kvbench run {name} exited {proc.returncode}: {tail}")
-        keep = {f.name for f in dataclasses.fields(Rec)}
-        for r in load(out).records:
-            yield Rec(**{k: v for k, v in r.items() if k in keep})
+        with log.open("w") as err:
+            proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=err,
+                                    start_new_session=True)
+        try:
+            code = proc.wait()
+        except BaseException as e:
+            _stop(proc, signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM)
+            yield from _stored(out)
+            raise
+        if code != 0 or not out.exists():
+            tail = (log.read_text().strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"kvbench run {name} exited {code}: {tail}")
+        yield from _stored(out)
+
+
+def _stop(proc: Any, sig: int) -> None:
+    """Send a running child `sig` and wait for it to store its records; killed when this
+    wait is interrupted in turn."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    try:
+        proc.wait()
+    except BaseException:
+        proc.kill()
+        raise
+
+
+def _stored(path: Path) -> Iterator[Record]:
+    """The records of a run's result file (none when it wrote none)."""
+    from kvbench.store import load
+
+    if not path.exists():
+        return
+    keep = {f.name for f in dataclasses.fields(Record)}
+    for r in load(path).records:
+        yield Record(**{k: v for k, v in r.items() if k in keep})
 
 
 def _case(raw: dict[str, Any], i: int, lines: _Lines, default_reps: int,
@@ -257,6 +291,7 @@ def _case(raw: dict[str, Any], i: int, lines: _Lines, default_reps: int,
         bad("exclusive", f"exclusive must be true or false, got {exclusive!r}")
     entries = [("params", k, [v]) for k, v in params.items()]
     entries += [("sweep", k, v) for k, v in sweep.items()]
+    typed = len(problems)
     for within, key, values in entries:
         if key not in types_:
             bad(key, f"{name} has no parameter '{key}' (known: {', '.join(types_) or 'none'})",
@@ -272,9 +307,25 @@ def _case(raw: dict[str, Any], i: int, lines: _Lines, default_reps: int,
                 bad(key, f"{name}.{key}: {e}", within)
 
     def build(p: dict[str, Any]) -> Any:
-        if kind == "run":
-            return p
-        return config(**{k: _coerce(v, types_[k], k) for k, v in p.items()})
+        """The config of a point (its dataclasses check their values); a strategy case
+        runs as a command line, so its config is the checked parameters themselves."""
+        values = {k: _coerce(v, types_[k], k) for k, v in p.items()}
+        if kind == "probe":
+            return config(**values)
+        from kvbench.runtime.run import RunConfig
+
+        shared = set(_fields(RunConfig))
+        RunConfig(**{k: v for k, v in values.items() if k in shared})
+        config(**{k: v for k, v in values.items() if k not in shared})
+        return p
+
+    if len(problems) == typed:  # every value typed: build every point's config up front
+        for point in itertools.product(*sweep.values()):
+            try:
+                build({**params, **dict(zip(sweep, point, strict=True))})
+            except (KvbenchError, ValueError, TypeError) as e:
+                problems.append((lines.table("case", i)[0] + 1, f"{name}: {e}"))
+                break
 
     def records(cfg: Any) -> Iterator[Record]:
         from kvbench.probes import measure
@@ -294,7 +345,9 @@ def load_suite(path: Path | str, text: str | None = None) -> Suite:
     try:
         text = path.read_text(encoding="utf-8") if text is None else text
     except OSError as e:
-        raise KvbenchError(f"cannot read suite '{path}': {e.strerror}") from None
+        from kvbench.paths import shown
+
+        raise KvbenchError(f"cannot read suite '{shown(path)}': {e.strerror}") from None
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
@@ -341,6 +394,8 @@ def load_suite(path: Path | str, text: str | None = None) -> Suite:
         machines = []
     if not doc.get("case"):
         problems.append((1, "the suite has no [[case]]"))
+    if len(problems) == 1:
+        raise KvbenchError(f"{path}:{problems[0][0]}: {problems[0][1]} (nothing was run)")
     if problems:
         detail = "\n".join(f"  {path}:{line}: {msg}" for line, msg in sorted(problems))
         raise KvbenchError(f"{path}: {len(problems)} problem(s), nothing was run\n{detail}")

@@ -139,3 +139,65 @@ def test_sigterm_keeps_partial_run(tmp_path: Path) -> None:
     assert 1 <= done < 4000 and len(tbt["samples"]) == done
     assert tbt["method"]["partial"] == f"interrupted by SIGTERM after {done} of 4000 decode steps"
     assert all(r["params"]["steps_completed"] == done for r in recs.values())
+
+
+# every command that writes a result, with the function that would do its work first
+WRITERS = {
+    "probe": (["probe", "timer", "--calls", "200", "--reps", "3"],
+              "kvbench.probes.timer.TimerProbe.run"),
+    "run": (["run", "full", "--weights", "random", "--layers", "1"],
+            "kvbench.runtime.command.execute"),
+    "suite run": (["suite", "run", "SUITE"], "kvbench.suite.run_suite"),
+    "roi": (["roi"], "kvbench.prefix.roi.roi"),
+    "plan": (["plan"], "kvbench.plan.plan"),
+    "project": (["project", "never-read.jsonl", "--hardware", "a6000-pcie4"],
+                "kvbench.hwmodel.project.records"),
+}
+
+
+@pytest.mark.parametrize("command", list(WRITERS))
+@pytest.mark.parametrize("where, message", [
+    ("/proc/nope/x.jsonl", "cannot write in '/proc'"),
+    ("LONG", "File name too long"),
+    ("DIR", "is a folder: give a file path"),
+])
+def test_unusable_out_is_refused_before_any_work(command: str, where: str, message: str,
+                                                  tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """--out is checked first: one line, exit 2, nothing measured or written (it used to
+    be checked at the first record, after the whole run, and end in a traceback)."""
+    argv, work = WRITERS[command]
+    suite = tmp_path / "s.toml"
+    suite.write_text('[[case]]\nprobe = "timer"\nparams = { calls = 200, reps = 3 }\n')
+    argv = [str(suite) if a == "SUITE" else a for a in argv]
+    out = {"LONG": str(tmp_path / ("x" * 300 + ".jsonl")), "DIR": str(tmp_path)}.get(where,
+                                                                                    where)
+    calls: list[object] = []
+    monkeypatch.setattr(work, lambda *a, **k: calls.append(a))
+    before = sorted(tmp_path.iterdir())
+    code, stdout, err = run([*argv, "--out", out], capsys)
+    assert code == 2 and not calls and stdout == ""
+    assert err.count("\n") == 1 and err.startswith("kvbench: error: --out '"), err
+    assert message in err and "Traceback" not in err
+    assert sorted(tmp_path.iterdir()) == before
+
+
+def test_suite_output_of_the_file_is_checked_too(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    suite = tmp_path / "s.toml"
+    suite.write_text('[suite]\noutput = "/proc/nope/s.jsonl"\n\n[[case]]\nprobe = "timer"\n'
+                     'params = { calls = 200, reps = 3 }\n')
+    code, _, err = run(["suite", "run", str(suite)], capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert "the suite's output '/proc/nope/s.jsonl': cannot write in '/proc'" in err
+
+
+def test_over_long_input_paths_are_one_line(tmp_path: Path, good_file: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    long = str(tmp_path / ("y" * 5000))
+    for argv in (["compare", long, str(good_file)], ["compare", str(good_file), long],
+                 ["hardware", "show", "z" * 5000], ["hardware", "show", long + ".toml"],
+                 ["suite", "run", long + ".toml"]):
+        code, _, err = run(argv, capsys)
+        assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, (argv[:2], err)
+        assert len(err) < 400, err  # the path is shown shortened

@@ -225,6 +225,76 @@ def test_hardware_list_and_show(capsys) -> None:
     assert "CXL-PNM Table 2" in capsys.readouterr().out
 
 
+def _profile_toml(table: str, line: str) -> str:
+    """A complete profile with `line` added to `table`."""
+    tables = {"accel": ["memory_gbps = 100.0", "peak_tflops = 1.0", "attention_gbps = 50.0",
+                        "launch_us = 1.0"],
+              "host": ["attention_gbps = 10.0", "launch_us = 2.0"],
+              "h2d": ["pageable = 5.0"], "d2h": ["pageable = 5.0"]}
+    lines = tables.setdefault(table, [])
+    key = line.split("=")[0]
+    lines[:] = [x for x in lines if not x.startswith(key)] + [line]
+    return "".join(f"[{t}]\n" + "".join(x + "\n" for x in xs) for t, xs in tables.items())
+
+
+@pytest.mark.parametrize("table, line, message", [
+    ("accel", 'memory_gbps = "fast"', "accel.memory_gbps = 'fast': must be a number above 0"),
+    ("accel", "memory_gbps = 0", "accel.memory_gbps = 0: must be a number above 0"),
+    ("accel", "memory_gbps = -5", "accel.memory_gbps = -5: must be a number above 0"),
+    ("accel", "memory_gbps = nan", "accel.memory_gbps = nan: must be a number above 0"),
+    ("accel", "launch_us = -1.0", "accel.launch_us = -1.0: must be a number of 0 or more"),
+    ("accel", "efficiency = 1.5", "accel.efficiency = 1.5: must be a number in (0, 1]"),
+    ("accel", "shares_host = 1", "accel.shares_host = 1: must be true or false"),
+    ("accel", 'peak_tflops = { float16 = "x" }', "accel.peak_tflops = {'float16': 'x'}: "
+                                                 "TFLOP/s above 0"),
+    ("accel", "attention_gbps = -50.0", "accel.attention_gbps = -50.0: a rate must be above 0"),
+    ("accel", "memroy_gbps = 100.0", "accel.memroy_gbps: unknown field"),
+    ("h2d", "pinned = { peak_gbps = 0, latency_us = 1.0 }",
+     "h2d.pinned: peak_gbps must be a number above 0"),
+    ("h2d", "pinned = { sizes = [1024, 0], gbps = [1.0, 2.0] }",
+     "h2d.pinned: sizes and gbps must be equally long lists of numbers above 0"),
+    ("node", "gpus_per_node = 1.5", "node.gpus_per_node = 1.5: must be an integer >= 1"),
+    ("gpu", "memory_gbps = 1.0", "unknown table [gpu]"),
+])
+@pytest.mark.parametrize("command", ["show", "project"])
+def test_bad_profile_field_is_refused_by_name(command: str, table: str, line: str,
+                                               message: str, tmp_path: Path, capsys) -> None:
+    """Every field is checked for type and range on load: 'fast' (ValueError) and 0
+    (ZeroDivisionError) used to crash `project`, -5 was accepted, `show` displayed them."""
+    prof = tmp_path / "bad.toml"
+    prof.write_text(_profile_toml(table, line))
+    out = tmp_path / "o.jsonl"
+    src = _trace_file(tmp_path / "run.jsonl", [_row(0, "accel", "head", [], flops=1.0)])
+    argv = (["hardware", "show", str(prof)] if command == "show" else
+            ["project", str(src), "--hardware", str(prof), "--out", str(out)])
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    stdout, err = capsys.readouterr()
+    assert e.value.code == 2 and stdout == "" and "Traceback" not in err
+    assert err.count("\n") == 1 and f"hardware profile {prof}: {message}" in err, err
+    assert not out.exists()
+
+
+def test_the_profile_those_tests_break_loads(tmp_path: Path) -> None:
+    prof = tmp_path / "good.toml"
+    prof.write_text(_profile_toml("node", "gpus_per_node = 8"))
+    assert load(str(prof)).check().get("node", "gpus_per_node") == 8
+
+
+def test_hardware_show_bad_names(tmp_path: Path, capsys) -> None:
+    (tmp_path / "dir.toml").mkdir()
+    for name, message in [("nope", "unknown hardware profile 'nope' (known: a100-80gb-pcie4"),
+                          ("components/xeon-36c", "unknown hardware profile"),
+                          ("q" * 5000, "unknown hardware profile 'qqqq"),
+                          (str(tmp_path / ("q" * 300 + ".toml")), "File name too long"),
+                          (str(tmp_path / "dir.toml"), "cannot read hardware profile")]:
+        with pytest.raises(SystemExit) as e:
+            main(["hardware", "show", name])
+        stdout, err = capsys.readouterr()
+        assert e.value.code == 2 and stdout == "" and err.count("\n") == 1, (name[:20], err)
+        assert message in err and "Traceback" not in err and len(err) < 400, err
+
+
 def test_scale_to_a_larger_shape_recomputes_dense_and_scales_kv_not_activations() -> None:
     from kvbench.hwmodel.scale import Shape, scale
     from kvbench.models import get_spec

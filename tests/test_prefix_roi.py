@@ -46,6 +46,20 @@ def test_cli_bad_input_exit_2(args, msg, capsys: pytest.CaptureFixture[str]) -> 
     assert e.value.code == 2 and msg in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("h", ["", " , "])
+def test_cli_no_follow_up_share_is_an_error(h: str, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """An empty --h used to exit 0 and print `results: FILE` for a file never written."""
+    out = tmp_path / "roi.jsonl"
+    with pytest.raises(SystemExit) as e:
+        main(["roi", "--h", h, "--out", str(out)])
+    stdout, err = capsys.readouterr()
+    assert e.value.code == 2 and stdout == "" and "Traceback" not in err
+    assert err.strip() == f"kvbench: error: --h '{h}' names no follow-up share: " \
+                          "comma-separated numbers in [0, 1]"
+    assert not out.exists()
+
+
 def test_cli_records_are_projected(tmp_path: Path) -> None:
     out = tmp_path / "roi.jsonl"
     with pytest.raises(SystemExit) as e:

@@ -100,6 +100,26 @@ def test_bad_input_is_one_line(results, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("fmt", ["html", "markdown"])
+@pytest.mark.parametrize("where, message", [
+    ("/proc/nope/r", "--out '/proc/nope/r': cannot write in '/proc'"),
+    ("FILE", "is not a folder: give a folder path"),
+    ("LONG", "File name too long"),
+])
+def test_unusable_out_folder_is_one_line(fmt, where, message, results, tmp_path, capsys):
+    """--out is the report's folder: unwritable or an existing file used to end in a
+    traceback (FileNotFoundError, FileExistsError)."""
+    existing = tmp_path / "existing.txt"
+    existing.write_text("keep me")
+    out = {"FILE": str(existing), "LONG": str(tmp_path / ("x" * 300))}.get(where, where)
+    before = sorted(tmp_path.rglob("*"))
+    assert report([str(results), "--format", fmt, "--out", out]) == 2
+    stdout, err = capsys.readouterr()
+    assert stdout == "" and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("kvbench: error: --out '") and message in err, err
+    assert sorted(tmp_path.rglob("*")) == before and existing.read_text() == "keep me"
+
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",

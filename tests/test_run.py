@@ -107,7 +107,32 @@ def test_prompt_longer_than_text_exits_2(tmp_path: Path, capsys) -> None:
         main(["run", "full", "--model", "opt-125m", "--weights", "random", "--layers", "1",
               "--text", str(text), "--prompt-len", "64", "--out", str(tmp_path / "x.jsonl")])
     assert e.value.code == 2
-    assert "longer than the text" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"longer than --text '{text}' (12 tokens)" in err and err.count("\n") == 1
+    assert not (tmp_path / "x.jsonl").exists()
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"\x7fELF\x02\x01\x01\x00\xff\xfe binary", "is not UTF-8 text (byte 8"),
+    (None, "is not a readable file"),
+])
+def test_text_that_is_not_utf8_is_refused_by_name(content: bytes | None, message: str,
+                                                   tmp_path: Path, capsys) -> None:
+    """A binary --text (e.g. /bin/ls) used to be decoded with replacement characters and
+    run; a folder as --text is refused the same way."""
+    text = tmp_path / "t.bin"
+    if content is None:
+        text.mkdir()
+    else:
+        text.write_bytes(content)
+    out = tmp_path / "x.jsonl"
+    with pytest.raises(SystemExit) as e:
+        main(["run", "full", "--weights", "random", "--layers", "1", "--mode", "eval",
+              "--text", str(text), "--prompt-len", "8", "--gen-len", "2", "--out", str(out)])
+    stdout, err = capsys.readouterr()
+    assert e.value.code == 2 and stdout == "" and "Traceback" not in err
+    assert err.count("\n") == 1 and f"--text '{text}' {message}" in err, err
+    assert not out.exists()
 
 
 def test_cuda_without_gpu_exits_2(capsys) -> None:

@@ -282,6 +282,11 @@ def _foreign(tmp_path: Path) -> str:
     (["--recall-intervals", "/nonexistent.json"], "no such file"),
     (["--calibrate-recall", "OUT"], "random weights the predicted query's cosine and the "
                                     "block ranking are meaningless"),
+    # checked before the run (it used to end in a traceback when the run had ended)
+    (["--calibrate-recall", "/proc/nope/r.json"], "--calibrate-recall '/proc/nope/r.json': "
+                                                  "folder '/proc/nope' does not exist"),
+    (["--calibrate-recall", "/proc/r.json"], "--calibrate-recall '/proc/r.json': cannot "
+                                             "write in '/proc'"),
 ])
 def test_bad_input_exits_2(args: list[str], message: str, capsys, tmp_path: Path) -> None:
     args = [_foreign(tmp_path) if a == "FOREIGN" else str(tmp_path / "r.json") if a == "OUT"

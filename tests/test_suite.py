@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -282,3 +283,120 @@ def test_workers_parse_the_suite_from_its_text(tmp_path):
     assert suite.text == (REPO / "suites" / "smoke.toml").read_text()
     first = units(suite)[0]
     assert unit_in("elsewhere/smoke.toml", suite.text, first.case_id).label == first.label
+
+
+def one_line_error(capsys) -> str:
+    out, err = capsys.readouterr()
+    assert out == "" and "Traceback" not in err and err.count("\n") == 1, err
+    assert err.startswith("kvbench: error: ")
+    return err
+
+
+def test_only_matching_no_case_is_an_error(tmp_path, capsys):
+    """`--only 'zzz*'` ran nothing and exited 0 with `results: FILE` for a file never
+    written."""
+    path = write(tmp_path, TIMER)
+    assert run_cli(["suite", "run", str(path), "--only", "zzz*"]) == 2
+    err = one_line_error(capsys)
+    assert f"--only 'zzz*' matches no case of {path}" in err
+    assert "'timer[calls=200,reps=3]#0'" in err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize("case, message", [
+    ('[[case]]\nstrategy = "quest"\nparams = { budget_tokens = -5 }\n',
+     "s.toml:8: quest: --budget-tokens -5: smaller than one page of 16 tokens "
+     "(nothing was run)"),
+    (TIMER + "sweep = { reps = [3, 2] }\n",
+     "s.toml:8: timer: --reps must be at least 3 (got 2) (nothing was run)"),
+])
+def test_bad_parameter_values_are_refused_up_front(tmp_path, capsys, monkeypatch, case,
+                                                   message):
+    """Each point's config is built (its dataclasses' own checks) before anything runs: a
+    bad value used to run, write an error record and exit 1."""
+    monkeypatch.setattr("kvbench.suite._execute", lambda *a: pytest.fail("a case ran"))
+    path = write(tmp_path, TIMER + "\n" + case)
+    assert run_cli(["suite", "run", str(path)]) == 2
+    assert message in one_line_error(capsys)
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_check_bad_input_is_one_line(tmp_path, capsys):
+    suite = write(tmp_path, TIMER)
+    results = tmp_path / "r.jsonl"
+    with ResultWriter(results, {"env_id": "e", "cpu": {"logical_cpus": 3, "arch": "z80"}},
+                      command="x") as w:
+        w.write(measured("probe", "timer", "x", "ns", "lower", [1.0, 2.0]))
+    for argv, message in [
+        ([str(suite), str(results), "--format", "nosuch"],
+         "unknown format 'nosuch' (table, markdown, json)"),
+        ([str(suite), str(tmp_path / "missing.jsonl")], "does not exist"),
+        ([str(suite), str(results)], "no baseline for machine class 'cpu-3c-z80'"),
+        ([str(suite), str(results), "--baseline", str(tmp_path / ("b" * 300))],
+         "File name too long"),
+        ([str(tmp_path / "nosuch.toml"), str(results)], "cannot read suite"),
+    ]:
+        assert run_cli(["suite", "check", *argv]) == 2, argv
+        assert message in one_line_error(capsys), argv
+
+
+def test_interrupted_case_keeps_its_finished_records_marked_partial(tmp_path, monkeypatch,
+                                                                     capsys):
+    """Ctrl-C inside a case: what it had measured is written, marked partial (it was lost
+    with the case); --resume runs the case again and the loader drops the partial one."""
+    from kvbench.probes.timer import TimerProbe
+
+    interrupt = [True]
+
+    def run(self, config):
+        yield measured("probe", "timer", "x", "ns", "lower", [1.0, 2.0], {"reps": config.reps})
+        if interrupt[0]:
+            raise KeyboardInterrupt
+        yield measured("probe", "timer", "y", "ns", "lower", [1.0, 2.0], {"reps": config.reps})
+
+    monkeypatch.setattr(TimerProbe, "run", run)
+    path = write(tmp_path, TIMER)
+    out = tmp_path / "out.jsonl"
+    assert run_cli(["suite", "run", str(path)]) == 130
+    assert "interrupted" in capsys.readouterr().err
+    (rec,) = load(out).records
+    assert rec["metric"] == "x"
+    assert rec["method"]["suite_case"] == units(load_suite(path))[0].case_id
+    assert rec["method"]["partial"] == "interrupted (KeyboardInterrupt) before the case finished"
+    assert recorded_units(out) == set()
+    interrupt[0] = False
+    assert run_suite(load_suite(path), out, resume=True) == 0
+    assert [(r["metric"], "partial" in r["method"]) for r in load(out).records] == [
+        ("x", False), ("y", False)]
+
+
+def test_sigterm_keeps_the_running_strategy_cases_steps(tmp_path):
+    """SIGTERM while a strategy case decodes: the run (its own session) is sent SIGTERM
+    once, stores its steps so far marked partial, and the suite keeps them (the case's
+    scratch folder used to be deleted with them)."""
+    import psutil
+
+    path = write(tmp_path, '[[case]]\nstrategy = "full"\nparams = { weights = "random", '
+                           'layers = 1, prompt_len = 8, gen_len = 4000, threads = 1 }\n')
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "kvbench.cli", "suite", "run", str(path)],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 120
+    decoding = False
+    while not decoding and time.monotonic() < deadline:  # the run's stderr: its scratch file
+        time.sleep(0.1)
+        for child in psutil.Process(proc.pid).children():
+            with contextlib.suppress(OSError):
+                decoding = "decoding 4000 steps" in Path(f"/proc/{child.pid}/fd/2").read_text()
+    assert decoding, "the case never started decoding"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and "terminated" in err and "Traceback" not in err, err
+    recs = {r["metric"]: r for r in load(out).records}
+    done = recs["tbt"]["params"]["steps_completed"]
+    assert 1 <= done < 4000
+    assert recs["tbt"]["method"]["partial"] == (f"interrupted by SIGTERM after {done} of "
+                                                "4000 decode steps")
+    assert all(r["method"]["partial"] and r["method"]["suite_case"] for r in recs.values())
+    assert recorded_units(out) == set()  # --resume runs it again

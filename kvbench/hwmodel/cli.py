@@ -80,6 +80,10 @@ def project(results: Path, hardware: list[str], probe_files: list[Path], memory:
 
     require(memory in ("pinned", "pageable"), f"--memory '{memory}': pinned or pageable")
     require(skip >= 0, f"--skip-steps {skip}: must be >= 0")
+    if out is not None:
+        from kvbench.paths import check_out
+
+        check_out(out)
     src = load_results(results).records
     groups = runs(src, str(results))
     profiles = [resolve(h, probe_files, src) for h in hardware]

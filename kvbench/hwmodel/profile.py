@@ -57,17 +57,25 @@ class Curve:
 
     @classmethod
     def of(cls, spec: Any, where: str) -> Curve:
-        if isinstance(spec, (int, float)):
+        """A rate in GB/s (the same at every size), {sizes = [B...], gbps = [...]} or
+        {peak_gbps, latency_us}; KvbenchError naming `where` for anything else."""
+        if _number(spec):
+            require(spec > 0, f"{where} = {spec!r}: a rate must be above 0 GB/s")
             return cls((1.0,), (float(spec),))
         require(isinstance(spec, dict), f"{where}: a number, a curve or peak_gbps/latency_us")
         if "sizes" in spec:
             sizes, rates = spec["sizes"], spec.get("gbps", [])
-            require(len(sizes) == len(rates) and sizes and all(r > 0 for r in rates),
-                    f"{where}: sizes and gbps must be equally long, rates positive")
+            require(isinstance(sizes, list) and isinstance(rates, list) and bool(sizes)
+                    and len(sizes) == len(rates)
+                    and all(_number(v) and v > 0 for v in sizes + rates),
+                    f"{where}: sizes and gbps must be equally long lists of numbers above 0")
             pts = sorted(zip(map(float, sizes), map(float, rates), strict=True))
             return cls(tuple(p[0] for p in pts), tuple(p[1] for p in pts))
         require("peak_gbps" in spec and "latency_us" in spec,
                 f"{where}: give sizes/gbps or peak_gbps and latency_us")
+        require(_number(spec["peak_gbps"]) and spec["peak_gbps"] > 0
+                and _number(spec["latency_us"]) and spec["latency_us"] >= 0,
+                f"{where}: peak_gbps must be a number above 0, latency_us one of 0 or more")
         peak, lat = float(spec["peak_gbps"]), float(spec["latency_us"]) * 1e-6
         sizes = [float(4 ** e) for e in range(5, 15)]  # 1K .. 256M
         return cls(tuple(sizes), tuple(s / (lat + s / (peak * 1e9)) / 1e9 for s in sizes))
@@ -132,6 +140,49 @@ class Profile:
         return float(peak[key])
 
 
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# every field a profile may set, by name: what its value must be
+_POSITIVE, _AT_LEAST_0, _COUNT = "a number above 0", "a number of 0 or more", "an integer >= 1"
+_FIELDS: dict[str, str] = {
+    **dict.fromkeys(("memory_gbps", "host_link_gbps", "memory_gib", "tflops_fp16"), _POSITIVE),
+    **dict.fromkeys(("launch_us", "idle_w", "peak_w", "accel_idle_w", "accel_peak_w",
+                     "pnm_idle_w", "pnm_peak_w", "usd_per_hour", "pnm_usd_per_hour"),
+                    _AT_LEAST_0),
+    **dict.fromkeys(("cores", "gpus_per_node", "pnm_per_node"), _COUNT),
+    **dict.fromkeys(("attention_gbps", "dense_gbps", "pinned", "pageable", "link"), "curve"),
+    "peak_tflops": "tflops", "efficiency": "fraction", "shares_host": "bool", "name": "text",
+    "source": "sources"}
+_TABLES = ("accel", "host", "h2d", "d2h", "cxl", "pnm", "power", "price", "node")
+
+
+def _check_field(table: str, key: str, v: Any, where: str) -> None:
+    """KvbenchError unless field `key` of `table` has a value of its kind (_FIELDS)."""
+    at = f"{where}: {table}.{key}"
+    kind = _FIELDS.get(key)
+    require(kind is not None, f"{at}: unknown field (known: {', '.join(sorted(_FIELDS))})")
+    if kind == "curve":
+        Curve.of(v, at)
+    elif kind == "tflops":
+        peaks = v if isinstance(v, dict) else {"": v}
+        require(bool(peaks) and all(_number(x) and x > 0 for x in peaks.values()),
+                f"{at} = {v!r}: TFLOP/s above 0, or a table of them per dtype")
+    elif kind == "fraction":
+        require(_number(v) and 0 < v <= 1, f"{at} = {v!r}: must be a number in (0, 1]")
+    elif kind == "bool":
+        require(isinstance(v, bool), f"{at} = {v!r}: must be true or false")
+    elif kind == "text":
+        require(isinstance(v, str), f"{at} = {v!r}: must be a string")
+    elif kind == "sources":
+        require(isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
+                f"{at}: must be a table of strings")
+    else:  # _POSITIVE, _AT_LEAST_0, _COUNT
+        ok = _number(v) and (isinstance(v, int) or kind != _COUNT)
+        require(ok and (v >= 0 if kind == _AT_LEAST_0 else v > 0), f"{at} = {v!r}: must be {kind}")
+
+
 def names() -> list[str]:
     """Shipped profiles (file stems), sorted."""
     return sorted(p.stem for p in PROFILES.glob("*.toml"))
@@ -148,25 +199,35 @@ def _read(path: Path, what: str) -> dict[str, Any]:
 
 def load(name: str) -> Profile:
     """A shipped profile by name or a TOML file path; KvbenchError when unknown."""
+    from kvbench.paths import shown, stat
+
     path = Path(name)
-    if not (name.endswith(".toml") and path.is_file()):
-        path = PROFILES / f"{name}.toml"
-        require(path.is_file(), f"unknown hardware profile '{name}' (known: "
+    if not (name.endswith(".toml") and stat(path, "hardware profile") is not None):
+        require(name in names(), f"unknown hardware profile '{shown(name)}' (known: "
                 f"{', '.join(names())}, this, or a FILE.toml)")
+        path = PROFILES / f"{name}.toml"
     return parse(_read(path, "hardware profile"), str(path))
 
 
 def parse(doc: dict[str, Any], path: str = "") -> Profile:
-    """Resolve component references (a table given as a component's name)."""
+    """Resolve component references (a table given as a component's name) and check every
+    field by name for its type and range (KvbenchError naming the first that is wrong)."""
+    where = f"hardware profile {path or doc.get('name', '')}"
     tables: dict[str, dict[str, Any]] = {}
     for key, val in doc.items():
-        if isinstance(val, str) and key not in ("name", "description"):
+        if key in ("name", "description"):
+            require(isinstance(val, str), f"{where}: {key} must be a string")
+            continue
+        require(key in _TABLES, f"{where}: unknown table [{key}] (known: {', '.join(_TABLES)})")
+        if isinstance(val, str):
             comp = PROFILES / "components" / f"{val}.toml"
             require(comp.is_file(), f"hardware profile {path}: [{key}] names unknown "
                     f"component '{val}'")
             val = _read(comp, "component")
-        if isinstance(val, dict):
-            tables[key] = val
+        require(isinstance(val, dict), f"{where}: [{key}] must be a table or a component name")
+        for field, v in val.items():
+            _check_field(key, field, v, where)
+        tables[key] = val
     name = str(doc.get("name") or Path(path).stem)
     return Profile(name, tables, path)
 

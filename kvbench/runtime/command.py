@@ -103,12 +103,12 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
     cuda = device.type == "cuda"
     sparams, warnings = cls.for_run(sparams, cfg.seq_len)
     fit = check_fit(spec, layers, cfg, cls, sparams, device, dtype)
+    text = read_text(cfg.text)
     cache = None
     if cfg.prefix_cache:
         from kvbench.prefix.turns import PrefixTurns, open_cache, tier_info
 
         cache = open_cache(cfg, cls, spec, layers, dtype, device)
-    text = read_text(cfg.text)
     with err_console.status(f"loading {spec.name} ({weights} weights, {layers} layers)"):
         loaded = load(spec, weights, layers, dtype, device, cfg.seed)
     p, g, turns, length = cfg.prompt_len, cfg.gen_len, cfg.turns, cfg.seq_len
@@ -120,7 +120,8 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
         rows = rows.to(device)
     else:
         rows = token_rows(loaded.encode(text), cfg.batch, length if cfg.mode == "eval" else
-                          turns * p, spec.vocab).to(device)
+                          turns * p, spec.vocab,
+                          f"--text '{cfg.text}'" if cfg.text else "the default text").to(device)
     mode = "generate" if cfg.mode == "passkey" else cfg.mode
     model = loaded.model
 

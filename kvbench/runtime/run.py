@@ -21,12 +21,14 @@ from __future__ import annotations
 import math
 import os
 import resource
+import stat
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kvbench import paths
 from kvbench.errors import KvbenchError, require
 from kvbench.models import ModelSpec, get_spec
 from kvbench.schema import ParamValue, Record, measured, not_measured
@@ -69,11 +71,19 @@ class RunConfig:
 
 
 def read_text(path: str) -> str:
-    """The evaluation text: a file, or the system license texts concatenated."""
+    """The evaluation text: a file (UTF-8 text, else KvbenchError naming it), or the system
+    license texts concatenated."""
     if path:
-        p = Path(path)
-        require(p.is_file(), f"--text '{path}' is not a readable file")
-        return p.read_text(encoding="utf-8", errors="replace")
+        found = paths.stat(path, "--text")
+        require(found is not None and stat.S_ISREG(found.st_mode),
+                f"--text '{paths.shown(path)}' is not a readable file")
+        try:
+            return Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise KvbenchError(f"--text '{paths.shown(path)}' is not UTF-8 text (byte "
+                               f"{e.start}: {e.reason})") from None
+        except OSError as e:
+            raise KvbenchError(f"--text '{paths.shown(path)}': {e.strerror or e}") from None
     files = sorted(f for f in DEFAULT_TEXT_DIR.glob("*") if f.is_file())
     require(bool(files), f"no default text in {DEFAULT_TEXT_DIR}; pass --text PATH")
     return "\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
@@ -143,11 +153,13 @@ def check_fit(spec: ModelSpec, layers: int, cfg: RunConfig, cls: type[Strategy],
             "host_bytes": need["host"]}
 
 
-def token_rows(ids: list[int], batch: int, need: int, vocab: int) -> Any:
-    """[batch, need] windows of the token stream; KvbenchError if the text is too short."""
+def token_rows(ids: list[int], batch: int, need: int, vocab: int,
+               source: str = "the text") -> Any:
+    """[batch, need] windows of the token stream; KvbenchError naming `source` if the
+    text is too short."""
     import torch
 
-    require(len(ids) >= need, f"prompt + generated tokens ({need}) longer than the text "
+    require(len(ids) >= need, f"prompt + generated tokens ({need}) longer than {source} "
             f"({len(ids)} tokens); pass a longer --text or a shorter --prompt-len")
     stride = (len(ids) - need) // max(batch - 1, 1)
     t = torch.tensor(ids, dtype=torch.long) % vocab
