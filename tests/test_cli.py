@@ -201,3 +201,22 @@ def test_over_long_input_paths_are_one_line(tmp_path: Path, good_file: Path,
         code, _, err = run(argv, capsys)
         assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, (argv[:2], err)
         assert len(err) < 400, err  # the path is shown shortened
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--calls", "99"], "--calls must be at least 100 (got 99)"),
+    (["--calls", "-5"], "--calls must be at least 100 (got -5)"),
+    (["--reps", "2"], "--reps must be at least 3 (got 2)"),
+    (["--reps", "3.5"], "Invalid value for '--reps'"),
+    (["--calls", "1e9999"], "Invalid value for '--calls'"),
+])
+def test_timer_probe_ranges(args: list[str], message: str, tmp_path: Path,
+                            monkeypatch: pytest.MonkeyPatch,
+                            capsys: pytest.CaptureFixture[str]) -> None:
+    """The timer probe's options out of range: one line, exit 2, nothing timed or written."""
+    calls: list[object] = []
+    monkeypatch.setattr("kvbench.probes.timer.TimerProbe.run", lambda *a: calls.append(a))
+    out = tmp_path / "t.jsonl"
+    code, stdout, err = run(["probe", "timer", *args, "--out", str(out)], capsys)
+    assert code == 2 and stdout == "" and not calls and not out.exists()
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err, err
