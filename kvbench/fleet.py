@@ -32,6 +32,7 @@ import hashlib
 import os
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from kvbench import __version__
@@ -66,14 +67,42 @@ def _check_reachable(address: str) -> None:
                            f"{CONNECT_TIMEOUT_S:.0f} s: {why}") from None
 
 
+def _token_at_hand() -> bool:
+    """Whether Ray finds an authentication token here: RAY_AUTH_TOKEN, the file that
+    RAY_AUTH_TOKEN_PATH names, else ~/.ray/auth_token (where `ray get-auth-token --generate`
+    writes it on the head, and where a worker machine gets a copy of it)."""
+    if os.environ.get("RAY_AUTH_TOKEN", "").strip():
+        return True
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token"
+    try:
+        return bool(Path(path).read_text().strip())
+    except OSError:
+        return False
+
+
+def enable_token_auth() -> None:
+    """Ray (2.59+) turns token authentication on by itself for `ray start --head`, a new local
+    cluster and `auto`, but a driver joining an explicit address authenticates only under
+    RAY_AUTH_MODE=token, else the head answers `InvalidAuthToken`. Where the mode is unset
+    and a token is at hand, set it for this process, as Ray does for a head: a cluster
+    without authentication accepts a driver that sends a token."""
+    if "RAY_AUTH_MODE" not in os.environ and _token_at_hand():
+        os.environ["RAY_AUTH_MODE"] = "token"
+        from ray._raylet import Config
+
+        Config.initialize("")  # Ray read its config at import: read it again
+
+
 def _auth_hint(address: str | None) -> str:
-    """Ray >= 2.59 turns token authentication on for `ray start --head` where a token exists
-    (~/.ray/auth_token, written by any local ray.init()), but a driver joining an explicit
-    address only authenticates under RAY_AUTH_MODE=token: name that when it is not set."""
-    if address in (None, "auto") or os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
+    """What a failed join by explicit address lacks when the cluster uses token
+    authentication: the mode (set to something else here) or the head's token."""
+    if address in (None, "auto"):
         return ""
-    return (" (a cluster with token authentication needs RAY_AUTH_MODE=token and its token "
-            "here, in ~/.ray/auth_token or RAY_AUTH_TOKEN_PATH)")
+    if os.environ.get("RAY_AUTH_MODE", "token").lower() != "token":
+        return (f" (RAY_AUTH_MODE is {os.environ['RAY_AUTH_MODE']} here: a cluster with token "
+                "authentication needs RAY_AUTH_MODE=token)")
+    return (" (a cluster with token authentication needs the head's token here: "
+            "~/.ray/auth_token, the file RAY_AUTH_TOKEN_PATH names, or RAY_AUTH_TOKEN)")
 
 
 def _nodes(ray: Any) -> dict[str, dict[str, Any]]:
@@ -292,6 +321,7 @@ def connect(address: str | None, on: str | list[str] | None) -> Iterator[Fleet]:
         return
     if address not in (None, "auto"):
         _check_reachable(address)
+        enable_token_auth()
     local = {"num_cpus": 1, "include_dashboard": False} if address is None else {}
     try:  # "local": a new cluster even where one is running
         ray.init(address=address or "local", log_to_driver=False, logging_level="ERROR",

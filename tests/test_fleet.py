@@ -1,16 +1,24 @@
-"""Fleet sweeps on a local Ray cluster (issue 17): two worker nodes stand in for two machine
-classes (custom resources class:small + cxl, class:big + a fake GPU). The cluster starts once
-per test session; cases are tiny probes. Skipped where Ray is not installed."""
+"""Fleet sweeps on a Ray cluster on this machine, started by docs/fleet.md's commands: two
+worker nodes stand in for two machine classes (custom resources class:small + cxl, class:big +
+a fake GPU). The cluster starts once per test session; cases are tiny probes. Skipped where
+Ray is not installed."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shlex
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -20,38 +28,137 @@ ray = pytest.importorskip("ray")
 
 from kvbench.cli import main  # noqa: E402
 from kvbench.compare import compare_sets, select_env  # noqa: E402
-from kvbench.fleet import _auth_hint, connect  # noqa: E402
+from kvbench.fleet import _auth_hint, connect, enable_token_auth  # noqa: E402
 from kvbench.store import load  # noqa: E402
 from kvbench.suite import load_suite, recorded_units, run_suite, units  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-SMALL, BIG = "m-small", "m-big"
 BANDWIDTH = '[[case]]\nprobe = "bandwidth"\nparams = { sizes = "64K", quick = true }\n\n'
+# what docs/fleet.md's "A cluster on one machine" adds to each `ray start` besides the
+# cluster's own --temp-dir: a `--block` process per node, small object stores; and no
+# dashboard or usage stats, which the tests do not use
+ONE_MACHINE = ["--block", "--object-store-memory", str(80 * 1024 * 1024),
+               "--disable-usage-stats"]
+
+
+def documented() -> list[str]:
+    """The command lines of docs/fleet.md's cluster block (comments and blanks dropped)."""
+    text = (REPO / "docs" / "fleet.md").read_text()
+    block = text.split("<!-- fleet-commands", 1)[1].split("<!-- /fleet-commands -->", 1)[0]
+    body = block.split("```sh\n", 1)[1].split("```", 1)[0]
+    return [shlex.join(shlex.split(ln, comments=True)) for ln in body.splitlines()
+            if shlex.split(ln, comments=True)]
+
+
+def node_name(argv: list[str]) -> str:
+    return argv[argv.index("--node-name") + 1]
+
+
+DOC = documented()
+WORKERS = [c for c in DOC if c.startswith("ray start --address")]
+SMALL, BIG = (node_name(shlex.split(w)) for w in WORKERS)  # small-1 (cxl), big-1 (GPU)
 
 
 def timer(reps: int, calls: int = 200, extra: str = "") -> str:
     return f'[[case]]\nprobe = "timer"\nparams = {{ calls = {calls}, reps = {reps} }}\n{extra}\n'
 
 
-@pytest.fixture(scope="session")
-def cluster():
-    from ray.cluster_utils import Cluster
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
-    small = 80 * 1024 * 1024  # object store per node: records are small
-    # Ray kills its workers when the whole machine's memory is 95% used, whoever uses it:
-    # on a shared test machine other processes' memory would fail these tests
-    os.environ["RAY_memory_monitor_refresh_ms"] = "0"  # noqa: SIM112 (Ray reads this case)
-    c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": False, "object_store_memory": small})
-    c.add_node(num_cpus=1, resources={"class:small": 1, "cxl": 1}, node_name=SMALL,
-               object_store_memory=small)
-    c.add_node(num_cpus=1, num_gpus=1, resources={"class:big": 1}, node_name=BIG,
-               object_store_memory=small)
-    c.wait_for_nodes()
-    ray.init(address=c.address, log_to_driver=False, logging_level="ERROR")
-    yield c
-    ray.shutdown()
-    c.shutdown()
+
+@dataclass
+class DocCluster:
+    """docs/fleet.md's cluster, started with its commands on loopback. `head`: its address as
+    the documented commands write it (127.0.0.1:PORT); `address`: as Ray names it; `env`: a
+    shell's on the head after the documented exports, its HOME a temp dir holding the token
+    (~/.ray/auth_token); `procs`: the nodes' `ray start --block` processes, head first."""
+    head: str
+    address: str
+    env: dict[str, str]
+    procs: list[subprocess.Popen]
+
+    def typed(self, command: str) -> list[str]:
+        """A documented command as it is typed here: HEAD_IP and port 6379 are this cluster's."""
+        return shlex.split(command.replace("HEAD_IP:6379", self.head)
+                           .replace("--port 6379", f"--port {self.head.rpartition(':')[2]}"))
+
+
+def _wait(until: Callable[[], bool], what: str, procs: list[subprocess.Popen]) -> None:
+    deadline = time.monotonic() + 120
+    while not until():
+        dead = [p for p in procs if p.poll() is not None]
+        if dead or time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: not up; exited: {[p.args for p in dead]}")
+        time.sleep(0.2)
+
+
+def _alive(name: str) -> bool:
+    return any(n["Alive"] and n.get("NodeName") == name for n in ray.nodes())
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    """One Ray cluster for the session, started by docs/fleet.md's commands as a user types
+    them on one machine: the head, then its two worker nodes (two machine classes: small-1
+    with class:small + cxl, big-1 with class:big + a fake GPU), each `ray start --block` in
+    the background and stopped by SIGTERM to its process (`ray stop` would stop every Ray
+    node on the machine). This process joins it as the driver of the in-process tests."""
+    home = tmp_path_factory.mktemp("home")
+    temp = tempfile.mkdtemp(prefix="kvbray", dir="/tmp")  # short: Ray's socket paths in it
+    env = {**os.environ, "HOME": str(home),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           # Ray kills its workers when the whole machine's memory is 95% used, whoever
+           # uses it: on a shared test machine other processes' memory would fail these tests
+           "RAY_memory_monitor_refresh_ms": "0"}
+    for command in DOC:
+        if command.startswith("export "):
+            env.update(kv.split("=", 1) for kv in shlex.split(command)[1:])
+    c = DocCluster(f"127.0.0.1:{free_port()}", "", env, [])
+    extra = ["--temp-dir", temp, *ONE_MACHINE]
+    subprocess.run(c.typed(next(d for d in DOC if d.startswith("ray get-auth-token"))),
+                   env=env, check=True, capture_output=True, timeout=120)
+    mp = pytest.MonkeyPatch()
+    try:
+        head = c.typed(next(d for d in DOC if d.startswith("ray start --head")))
+        c.procs.append(subprocess.Popen([*head, "--include-dashboard", "false", *extra],
+                                        env=env, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL))
+        host, _, port = c.head.rpartition(":")
+
+        def answers() -> bool:
+            with contextlib.suppress(OSError):
+                socket.create_connection((host, int(port)), timeout=1).close()
+                return True
+            return False
+
+        _wait(answers, "head", c.procs)
+        # this process, the driver of the in-process tests, is given the token's path only
+        mp.setenv("RAY_AUTH_TOKEN_PATH", str(home / ".ray" / "auth_token"))
+        mp.delenv("RAY_AUTH_MODE", raising=False)
+        enable_token_auth()
+        ray.init(address=c.head, log_to_driver=False, logging_level="ERROR")
+        c.address = ray.get_runtime_context().gcs_address
+        for worker in WORKERS:  # one at a time
+            argv = c.typed(worker)
+            c.procs.append(subprocess.Popen(argv + extra, env=env, stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL))
+            name = node_name(argv)
+            _wait(lambda name=name: _alive(name), name, c.procs)
+        yield c
+    finally:
+        ray.shutdown()
+        for proc in reversed(c.procs):  # workers, then the head
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=60)
+        for proc in c.procs:
+            if proc.poll() is None:
+                proc.kill()
+        shutil.rmtree(temp, ignore_errors=True)
+        mp.undo()
 
 
 def write(tmp_path: Path, text: str, head: str = "") -> Path:
@@ -237,12 +344,33 @@ def test_local_cluster_without_address(tmp_path):
     assert {ln["env_id"] for ln in lines if ln["kind"] == "probe"} == {envs[0]["env_id"]}
 
 
-def test_explicit_address_without_token_mode_names_it(monkeypatch):
-    """Ray >= 2.59 enables token auth on a head node where a token exists, but a driver
-    joining an explicit address authenticates only under RAY_AUTH_MODE=token: the error of a
-    failed join says so (`auto` and a local cluster enable it themselves)."""
-    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
-    assert "RAY_AUTH_MODE=token" in _auth_hint("10.0.0.1:6379")
+def test_documented_driver_joins_with_the_token_alone(cluster, tmp_path):
+    """docs/fleet.md's driver commands as typed, against the cluster its commands started: the
+    driver, another process, holds the head's token (~/.ray/auth_token) but no RAY_AUTH_MODE;
+    a two-case suite runs on both worker machines into one file, and report and compare
+    read it."""
+    path = write(tmp_path, timer(3) + timer(4))
+    out = tmp_path / "fleet.jsonl"
+    run, report, compare = (cluster.typed(d.replace("suites/smoke.toml", str(path))
+                                          .replace("results/fleet.jsonl", str(out)))
+                            for d in DOC if d.startswith("kvbench "))
+    env = {k: v for k, v in cluster.env.items() if not k.startswith("RAY_AUTH")}
+    proc = subprocess.run(run, env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rs = load(out)
+    assert sorted(e["node"]["name"] for e in rs.envs.values()) == [BIG, SMALL]
+    assert Counter(r["method"]["machine"] for r in rs.records
+                   if r["metric"] == "native_clock_overhead") == {SMALL: 2, BIG: 2}
+    assert run_cli(report[1:]) == 0
+    assert run_cli(compare[1:]) in (0, 1)
+
+
+def test_failed_join_names_what_token_auth_needs(monkeypatch):
+    """A failed join by explicit address names the head's token, or RAY_AUTH_MODE when it is
+    set to something else here (`auto` and a local cluster enable it themselves)."""
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    assert "RAY_AUTH_MODE is disabled here" in _auth_hint("10.0.0.1:6379")
+    monkeypatch.delenv("RAY_AUTH_MODE")
+    assert "the head's token here: ~/.ray/auth_token" in _auth_hint("10.0.0.1:6379")
     assert _auth_hint("auto") == _auth_hint(None) == ""
-    monkeypatch.setenv("RAY_AUTH_MODE", "token")
-    assert _auth_hint("10.0.0.1:6379") == ""
