@@ -190,7 +190,7 @@ def test_audit_params_and_loop_for_every_strategy_on_cpu(monkeypatch) -> None:
         if cls is Syncing:
             assert [x["syncs"] for x in lines] == [2, 2]  # one per layer
             (site,) = lines[0]["sync_sites"]
-            assert site.startswith("test_gpu_smoke.py:")
+            assert site.startswith("tests/test_gpu_smoke.py:")
         else:
             assert all(x["syncs"] == 0 for x in lines), cls.name
     assert modes and set(modes) == {"warn", 0} and modes[-1] == 0

@@ -95,10 +95,12 @@ def scoped_syncs(strategy: Any) -> None:
 
 
 def _where(w: warnings.WarningMessage) -> str:
-    path = Path(w.filename)
-    parts = path.parts
-    rel = "/".join(parts[parts.index("kvbench"):]) if "kvbench" in parts else path.name
-    return f"{rel}:{w.lineno}"
+    """file:line of a warning, relative to the checkout (kvbench/..., tests/...)."""
+    import kvbench
+
+    path = Path(w.filename).resolve()
+    root = Path(kvbench.__file__).resolve().parent.parent
+    return f"{path.relative_to(root) if path.is_relative_to(root) else path.name}:{w.lineno}"
 
 
 def audit(cls: Any, model: Any, a: argparse.Namespace, device: Any, dtype: Any
