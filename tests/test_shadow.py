@@ -111,21 +111,23 @@ def test_every_strategy_with_a_mask_is_covered() -> None:
 def test_attended_masks_are_read_at_flush(name: str) -> None:
     """GPU audit finding 12: a decode's attended mask is read in flush, outside the timed
     step (hgca's joins its worker and copies the mask, scout's syncs), and equals the mask
-    read right after that decode: nothing between the step and the next begin_step changes
-    which positions a layer attended. Every (step, layer) gets its topk_recall."""
+    read right after that decode: nothing between the step and the next begin_step (nor,
+    where the strategy appends, the next turn's) changes which positions a layer attended.
+    Every (step, layer) gets its topk_recall."""
     import dataclasses
 
     from kvbench.models import ModelSpec
     from kvbench.models.weights import load as load_model
     from kvbench.runtime.run import decode_run
-    from kvbench.strategies import STRATEGIES
+    from kvbench.strategies import STRATEGIES, supports_append
 
     spec = ModelSpec("tiny-gqa", "llama", 2, 6, 2, 48, 96, 100, 512, head_dim=8)
     cpu = torch.device("cpu")
     model = load_model(spec, "random", 2, torch.float32, cpu, seed=1).model
-    counters = Counters(spec.n_kv_heads, 4)
-    ctx = RunContext(spec, 2, 1, 73, torch.float32, cpu, cpu, counters, model)
     cls = STRATEGIES.get(name)
+    turns = 2 if supports_append(cls) else 1
+    counters = Counters(spec.n_kv_heads, 4)
+    ctx = RunContext(spec, 2, 1, 73 * turns, torch.float32, cpu, cpu, counters, model)
     inner = cls(dataclasses.replace(cls.params(), **SPARSE[name]), ctx)
     attended, decode = inner.attended, inner.decode
     eager: list[torch.Tensor] = []  # read right after each decode (not by the shadow)
@@ -144,15 +146,15 @@ def test_attended_masks_are_read_at_flush(name: str) -> None:
 
     inner.decode, inner.attended = decode_spy, attended_spy
     shadow = Shadow(inner, ctx)
-    model.setup(shadow, counters, 73)
-    rows = torch.randint(0, 100, (1, 73), generator=torch.Generator().manual_seed(0))
-    decode_run(model, shadow, rows, 8, "eval", lambda: None)
+    model.setup(shadow, counters, 73 * turns)
+    rows = torch.randint(0, 100, (1, 73 * turns), generator=torch.Generator().manual_seed(0))
+    decode_run(model, shadow, rows, 8, "eval", lambda: None, turns=turns)
     shadow.flush()
     assert {caller for caller, _ in late} == {"flush"}
-    assert len(late) == len(eager) == 8 * 2
+    assert len(late) == len(eager) == 8 * turns * 2
     for (_, mask), ref in zip(late, eager, strict=True):
         assert mask.device == ctx.accel and torch.equal(mask, ref)
     assert any(not bool(m.all()) for m in eager)  # some step really was sparse
     recall = {(layer, s) for qn, _, layer, steps in counters.series()
               if qn == "topk_recall" for s in steps}
-    assert recall == {(layer, s) for layer in (0, 1) for s in range(1, 9)}
+    assert recall == {(layer, s) for layer in (0, 1) for s in range(1, 8 * turns + 1)}

@@ -107,7 +107,7 @@ class Workload:
     selected host positions for the sparse part (`keep` of host_tokens, per-head counts
     varying by up to +-50% as HGCA's per-head selection does).
 
-    The pinned host KV leaves the process with the Workload (`pinned`): the probe measures
+    The pinned host KV goes back to the OS with the Workload (`pinned`): the probe measures
     its grid in groups sized to a quarter of the memory free before the first (GPU audit
     finding 17: Fig. 10's 16 x 56 heads x 64K fp16 points hold 30 GB of host KV each), so
     blocks cached from one group would come on top of the next one's."""
