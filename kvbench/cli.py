@@ -209,7 +209,8 @@ def project_cmd(
     hardware: list[str] = typer.Option(..., help="Profile name, FILE.toml or 'this'; "
                                        "repeatable."),
     probes: list[Path] | None = typer.Option(None, help="Probe result files for 'this' "
-                                             "(default: the results file's own probes)."),
+                                             "(default: the results file's own probes, "
+                                             "else `kvbench calibrate`'s)."),
     memory: str = typer.Option("pinned", help="Host memory of copies: pinned or pageable."),
     out: Path | None = typer.Option(None, help="Result file (default: new file in results/)."),
     model: str | None = typer.Option(None, help="Project onto this model's shape (the run's "
@@ -235,6 +236,23 @@ def project_cmd(
     project(results, hardware, probes or [], memory, out,
             target_shape(model, batch, prompt_len, gen_len, dtype), bookkeeping == "measured",
             gpus, pnms, skip_steps)
+
+
+@app.command("calibrate")
+def calibrate_cmd(
+    model: list[str] | None = typer.Option(None, help="Model whose shapes to probe at "
+                                           "(default smollm2-135m); repeatable."),
+    batch: str = typer.Option("1,8", help="Batch sizes the projections run at."),
+    dtype: str = typer.Option("auto", help="The accelerator's dtype: float32, bfloat16, "
+                              "float16 or auto (float32 on a CPU, bfloat16 with CUDA)."),
+    quick: bool = typer.Option(False, help="Shorter probes (a quick look; noisier)."),
+) -> None:
+    """Probe this machine once for `kvbench project --hardware this`; stored in the cache."""
+    from kvbench.console import err_console
+    from kvbench.hwmodel.calibrate import CalibrateConfig, calibrate, show
+
+    show(calibrate(CalibrateConfig.of(model or [], batch, dtype, quick),
+                   lambda line: err_console.print(f"calibrate {line}")))
 
 
 @app.command("roi")

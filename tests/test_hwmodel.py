@@ -187,11 +187,13 @@ def _v1_file(path: Path) -> Path:
     ("no-trace", "no run trace to project (make one with `kvbench run STRATEGY --out FILE`)"),
     ("v1", "an older trace (per-quantity counters, version 1)"),
     ("old-version", "trace version 1; kvbench project reads version 2"),
-    ("this-no-probes", "needs peak_flops from the roofline probe"),
+    ("this-no-calibration", "no calibration of this machine"),
+    ("this-no-roofline", "needs peak_flops from the roofline probe"),
 ])
-def test_project_bad_input_exits_2(case: str, message: str, tmp_path: Path, capsys) -> None:
+def test_project_bad_input_exits_2(case: str, message: str, tmp_path: Path, capsys,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
     src = _trace_file(tmp_path / "run.jsonl", [_row(0, "accel", "head", [], flops=1.0)])
-    hw = "a6000-pcie4"
+    hw, extra = "a6000-pcie4", []
     if case == "unknown":
         hw = "nope"
     elif case == "missing":
@@ -205,10 +207,16 @@ def test_project_bad_input_exits_2(case: str, message: str, tmp_path: Path, caps
         _v1_file(src)
     elif case == "old-version":
         _trace_file(src, [_row(0, "accel", "head", [], flops=1.0)], version=1)
-    elif case == "this-no-probes":
+    elif case == "this-no-calibration":  # nor --probes: `kvbench calibrate` (test_calibrate)
         hw = "this"
+        monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path / "cache"))
+    elif case == "this-no-roofline":
+        hw, extra = "this", ["--probes", str(tmp_path / "p.jsonl")]
+        (tmp_path / "p.jsonl").write_text("\n".join(_probe_file(tmp_path / "all.jsonl")
+                                                    .read_text().splitlines()[1:]) + "\n")
     with pytest.raises(SystemExit) as e:
-        main(["project", str(src), "--hardware", hw, "--out", str(tmp_path / "o.jsonl")])
+        main(["project", str(src), "--hardware", hw, "--out", str(tmp_path / "o.jsonl"),
+              *extra])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1

@@ -7,18 +7,40 @@ from pathlib import Path
 from kvbench.errors import require
 from kvbench.hwmodel.profile import Profile, load, names, rows
 from kvbench.hwmodel.scale import Shape
+from kvbench.models import ModelSpec
+
+THIS_PROBES = ("roofline", "attention", "bandwidth", "timer")
 
 
-def resolve(name: str, probe_files: list[Path], results: list[dict] | None = None) -> Profile:
-    """A profile by name / file, or 'this' from probe records; checked for the graph's
-    fields."""
+def this_records(probe_files: list[Path], results: list[dict], models: list[str]
+                 ) -> list[dict]:
+    """The probe records 'this' is built from: the --probes files' (with the results file's
+    own), else the results file's own probes of `this` when it has any, else this
+    machine's calibration for `models` (kvbench.hwmodel.calibrate.stored: one line naming
+    the `kvbench calibrate` command when there is none or it is stale)."""
+    from kvbench.store import load as load_results
+
+    own = [r for r in results if r.get("kind") == "probe" and r.get("name") in THIS_PROBES]
+    if probe_files:
+        return [r for f in probe_files for r in load_results(f).records] + own
+    if own:
+        return own
+    from kvbench.hwmodel.calibrate import stored
+
+    return stored(models)
+
+
+def resolve(name: str, probe_files: list[Path], results: list[dict] | None = None,
+            spec: ModelSpec | None = None, this: list[dict] | None = None) -> Profile:
+    """A profile by name / file, or 'this' from probe records (`this`, else this_records)
+    at `spec`'s shapes; checked for the graph's fields."""
     if name != "this":
         return load(name).check()
     from kvbench.hwmodel.this import build
-    from kvbench.store import load as load_results
 
-    recs = [r for f in probe_files for r in load_results(f).records]
-    return build(recs + list(results or [])).check()
+    if this is None:
+        this = this_records(probe_files, list(results or []), [spec.name] if spec else [])
+    return build(this, spec).check()
 
 
 def show_list() -> None:
@@ -83,25 +105,45 @@ def project(results: Path, hardware: list[str], probe_files: list[Path], memory:
     if out is not None:
         from kvbench.paths import check_out
 
-        check_out(out)
+        check_out(out, results=True)
     src = load_results(results).records
     groups = runs(src, str(results))
-    profiles = [resolve(h, probe_files, src) for h in hardware]
-    if gpus is not None or pnms is not None:
-        from kvbench.hwmodel.profile import replicate
+    specs = {key: target.spec if target else _spec(recs[0]["params"])
+             for key, recs in groups.items()}
+    this = this_records(probe_files, src, sorted({s.name for s in specs.values() if s})) \
+        if "this" in hardware else None
 
-        profiles = [replicate(p, 1 if gpus is None else gpus, 1 if pnms is None else pnms)
-                    for p in profiles]
+    def at(h: str, spec: ModelSpec | None) -> tuple[str, str]:  # 'this' is per model
+        return h, spec.name if spec is not None and h == "this" else ""
+
+    profiles: dict[tuple[str, str], Profile] = {}
+    for h in hardware:  # every profile before the first record: a bad one writes nothing
+        for spec in specs.values():
+            if at(h, spec) not in profiles:
+                p = resolve(h, probe_files, src, spec, this)
+                if gpus is not None or pnms is not None:
+                    from kvbench.hwmodel.profile import replicate
+
+                    p = replicate(p, 1 if gpus is None else gpus, 1 if pnms is None else pnms)
+                profiles[at(h, spec)] = p
     path = out or default_out_path("project")
     n = 0
     with ResultWriter(path, collect_env()) as w:
-        for prof in profiles:
-            for recs in groups.values():
-                for rec in records(recs, prof, memory, target, carried, skip):
+        for h in hardware:
+            for key, recs in groups.items():
+                for rec in records(recs, profiles[at(h, specs[key])], memory, target,
+                                   carried, skip):
                     w.write(rec)
                     n += 1
     wrote(path)
     from kvbench.console import err_console
 
-    err_console.print(f"{n} projected records: {len(groups)} run(s) x {len(profiles)} "
+    err_console.print(f"{n} projected records: {len(groups)} run(s) x {len(hardware)} "
                       "profile(s)")
+
+
+def _spec(params: dict) -> ModelSpec | None:
+    """The model spec a run's trace records name (None when they name none)."""
+    from kvbench.models import get_spec
+
+    return get_spec(str(params["model"])) if "model" in params else None

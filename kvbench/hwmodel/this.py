@@ -11,6 +11,11 @@ kvbench runs on host memory and threads, is this machine's CPU: [pnm] takes the 
 roofline memory GB/s and peak, `shares_host` (its tasks take the host's time). Every
 field's source names the probe record it came from. Power is left out (no probe measures
 it): projected energy is then waived.
+
+Probe records of several models (`kvbench calibrate --model A --model B`, or probe files of
+several shapes) are told apart by `model_params`: given the model a projection is for,
+`build` reads the peak matmul, linear and attention points measured at its shapes (all of
+them where none match).
 """
 
 from __future__ import annotations
@@ -21,11 +26,32 @@ from typing import Any
 
 from kvbench.errors import KvbenchError
 from kvbench.hwmodel.profile import Profile
+from kvbench.models import ModelSpec
 
 HOW = {"roofline": "kvbench probe roofline --out FILE",
        "attention": "kvbench probe attention --modes cpu-dense,cpu-sparse --out FILE",
        "bandwidth": "kvbench probe bandwidth --out FILE",
        "timer": "kvbench probe timer --out FILE"}
+MATMUL_CAP = 2048  # the peak matmul is the model's hidden size square, at most this: a
+# larger one only runs longer (2 * 4096^3 FLOP takes seconds a call on a small CPU)
+
+
+def model_params(spec: ModelSpec) -> dict[str, dict[str, Any]]:
+    """Per metric, the params of the records measured at `spec`'s shapes: the peak matmul
+    (n = hidden, capped), the MLP up-projection's linear points (roofline `shape`) and the
+    attention points' head shape."""
+    return {"peak_flops": {"n": min(spec.hidden, MATMUL_CAP)},
+            "linear_gbps": {"shape": f"{spec.ffn}x{spec.hidden}"},
+            "kv_read_gbps": {"heads": spec.n_heads, "kv_heads": spec.n_kv_heads,
+                             "head_dim": spec.head_dim}}
+
+
+def _pick(found: list[dict[str, Any]], want: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The records of `found` whose params match `want`; all of them where none does."""
+    if not want:
+        return found
+    hit = [r for r in found if all(r["params"].get(k) == v for k, v in want.items())]
+    return hit or found
 
 
 def _ok(records: list[dict[str, Any]], probe: str, metric: str) -> list[dict[str, Any]]:
@@ -60,15 +86,17 @@ def _curve(found: list[dict[str, Any]], size_key: str) -> dict[str, list[float]]
     return {"sizes": sizes, "gbps": [statistics.median(by[s]) for s in sizes]}
 
 
-def build(records: list[dict[str, Any]]) -> Profile:
-    """The profile of the machine the probe records measured (the latest of each)."""
+def build(records: list[dict[str, Any]], spec: ModelSpec | None = None) -> Profile:
+    """The profile of the machine the probe records measured (the latest of each), at the
+    shapes of `spec` where the records hold several (model_params)."""
+    want = model_params(spec) if spec is not None else {}
     peak = _need(_ok(records, "roofline", "peak_flops"), "roofline", "peak_flops")
     dev = "cuda:0" if any(r["params"].get("device") == "cuda:0" for r in peak) else "cpu"
     gpu = dev != "cpu"
-    peak = _on(records, "peak_flops", dev)
+    peak = _pick(_on(records, "peak_flops", dev), want.get("peak_flops"))
     mem = _need(_on(records, "memory_gbps", dev), "roofline", "memory_gbps")
     ops = _need(_ok(records, "timer", "op_overhead"), "timer", "op_overhead")
-    att = _ok(records, "attention", "kv_read_gbps")
+    att = _pick(_ok(records, "attention", "kv_read_gbps"), want.get("kv_read_gbps"))
     acc_att = _need([r for r in att if r["params"].get("mode") == ("gpu" if gpu else
                                                                     "cpu-dense")],
                     "attention", "kv_read_gbps")
@@ -90,7 +118,7 @@ def build(records: list[dict[str, Any]]) -> Profile:
             _need([], "bandwidth", f"a {src} -> {dst} pageable curve")
         links[link] = table
     flops = {r["params"].get("dtype", "float32"): r["value"] for r in peak}
-    lin = _on(records, "linear_gbps", dev)
+    lin = _pick(_on(records, "linear_gbps", dev), want.get("linear_gbps"))
     op = {r["params"].get("device"): r for r in ops}
     acc_op = op.get(dev) or ops[0]
     host_op = op.get("cpu") or ops[0]
@@ -110,7 +138,7 @@ def build(records: list[dict[str, Any]]) -> Profile:
         **links,
     }
     cpu_mem = _on(records, "memory_gbps", "cpu")
-    cpu_peak = [r for r in _on(records, "peak_flops", "cpu")
+    cpu_peak = [r for r in _pick(_on(records, "peak_flops", "cpu"), want.get("peak_flops"))
                 if r["params"].get("dtype", "float32") == "float32"]
     if cpu_mem and cpu_peak:
         tables["pnm"] = {"name": "this machine's CPU in the PNM device role",
