@@ -275,7 +275,7 @@ def roi_cmd(
     if out is not None:
         from kvbench.paths import check_out
 
-        check_out(out)
+        check_out(out, results=True)
     c0 = prefill_tflop * 1e12
     if model:
         from kvbench.models import get_spec
@@ -332,7 +332,8 @@ def _add_registered_commands() -> None:
            "KV-storage paper Fig. 1c), and a Poisson serving simulation driven by it.")
     app.command("serve-sim", help=doc)(config_command([(ServeConfig, None)], _serve_sim, doc))
     doc = "Capacity and cost of GPU / CXL-PNM configurations (projected; CXL-PNM Fig. 1a, Table 3)."
-    app.command("plan", help=doc)(config_command([(plan.PlanConfig, None)], plan.run, doc))
+    app.command("plan", help=doc)(config_command([(plan.PlanConfig, None)], plan.run, doc,
+                                                 results=False))  # --out: a JSON file
 
 
 def _is_abort(e: BaseException) -> bool:

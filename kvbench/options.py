@@ -119,10 +119,12 @@ _OUT = _param("out", typing.Optional[Path],  # noqa: UP045
 
 
 def config_command(configs: Iterable[tuple[type, dict[str, str] | None]],
-                   run: Callable[..., None], doc: str) -> Callable[..., None]:
+                   run: Callable[..., None], doc: str, results: bool = True
+                   ) -> Callable[..., None]:
     """A typer command whose options are the fields of each config class in turn, then
     --out; it calls `run(config, ..., out)` with the configs built from the options, once
-    --out is known to be writable (kvbench.paths.check_out)."""
+    --out is known to be writable (kvbench.paths.check_out; `results`: --out is a result
+    file appended to)."""
     configs = list(configs)
 
     def command(**kw: Any) -> None:
@@ -131,7 +133,7 @@ def config_command(configs: Iterable[tuple[type, dict[str, str] | None]],
         out = kw.pop("out")
         built = [collect(cls, kw) for cls, _ in configs]
         if out is not None:  # before anything is measured
-            check_out(out)
+            check_out(out, results=results)
         run(*built, out)
 
     params = [p for cls, helps in configs for p in options(cls, helps)]

@@ -36,11 +36,12 @@ def stat(path: Path | str, what: str) -> os.stat_result | None:
 
 
 def check_out(path: Path | str, what: str = "--out", folder: bool = False,
-              parents: bool = True) -> None:
+              parents: bool = True, results: bool = False) -> None:
     """KvbenchError unless `path` can be written: a file (appended to or created) or, with
     `folder`, a folder (created if need be) written into. A path not there yet needs its
     nearest existing folder to take a new file (tried: a nameless temporary file), and with
-    `parents` False its own folder must exist (the writer creates none)."""
+    `parents` False its own folder must exist (the writer creates none). `results`: a
+    kvbench result file, appended to: one already there must be one (store.load)."""
     kind = "folder" if folder else "file"
     found = stat(path, what)
     if found is not None:
@@ -49,6 +50,13 @@ def check_out(path: Path | str, what: str = "--out", folder: bool = False,
                                f"{'not a folder' if folder else 'a folder'}: give a {kind} path")
         if not os.access(path, os.W_OK):
             raise KvbenchError(f"{what} '{shown(path)}': {kind} is not writable")
+        if results and found.st_size:  # appended to: it must be a result file already
+            from kvbench.store import load
+
+            try:
+                load(path)
+            except KvbenchError as e:
+                raise KvbenchError(f"{what}: {e} (results are appended to it)") from None
         return
     parent = Path(os.path.abspath(path)).parent
     while (up := stat(parent, what)) is None:

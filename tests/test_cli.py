@@ -220,3 +220,28 @@ def test_timer_probe_ranges(args: list[str], message: str, tmp_path: Path,
     code, stdout, err = run(["probe", "timer", *args, "--out", str(out)], capsys)
     assert code == 2 and stdout == "" and not calls and not out.exists()
     assert err.count("\n") == 1 and message in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("command", ["probe", "run", "roi", "project"])
+def test_out_that_is_not_a_result_file_is_refused_before_any_work(
+        command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Results are appended to --out: a file there that is not kvbench JSON Lines used to be
+    found out at the first record, after the whole run."""
+    argv, work = WRITERS[command]
+    out = tmp_path / "notes.txt"
+    out.write_text("my notes\nand more\n")
+    calls: list[object] = []
+    monkeypatch.setattr(work, lambda *a, **k: calls.append(a))
+    code, stdout, err = run([*argv, "--out", str(out)], capsys)
+    assert code == 2 and not calls and stdout == "" and err.count("\n") == 1
+    assert f"--out: '{out}' line 1 is not kvbench JSON Lines (results are appended" in err
+    assert out.read_text() == "my notes\nand more\n"
+
+
+def test_plan_out_is_a_json_file_it_replaces(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "new" / "plan.json"  # its folder is created
+    for _ in range(2):
+        code, _, _ = run(["plan", "--json", "--out", str(out)], capsys)
+        assert code == 0 and json.loads(out.read_text())["provenance"] == "projected"
