@@ -31,9 +31,12 @@ Each (case, sweep point, repetition) is one unit of work with a stable id (a has
 name, explicit parameters and repetition) kept in every record's `method["suite_case"]`.
 A unit's records are written as one batch (one write, one fsync) once it finishes, so a
 unit is either wholly in the output file or absent: `--resume` skips exactly the units
-present, and an interrupt loses only the unit that was running. A unit that errored or was
-cut short (records marked `method.partial`) is not done: `--resume` runs it again, and the
-loader then drops the failed attempt's records (store.unit_key, store.failed_attempt).
+present. An interrupt (Ctrl-C, SIGTERM) stops the unit that was running and keeps the
+records it had finished, marked `method.partial` (a strategy case's run is sent the signal
+and stores the decode steps it finished). A unit that errored or was cut short is not done:
+`--resume` runs it again, and the loader then drops the failed attempt's records
+(store.unit_key, store.failed_attempt). Under `--jobs`, units running in worker processes
+when the interrupt comes are lost whole.
 `--jobs N` (kvbench.suite_jobs) and `--ray` (kvbench.fleet) run units elsewhere; this
 process stays the one writer of the file.
 """
