@@ -68,12 +68,17 @@ class FakeRuntime:
 
 @pytest.fixture
 def rt(monkeypatch: pytest.MonkeyPatch) -> FakeRuntime:
-    """A fake cupy, and torch.cuda's device context, current stream and _sleep on the CPU."""
+    """A fake cupy, and torch.cuda's device context (recorded as a call), current stream
+    and _sleep on the CPU."""
     fake = FakeRuntime()
     cupy = types.ModuleType("cupy")
     cupy.cuda = types.SimpleNamespace(runtime=fake)  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "cupy", cupy)
-    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    def device(index: int) -> contextlib.AbstractContextManager[None]:
+        fake.calls.append(("device", index))
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(torch.cuda, "device", device)
     monkeypatch.setattr(torch.cuda, "current_stream",
                         lambda index: types.SimpleNamespace(cuda_stream=MAIN))
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: fake.calls.append(("sleep", cycles)))
@@ -91,8 +96,9 @@ def test_h2d_pinned_copies_and_events(rt: FakeRuntime) -> None:
     (host,) = c.buffers
     dev = c.device_ptrs[0]
     e0, e1, _fork = c.events
-    assert rt.calls == [("hostRegister", host.ptr, SPAN, 0), ("malloc", SPAN), ("eventCreate",),
-                        ("eventCreate",), ("eventCreateWithFlags", 2)]
+    assert rt.calls == [("device", 0), ("hostRegister", host.ptr, SPAN, 0), ("device", 0),
+                        ("malloc", SPAN), ("eventCreate",), ("eventCreate",),
+                        ("eventCreateWithFlags", 2)]
     assert c.routes == [(host.ptr, dev, 1)] and c.streams == []
     rt.calls.clear()
     t = c.timing(4096, POLICY)
@@ -100,7 +106,7 @@ def test_h2d_pinned_copies_and_events(rt: FakeRuntime) -> None:
             for off in (0, 4096, 8192, 12288)]  # the warm-up, then the next windows
     sample = [("sleep", _SLEEP_CYCLES), ("eventRecord", e0, MAIN), None,
               ("eventRecord", e1, MAIN), ("eventSynchronize", e1), ("eventElapsedTime", e0, e1)]
-    want = [copy[0], ("streamSynchronize", MAIN)]
+    want = [("device", 0), copy[0], ("streamSynchronize", MAIN)]
     for k in (1, 2, 3):
         want += [x or copy[k] for x in sample]
     assert rt.calls == want
@@ -117,6 +123,15 @@ def test_d2h_pageable_registers_nothing(rt: FakeRuntime) -> None:
     c = CupyCopier(Pair(Endpoint("gpu", 0), Endpoint("host", 0)), "pageable", SPAN, False)
     assert not any(call[0] == "hostRegister" for call in rt.calls)
     assert c.routes == [(c.device_ptrs[0], c.buffers[0].ptr, 2)]
+    c.close()
+
+
+def test_d2d_allocates_each_buffer_on_its_gpu(rt: FakeRuntime) -> None:
+    c = CupyCopier(Pair(Endpoint("gpu", 1), Endpoint("gpu", 0)), "device", SPAN, False)
+    assert rt.calls[:5] == [("device", 0), ("device", 1), ("malloc", SPAN), ("device", 0),
+                            ("malloc", SPAN)]
+    assert c.routes == [(*c.device_ptrs, 3)] and c.buffers == []
+    assert c.placement == "device memory"
     c.close()
 
 

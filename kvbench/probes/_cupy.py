@@ -42,8 +42,6 @@ def cupy_runtime() -> Any:
 class CupyCopier:
     """Copies that touch a GPU by cudaMemcpyAsync (GpuCopier's interface and buffers)."""
 
-    engine = "cupy"
-
     def __init__(self, pair: Pair, kind: str, span: int, bidirectional: bool) -> None:
         import torch
 
@@ -76,8 +74,9 @@ class CupyCopier:
             raise
 
     def _alloc(self, ep: Endpoint, kind: str) -> int:
-        if ep.kind == "gpu":
-            self.device_ptrs.append(self.rt.malloc(self.span))
+        if ep.kind == "gpu":  # on its own GPU (a d2d pair's source may be another)
+            with self.torch.cuda.device(ep.index):
+                self.device_ptrs.append(self.rt.malloc(self.span))
             return self.device_ptrs[-1]
         buf = HostBuffer(ep.index, self.span)
         self.buffers.append(buf)
