@@ -123,17 +123,19 @@ def config_command(configs: Iterable[tuple[type, dict[str, str] | None]],
                    ) -> Callable[..., None]:
     """A typer command whose options are the fields of each config class in turn, then
     --out; it calls `run(config, ..., out)` with the configs built from the options, once
-    --out is known to be writable (kvbench.paths.check_out; `results`: --out is a result
-    file appended to)."""
+    --out is known to be writable (kvbench.paths; `results`: the command stores records in
+    --out, appended to, or else in a new file in results/)."""
     configs = list(configs)
 
     def command(**kw: Any) -> None:
-        from kvbench.paths import check_out
+        from kvbench.paths import check_out, check_results_out
 
         out = kw.pop("out")
         built = [collect(cls, kw) for cls, _ in configs]
-        if out is not None:  # before anything is measured
-            check_out(out, results=results)
+        if results:  # before anything is measured
+            check_results_out(out)
+        elif out is not None:
+            check_out(out)
         run(*built, out)
 
     params = [p for cls, helps in configs for p in options(cls, helps)]

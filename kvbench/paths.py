@@ -35,6 +35,17 @@ def stat(path: Path | str, what: str) -> os.stat_result | None:
         raise KvbenchError(f"{what} '{shown(path)}': {e.strerror or e}") from None
 
 
+def check_results_out(out: Path | str | None) -> None:
+    """check_out for the file a command stores its records in: `out` (appended to) or,
+    without one, a new file in results/ (store.default_out_path)."""
+    from kvbench.store import RESULTS_DIR
+
+    if out is not None:
+        check_out(out, results=True)
+    else:
+        check_out(RESULTS_DIR, "the results folder", folder=True)
+
+
 def check_out(path: Path | str, what: str = "--out", folder: bool = False,
               parents: bool = True, results: bool = False) -> None:
     """KvbenchError unless `path` can be written: a file (appended to or created) or, with

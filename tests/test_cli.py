@@ -245,3 +245,19 @@ def test_plan_out_is_a_json_file_it_replaces(tmp_path: Path,
     for _ in range(2):
         code, _, _ = run(["plan", "--json", "--out", str(out)], capsys)
         assert code == 0 and json.loads(out.read_text())["provenance"] == "projected"
+
+
+@pytest.mark.parametrize("command", ["probe", "run", "project"])
+def test_unusable_results_folder_is_refused_before_any_work(
+        command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --out, records go to a new file in results/: a 'results' there that is not
+    a folder used to be found out when the first record was written (FileExistsError)."""
+    argv, work = WRITERS[command]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "results").write_text("not a folder\n")
+    calls: list[object] = []
+    monkeypatch.setattr(work, lambda *a, **k: calls.append(a))
+    code, stdout, err = run(argv, capsys)
+    assert code == 2 and not calls and stdout == "" and err.count("\n") == 1
+    assert "the results folder 'results' is not a folder: give a folder path" in err, err

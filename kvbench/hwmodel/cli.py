@@ -102,10 +102,9 @@ def project(results: Path, hardware: list[str], probe_files: list[Path], memory:
 
     require(memory in ("pinned", "pageable"), f"--memory '{memory}': pinned or pageable")
     require(skip >= 0, f"--skip-steps {skip}: must be >= 0")
-    if out is not None:
-        from kvbench.paths import check_out
+    from kvbench.paths import check_results_out
 
-        check_out(out, results=True)
+    check_results_out(out)
     src = load_results(results).records
     groups = runs(src, str(results))
     specs = {key: target.spec if target else _spec(recs[0]["params"])
