@@ -41,8 +41,18 @@ def env_cmd(
 
 
 @app.command("list")
-def list_cmd(as_json: bool = typer.Option(False, "--json", help="Print as JSON.")) -> None:
+def list_cmd(as_json: bool = typer.Option(False, "--json", help="Print as JSON."),
+             markdown: bool = typer.Option(False, "--markdown", help="Print the probes and "
+                                           "the strategies as two Markdown tables (as in "
+                                           "README.md).")) -> None:
     """List every registered probe and strategy, one line each."""
+    if as_json and markdown:
+        raise KvbenchError("give --json or --markdown, not both")
+    if markdown:
+        from kvbench.registry import markdown_tables
+
+        print(markdown_tables())
+        return
     from kvbench.render import listing
 
     listing(as_json)
