@@ -167,6 +167,13 @@ def test_a_model_not_calibrated_is_refused(cache: Path, trace: Path, tmp_path: P
            "smollm2-135m --model opt-125m --batch 1 --quick`" in err
 
 
+def test_a_damaged_calibration_is_refused(cache: Path, trace: Path, tmp_path: Path) -> None:
+    (cache / "calibration" / _this_key() / MANIFEST).write_text("{")  # torn write
+    code, _, err = _project(trace, tmp_path / "o.jsonl")
+    assert code == 2 and err.count("\n") == 1
+    assert f"{MANIFEST} unreadable): run `kvbench calibrate --model smollm2-135m`" in err
+
+
 def test_home_is_the_env_var_cache_or_the_users(monkeypatch: pytest.MonkeyPatch,
                                                 tmp_path: Path) -> None:
     monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path))

@@ -76,7 +76,7 @@ class CalibrateConfig:
             get_spec(m)
         object.__setattr__(self, "models", tuple(dict.fromkeys(self.models)))
         require(bool(self.batch) and all(b >= 1 for b in self.batch),
-                f"--batch {self.batch}: positive integers")
+                f"--batch {','.join(map(str, self.batch))}: positive integers")
         object.__setattr__(self, "batch", tuple(sorted(set(self.batch))))
         if self.dtype != "auto":
             object.__setattr__(self, "dtype", dtype_name(self.dtype))
@@ -297,6 +297,15 @@ def show(meta: dict[str, Any]) -> None:
                   "--hardware this` uses them")
 
 
+def _manifest(folder: Path) -> dict[str, Any] | None:
+    """A calibration's calibration.json; None when it is unreadable."""
+    try:
+        meta = json.loads((folder / MANIFEST).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) and isinstance(meta.get("models"), list) else None
+
+
 def stored(models: Sequence[str] = ()) -> list[dict[str, Any]]:
     """The records of this machine's calibration for `models`; KvbenchError (one line,
     naming the command to run) when there is none, or it is of another machine, ran a
@@ -311,12 +320,14 @@ def stored(models: Sequence[str] = ()) -> list[dict[str, Any]]:
     env = collect_env()
     folder = where / machine_key(env)
     if not (folder / MANIFEST).is_file():
-        others = sorted(json.loads((d / MANIFEST).read_text()).get("machine", d.name)
+        others = sorted((_manifest(d) or {}).get("machine", d.name)
                         for d in where.glob("*") if (d / MANIFEST).is_file())
         held = f"; it holds other machines' only ({'; '.join(others)})" if others else ""
         raise KvbenchError(f"--hardware this: no calibration of this machine ({_machine(env)}) "
                            f"in {where}{held}: run `{command(models)}` (or pass --probes FILE)")
-    meta = json.loads((folder / MANIFEST).read_text())
+    meta = _manifest(folder)
+    require(meta is not None, f"--hardware this: the calibration in {folder} is damaged "
+            f"({MANIFEST} unreadable): run `{command(models)}`")
     again = command([*meta["models"], *models], meta)
     rs = load(folder / RECORDS)
     for e in rs.envs.values():
