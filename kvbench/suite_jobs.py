@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.schema import Record
-from kvbench.suite import Suite, Unit, _execute, _has_gpu, load_suite, units
+from kvbench.suite import CaseInterrupted, Suite, Unit, _execute, _has_gpu, load_suite, units
 
 Result = tuple[Unit, list[Record], dict[str, Any] | None, bool]  # unit, records, env, shared
 
@@ -32,7 +32,10 @@ def unit_in(path: str, text: str, key: str) -> Unit:
 
 
 def _work(path: str, text: str, key: str, gpu: bool) -> list[Record]:
-    return _execute(unit_in(path, text, key), gpu)
+    try:
+        return _execute(unit_in(path, text, key), gpu)
+    except CaseInterrupted as e:  # its unit does not pickle: the interrupt goes back alone
+        raise e.cause from None
 
 
 def run_local(suite: Suite, pending: list[Unit], jobs: int) -> Iterator[Result]:

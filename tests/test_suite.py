@@ -400,3 +400,18 @@ def test_sigterm_keeps_the_running_strategy_cases_steps(tmp_path):
                                                 "4000 decode steps")
     assert all(r["method"]["partial"] and r["method"]["suite_case"] for r in recs.values())
     assert recorded_units(out) == set()  # --resume runs it again
+
+
+def test_a_workers_interrupt_goes_back_as_itself(tmp_path, monkeypatch):
+    """A --jobs worker's unit does not pickle: its interrupt is returned bare, as before."""
+    from kvbench.probes.timer import TimerProbe
+    from kvbench.suite_jobs import _work
+
+    def run(self, config):
+        yield measured("probe", "timer", "x", "ns", "lower", [1.0, 2.0])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(TimerProbe, "run", run)
+    suite = load_suite(write(tmp_path, TIMER))
+    with pytest.raises(KeyboardInterrupt):
+        _work(str(suite.path), suite.text, units(suite)[0].case_id, False)
