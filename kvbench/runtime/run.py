@@ -122,7 +122,10 @@ def resolve(cfg: RunConfig) -> tuple[ModelSpec, int, Any, Any, str]:
 def check_fit(spec: ModelSpec, layers: int, cfg: RunConfig, cls: type[Strategy],
               sparams: Any, device: Any, dtype: Any) -> dict[str, int]:
     """Estimate weight bytes and what the strategy allocates per device (its
-    `placement`: KV and the state beside it) and refuse a run that cannot fit."""
+    `placement`: KV and the state beside it) and refuse a run that cannot fit. Pinned host
+    buffers are allocated at their exact size (strategies._hostcopy.HostKV, GPU audit
+    finding 3), so "host" is what a CUDA run really page-locks and holds; "pinned_bytes" is
+    the page-locked part (0 off CUDA)."""
     import psutil
     import torch
 
@@ -150,7 +153,7 @@ def check_fit(spec: ModelSpec, layers: int, cfg: RunConfig, cls: type[Strategy],
                 f"on {where} ({device.type if where == 'accel' else 'cpu'}), "
                 f"{format_bytes(free)} available")
     return {"weight_bytes": weights, "kv_bytes": kv, "accel_bytes": need["accel"],
-            "host_bytes": need["host"]}
+            "host_bytes": need["host"], "pinned_bytes": need.get("pinned", 0)}
 
 
 def token_rows(ids: list[int], batch: int, need: int, vocab: int,

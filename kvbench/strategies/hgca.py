@@ -176,7 +176,7 @@ class Hgca(Strategy):
         if self.stream is None:
             with c.timed("bookkeeping.evict"):
                 for dst, x in zip(staged, src, strict=True):
-                    dst.copy_(x)
+                    transfer(dst, x.to(dst.dtype).contiguous())
             self._submit(L, self._select, *staged, None)
             return
         with c.timed("bookkeeping.issue"):

@@ -51,7 +51,8 @@ class Offload(Strategy):
         one-layer staging buffers (k and v each, the whole cache length) on the accelerator."""
         layer = ctx.batch * ctx.max_len * ctx.spec.kv_bytes_per_token(ctx.elem_bytes, 1)
         host = ctx.n_layers * layer
-        return {"accel": 2 * layer, "host": host, "pinned": host}
+        return {"accel": 2 * layer, "host": host,
+                "pinned": host if ctx.accel.type == "cuda" else 0}
 
     def __init__(self, params: object, ctx: RunContext) -> None:
         import torch
