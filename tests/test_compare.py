@@ -319,3 +319,96 @@ def test_a_shift_of_every_quantity_is_named(tmp_path: Path, capsys) -> None:
     rows = compare_sets(load(base), load(two))
     assert len(regressed(rows)) == 2 and common_shift(rows, 0.05) is None
     assert "All together" not in compare(str(base), str(two))
+
+
+def single(value: float, direction: str, exact: bool = True) -> ResultSet:
+    """One run of one quantity holding a single value; `exact` declares it deterministic."""
+    rec = measured("run", "full", "q", "", direction, [value], {},
+                   {"exact": "deterministic"} if exact else {})
+    return ResultSet(Path("x"), records=[{**rec.to_dict(), "env_id": "e1"}])
+
+
+@pytest.mark.parametrize(("direction", "new", "change", "verdict"), [
+    # at the threshold (change exactly 0.05 = 5 / 100): within it
+    ("higher", 105.0, 0.05, "same"), ("lower", 95.0, 0.05, "same"),
+    ("higher", 95.0, -0.05, "same"), ("lower", 105.0, -0.05, "same"),
+    # just inside
+    ("higher", 104.9, 0.049, "same"), ("lower", 95.1, 0.049, "same"),
+    ("higher", 95.1, -0.049, "same"), ("lower", 104.9, -0.049, "same"),
+    # just beyond
+    ("higher", 105.1, 0.051, "improved"), ("lower", 94.9, 0.051, "improved"),
+    ("higher", 94.9, -0.051, "regressed"), ("lower", 105.1, -0.051, "regressed"),
+])
+@pytest.mark.parametrize("exact", [True, False])
+def test_threshold_verdict_per_direction(direction: str, new: float, change: float,
+                                         verdict: str, exact: bool) -> None:
+    """Issue 30: a single value, base 100, threshold 0.05, judged by the threshold alone
+    (declared exact, or vouched for by the caller). The change is signed + = better:
+    (new - base) / base for higher-is-better, (base - new) / base for lower."""
+    (row,) = compare_sets(single(100.0, direction, exact), single(new, direction, exact),
+                          threshold=0.05, thresholded=not exact)
+    assert (row.test, row.verdict) == ("threshold-only", verdict), row
+    assert row.change == pytest.approx(change, abs=1e-12)
+    assert (row.base, row.new, row.p_value) == (100.0, new, None)
+    assert regressed([row]) == ([row] if verdict == "regressed" else [])
+
+
+@pytest.mark.parametrize(("new", "verdict"), [(105.0, "same"), (105.1, "noise")])
+def test_untestable_single_value_is_never_a_verdict(new: float, verdict: str) -> None:
+    """Neither exact nor vouched for: beyond the threshold is shown as noise, at it same."""
+    (row,) = compare_sets(single(100.0, "higher", False), single(new, "higher", False))
+    assert (row.test, row.verdict) == ("untestable", verdict)
+
+
+@pytest.mark.parametrize(("direction", "new", "change", "verdict"), [
+    ("higher", 0.0, 0.0, "same"), ("lower", 0.0, 0.0, "same"),
+    ("higher", 2.0, float("inf"), "improved"), ("lower", 2.0, float("-inf"), "regressed"),
+    ("higher", -2.0, float("-inf"), "regressed"), ("lower", -2.0, float("inf"), "improved"),
+])
+@pytest.mark.parametrize("threshold", [0.0, 0.05])
+def test_base_zero(direction: str, new: float, change: float, verdict: str,
+                   threshold: float) -> None:
+    """A base of 0: no relative change exists; equal values are the same even at a zero
+    threshold, and any other new value is an infinite change in the sign its direction
+    gives."""
+    (row,) = compare_sets(single(0.0, direction), single(new, direction), threshold=threshold)
+    assert row.change == change and (row.test, row.verdict) == ("threshold-only", verdict)
+
+
+def test_equal_values_at_zero_threshold_are_the_same() -> None:
+    """threshold 0: only a change strictly beyond it counts, so identical values stay
+    'same' (not 'regressed' by a zero change)."""
+    for direction in ("higher", "lower"):
+        (row,) = compare_sets(single(7.0, direction), single(7.0, direction), threshold=0.0)
+        assert (row.change, row.verdict) == (0.0, "same")
+        (row,) = compare_sets(single(7.0, direction), single(7.5, direction), threshold=0.0)
+        assert row.verdict == ("improved" if direction == "higher" else "regressed")
+
+
+def tight(centre: float, direction: str, step: float = 0.005) -> ResultSet:
+    rec = measured("probe", "p", "m", "s", direction,
+                   [centre * (1 + step * (i - 4)) for i in range(9)])
+    return ResultSet(Path("x"), records=[{**rec.to_dict(), "env_id": "e1"}])
+
+
+@pytest.mark.parametrize("direction", ["higher", "lower"])
+def test_shifted_base_test_decides(direction: str) -> None:
+    """9 samples a side, spread +-2%: 100 -> 106 (change 6%, beyond 5%) is significant
+    against the base (every new sample above every base one) but not against the base moved
+    by the threshold (105 +- 2%): noise, its p the Mann-Whitney p of the moved samples. 100
+    -> 112 is beyond both."""
+    base = tight(100.0, direction)
+    sb = [100.0 * (1 + 0.005 * (i - 4)) for i in range(9)]
+    for new, verdict in ((106.0, "noise"), (112.0, "improved" if direction == "higher"
+                                            else "regressed"),
+                         (94.0, "noise"), (88.0, "regressed" if direction == "higher"
+                                           else "improved")):
+        sn = [new * (1 + 0.005 * (i - 4)) for i in range(9)]
+        (row,) = compare_sets(base, tight(new, direction), threshold=0.05)
+        moved = [x * (1.05 if new > 100 else 0.95) for x in sb]
+        assert row.test == "mann-whitney" and row.p_value == mann_whitney_p(moved, sn)
+        assert mann_whitney_p(sb, sn) == pytest.approx(2 / 48620)  # C(18, 9): disjoint
+        sign = 1 if direction == "higher" else -1
+        assert row.change == pytest.approx(sign * (new - 100.0) / 100.0, rel=1e-12)
+        assert row.verdict == verdict, (new, row)
+        assert (row.p_value < 0.05) == (verdict != "noise")
