@@ -93,16 +93,27 @@ def enable_token_auth() -> None:
         Config.initialize("")  # Ray read its config at import: read it again
 
 
-def _auth_hint(address: str | None) -> str:
-    """What a failed join by explicit address lacks when the cluster uses token
-    authentication: the mode (set to something else here) or the head's token."""
-    if address in (None, "auto"):
-        return ""
-    if os.environ.get("RAY_AUTH_MODE", "token").lower() != "token":
-        return (f" (RAY_AUTH_MODE is {os.environ['RAY_AUTH_MODE']} here: a cluster with token "
-                "authentication needs RAY_AUTH_MODE=token)")
-    return (" (a cluster with token authentication needs the head's token here: "
-            "~/.ray/auth_token, the file RAY_AUTH_TOKEN_PATH names, or RAY_AUTH_TOKEN)")
+def _auth_hint() -> str:
+    """What a driver that the head refused (InvalidAuthToken) lacks: the mode, set to
+    something else here, or the head's token."""
+    mode = os.environ.get("RAY_AUTH_MODE", "token")
+    if mode.lower() != "token":
+        return f"RAY_AUTH_MODE is {mode} here; set RAY_AUTH_MODE=token"
+    return ("copy the head's token here: ~/.ray/auth_token, the file RAY_AUTH_TOKEN_PATH "
+            "names, or RAY_AUTH_TOKEN")
+
+
+def _join_error(address: str | None, e: BaseException) -> str:
+    """The one line for a failed ray.init: Ray's first line, or, where the head refused this
+    driver's token (Ray retries for about 20 s, then wraps the refusal), that and the hint."""
+    where = f"join the Ray cluster at '{address}'" if address else "start a local Ray cluster"
+    cause: BaseException | None = e
+    while cause is not None:
+        if "InvalidAuthToken" in str(cause):
+            return f"cannot {where}: the head refused this driver (InvalidAuthToken): " \
+                f"{_auth_hint()}"
+        cause = cause.__cause__ or cause.__context__
+    return f"cannot {where}: {(str(e).strip().splitlines() or [''])[0]}"
 
 
 def _nodes(ray: Any) -> dict[str, dict[str, Any]]:
@@ -327,9 +338,7 @@ def connect(address: str | None, on: str | list[str] | None) -> Iterator[Fleet]:
         ray.init(address=address or "local", log_to_driver=False, logging_level="ERROR",
                  **local)
     except (ConnectionError, RuntimeError, ValueError) as e:
-        first = (str(e).strip().splitlines() or [""])[0]
-        where = f"join the Ray cluster at '{address}'" if address else "start a local Ray cluster"
-        raise KvbenchError(f"cannot {where}: {first}{_auth_hint(address)}") from None
+        raise KvbenchError(_join_error(address, e)) from None
     try:
         fleet = Fleet(ray, on)
         yield fleet

@@ -28,7 +28,7 @@ ray = pytest.importorskip("ray")
 
 from kvbench.cli import main  # noqa: E402
 from kvbench.compare import compare_sets, select_env  # noqa: E402
-from kvbench.fleet import _auth_hint, connect, enable_token_auth  # noqa: E402
+from kvbench.fleet import _join_error, connect, enable_token_auth  # noqa: E402
 from kvbench.store import load  # noqa: E402
 from kvbench.suite import load_suite, recorded_units, run_suite, units  # noqa: E402
 
@@ -366,11 +366,26 @@ def test_documented_driver_joins_with_the_token_alone(cluster, tmp_path):
     assert run_cli(compare[1:]) in (0, 1)
 
 
-def test_failed_join_names_what_token_auth_needs(monkeypatch):
-    """A failed join by explicit address names the head's token, or RAY_AUTH_MODE when it is
-    set to something else here (`auto` and a local cluster enable it themselves)."""
+def test_a_refused_driver_is_told_what_token_auth_needs(monkeypatch):
+    """Ray wraps the head's refusal of a driver's token in its own errors after about 20 s
+    of retries: the one line names it and the token's places, or RAY_AUTH_MODE when it is
+    set to something else here; any other failure keeps Ray's first line."""
+    try:
+        try:
+            raise RuntimeError("Failed to connect to GCS. Last connection error: Traceback\n"
+                               "AuthenticationError: RPC error: InvalidAuthToken: missing")
+        except RuntimeError as inner:
+            raise ConnectionError("Failed to connect to Ray cluster at 10.0.0.1:6379") \
+                from inner
+    except ConnectionError as e:
+        refused = e
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    assert _join_error("10.0.0.1:6379", refused) == (
+        "cannot join the Ray cluster at '10.0.0.1:6379': the head refused this driver "
+        "(InvalidAuthToken): copy the head's token here: ~/.ray/auth_token, the file "
+        "RAY_AUTH_TOKEN_PATH names, or RAY_AUTH_TOKEN")
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    assert "RAY_AUTH_MODE is disabled here" in _auth_hint("10.0.0.1:6379")
-    monkeypatch.delenv("RAY_AUTH_MODE")
-    assert "the head's token here: ~/.ray/auth_token" in _auth_hint("10.0.0.1:6379")
-    assert _auth_hint("auto") == _auth_hint(None) == ""
+    assert _join_error("10.0.0.1:6379", refused).endswith(
+        "(InvalidAuthToken): RAY_AUTH_MODE is disabled here; set RAY_AUTH_MODE=token")
+    assert _join_error(None, RuntimeError("no room\nmore")) == \
+        "cannot start a local Ray cluster: no room"
