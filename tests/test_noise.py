@@ -226,3 +226,23 @@ def test_alpha_is_the_comparisons_level() -> None:
     assert by["mild"].verdict == "noise" and "Benjamini-Hochberg" in by["mild"].marks[-1]
     assert by["half"].verdict == "regressed" and by["half"].p_value < 0.05 / 40
     assert [r.metric for r in regressed(rows)] == ["half"]
+
+
+def test_bound_is_t_quantile_times_sd_times_sqrt_of_run_counts() -> None:
+    """Issue 30: the bound's absolute value, with the t quantiles of a table (df = runs - 1
+    = 4: t = 2.7764451052 for P(|T| <= t) = 0.95, 4.6040948713 for 0.99)."""
+    meds = [100.0, 110.0, 90.0, 105.0, 95.0]
+    logs = [math.log(x) for x in meds]
+    mean = sum(logs) / 5
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / 4)
+    (s,) = spreads(runs(meds)).values()
+    assert s.bound(1, 1, 0.05) == pytest.approx(2.7764451052 * sd * math.sqrt(2), rel=1e-9)
+    assert s.bound(4, 2, 0.01) == pytest.approx(4.6040948713 * sd * math.sqrt(0.75), rel=1e-9)
+    # compare at one calibrated quantity (level 0.05): the row's noise is expm1(bound), and
+    # a change of the log just inside the bound is noise, just beyond it regresses
+    bound = 2.7764451052 * sd * math.sqrt(2)
+    for factor, verdict in ((0.99, "noise"), (1.01, "regressed")):
+        new = 100.0 * math.exp(-factor * bound)
+        (row,) = compare_sets(runs([100.0]), runs([new]), noise=spreads(runs(meds)))
+        assert row.noise == pytest.approx(math.expm1(bound), rel=1e-9)
+        assert (row.test, row.verdict) == ("mann-whitney + run noise", verdict), row
