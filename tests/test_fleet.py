@@ -137,8 +137,10 @@ def cluster(tmp_path_factory):
         _wait(answers, "head", c.procs)
         # this process, the driver of the in-process tests, is given the token's path only
         mp.setenv("RAY_AUTH_TOKEN_PATH", str(home / ".ray" / "auth_token"))
-        mp.delenv("RAY_AUTH_MODE", raising=False)
+        mp.setenv("RAY_AUTH_MODE", "")  # undo: as it was before the session, set or not
+        mp.delenv("RAY_AUTH_MODE")
         enable_token_auth()
+        assert os.environ["RAY_AUTH_MODE"] == "token"
         ray.init(address=c.head, log_to_driver=False, logging_level="ERROR")
         c.address = ray.get_runtime_context().gcs_address
         for worker in WORKERS:  # one at a time
