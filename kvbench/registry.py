@@ -2,7 +2,7 @@
 
 Each probe or strategy module decorates its class with `@REGISTRY.register`; the registry
 imports every module of its package the first time it is asked, so adding one touches one
-module (plus its test) and nothing else.
+module, its test, and README.md's table (`kvbench list --markdown`, from `markdown_tables`).
 """
 
 from __future__ import annotations
