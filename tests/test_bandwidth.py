@@ -205,3 +205,37 @@ def test_gpu_bars_run_for_pinned_h2d_in_one_direction_only(
         probe = 256 * M / 1e-3 / 1e9
         assert loop.samples == [probe / 4.0, probe / 2.0]
         assert link.status == "waived" and "NVML" in link.reason  # no NVML link here
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_bandwidth_is_bytes_moved_over_seconds(bidirectional: bool,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 30: every GB/s sample of a host sweep is size x routes / seconds per copy / 1e9,
+    counted here: one route (host:0 -> host:0), two with --bidirectional (both ways at
+    once). The copier's timings are fixed so the identity is exact."""
+    monkeypatch.setattr(_copy, "nt_threshold", lambda: 1 << 30)
+    monkeypatch.setattr(bandwidth, "nt_threshold", lambda: 1 << 30)
+    routes = 2 if bidirectional else 1
+    secs = {4096: (1e-6, 2e-6, 5e-7), 65536: (1e-5, 4e-5, 3e-5)}
+    c = HostCopier(Pair(H0, H0), "pageable", M, 1, bidirectional)
+    try:
+        assert len(c.routes) == routes
+        monkeypatch.setattr(c, "sweep", lambda sizes, policy: {
+            s: (Timing(secs[s], "CLOCK_MONOTONIC (native)", 1), 7) for s in sizes})
+        recs = BandwidthProbe()._sweep(c, [4096, 65536], Policy(), {"threads": 1}, "1/1")
+    finally:
+        c.close()
+    assert [r.params["size"] for r in recs] == [4096, 65536]
+    assert recs[0].samples == [4096 * routes / s / 1e9 for s in secs[4096]]
+    assert recs[1].samples == [65536 * routes / s / 1e9 for s in secs[65536]]
+    assert recs[0].value == 4096 * routes / 1e-6 / 1e9  # the median sample
+    assert recs[1].value == 65536 * routes / 3e-5 / 1e9
+    assert all(r.unit == "GB/s" and r.method["copies_per_sample"] == 7 for r in recs)
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_gpu_sweep_counts_each_route_once(bidirectional: bool) -> None:
+    """The torch engine's GB/s: 4 KiB per route in 1 ms, one or two routes."""
+    c = StubGpu(Pair(H0, Endpoint("gpu", 0)), "pinned", M, bidirectional)
+    (rec,) = BandwidthProbe()._sweep(c, [4096], Policy(), {"engine": "torch"}, "1/1")
+    assert rec.samples == [4096 * (2 if bidirectional else 1) / 1e-3 / 1e9] * 3
