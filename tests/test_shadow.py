@@ -158,3 +158,44 @@ def test_attended_masks_are_read_at_flush(name: str) -> None:
     recall = {(layer, s) for qn, _, layer, steps in counters.series()
               if qn == "topk_recall" for s in steps}
     assert recall == {(layer, s) for layer in (0, 1) for s in range(1, 8 * turns + 1)}
+
+
+def test_error_of_a_sparse_strategy_is_its_distance_from_full_attention() -> None:
+    """Issue 30: StreamingLLM keeping 1 sink + 3 recent of 17 tokens. The decode's error
+    filed by the shadow is ||out - ref|| / ||ref|| with ref full attention computed here in
+    float64 (softmax(q k^T / sqrt(D)) v over every cached position, KV heads shared by
+    Hq / Hkv query heads), and far from 0."""
+    import dataclasses
+
+    from kvbench.strategies.streaming import Streaming
+
+    spec = get_spec("smollm2-135m")
+    cpu = torch.device("cpu")
+    counters = Counters(spec.n_kv_heads, 4)
+    ctx = RunContext(spec, 1, 1, 32, torch.float32, cpu, cpu, counters, None)
+    inner = Streaming(dataclasses.replace(Streaming.params(), gpu_tokens=4, sinks=1), ctx)
+    shadow = Shadow(inner, ctx)
+    g = torch.Generator().manual_seed(3)
+    hq, hkv, d = spec.n_heads, spec.n_kv_heads, spec.head_dim
+
+    def qkv(t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (torch.randn(1, hq, t, d, generator=g), torch.randn(1, hkv, t, d, generator=g),
+                torch.randn(1, hkv, t, d, generator=g))
+
+    q0, k0, v0 = qkv(16)
+    counters.layer, counters.step = 0, 0
+    shadow.begin_step(0)
+    shadow.prefill(0, q0, k0, v0)
+    q1, k1, v1 = qkv(1)
+    counters.step = 1
+    shadow.begin_step(1)
+    out = shadow.decode(0, q1, k1, v1).clone()
+    shadow.flush()
+    k = torch.cat([k0, k1], 2).double().repeat_interleave(hq // hkv, dim=1)
+    v = torch.cat([v0, v1], 2).double().repeat_interleave(hq // hkv, dim=1)
+    ref = torch.softmax(q1.double() @ k.transpose(-1, -2) / d ** 0.5, dim=-1) @ v
+    expected = float((out.double() - ref).norm() / ref.norm())
+    errors = {s: e for qn, _, layer, steps in counters.series() if qn == "rel_error"
+              for s, e in steps.items()}
+    assert errors[0] < 1e-5  # the prefill attends densely
+    assert expected > 1e-2 and errors[1] == pytest.approx(expected, rel=1e-4)
