@@ -260,3 +260,40 @@ def test_attention_gpu_modes_record_their_cover(tmp_path: Path):
         assert r["method"]["calls_per_sample"] == GPU_CALLS and "launch_exposed" in r["method"]
     (copy,) = [r for r in recs if r["metric"] == "device_copy_gbps"]
     assert copy["params"]["counted"] == "read+write" and copy["version"] == "3"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mode", ["gpu", "gpu-transfer", "cpu-dense", "cpu-sparse", "hybrid"])
+def test_kv_read_gbps_is_kv_bytes_over_time(mode: str, dtype: str) -> None:
+    """Issue 30: every sample of kv_read_gbps is the KV bytes the mode reads (K and V, every
+    batch row and KV head: 2 x B x Hkv x tokens x D x bytes per element, counted here) over
+    that sample's step time. Tokens: all (gpu modes), the host's (cpu-dense), the selected
+    ones per head on average (cpu-sparse: 40 over 2 x 2 heads = 10), the GPU's plus those
+    (hybrid)."""
+    from types import SimpleNamespace
+
+    from kvbench.kernels.workload import Point
+    from kvbench.timing import Timing
+
+    p = Point(2, 4, 2, 16, 64, 128, 1, dtype)
+    w = SimpleNamespace(p=p, total=192, selected=40)
+    item = 4 if dtype == "float32" else 2
+    tokens = {"gpu": 192, "gpu-transfer": 192, "cpu-dense": 128, "cpu-sparse": 10,
+              "hybrid": 64 + 10}[mode]
+    kv = 2 * 2 * 2 * tokens * 16 * item
+    secs = (1e-3, 2e-3, 4e-3, 3e-3, 5e-3)
+    t = Timing(secs, "perf_counter_ns", 1)
+    parts = {"total": t, "gpu": t, "cpu": t, "transfer": t, "merge": t}
+    if mode == "cpu-dense":
+        parts = {"total": t, "sdpa": t, "read": Timing((2e-3,) * 5, "perf_counter_ns", 1)}
+    res: dict = {}
+    recs = {r.metric: r for r in AttentionProbe()._records(w, mode, {"mode": mode},
+                                                           parts, res)}
+    rate = recs["kv_read_gbps"]
+    assert rate.params["kv_bytes"] == kv
+    assert rate.samples == [kv / s / 1e9 for s in secs]
+    assert rate.value == kv / 3e-3 / 1e9  # the median time's rate
+    assert recs["time"].samples == list(secs) and res[mode] == (t, kv)
+    if mode == "cpu-dense":  # the read loop reads the KV's bytes (under COPY_BYTES)
+        assert recs["host_read_gbps"].samples == [kv / 2e-3 / 1e9] * 5
+        assert res["read"] == [(kv / s / 1e9) / (kv / 2e-3 / 1e9) for s in secs]
