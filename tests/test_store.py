@@ -135,3 +135,56 @@ def test_gzip_records_load_like_plain_ones_and_write_the_same_bytes_twice(tmp_pa
     (tmp_path / "bad.jsonl.gz").write_bytes(packed[: len(packed) // 2])  # truncated archive
     with pytest.raises(KvbenchError, match="cannot read result file"):
         load(tmp_path / "bad.jsonl.gz")
+
+
+@pytest.mark.parametrize(("samples", "median"), [
+    ([5.0, 1.0, 9.0], 5.0), ([4.0, 1.0, 3.0, 10.0], 3.5), ([7.0], 7.0),
+    ([0.5, 0.125, 1.0, 0.25], 0.375), ([2.0, 2.0, 8.0, 8.0, 8.0], 8.0)])
+def test_value_is_the_median_of_the_samples(samples: list[float], median: float) -> None:
+    """Issue 30: schema.measured's and schema.from_timing's value is the median of the
+    samples (the mean of the middle two for an even count), samples kept in order."""
+    from kvbench.schema import from_timing
+    from kvbench.timing import Timing
+
+    rec = measured("probe", "x", "m", "GB/s", "higher", samples)
+    assert (rec.value, rec.samples) == (median, samples)
+    assert rec.stats is not None and (rec.stats["median"], rec.stats["n"]) == (median,
+                                                                                len(samples))
+    assert (rec.stats["min"], rec.stats["max"]) == (min(samples), max(samples))
+    t = from_timing("probe", "x", Timing(tuple(samples), "perf_counter_ns", 2), {"a": 1})
+    assert (t.value, t.samples, t.unit, t.direction, t.metric) == (median, samples, "s",
+                                                                    "lower", "time")
+    assert t.method == {"timer": "perf_counter_ns", "warmup": 2, "reps": len(samples),
+                        "statistic": "median"} and t.provenance == "measured"
+
+
+def test_committed_smoke_baseline_is_valid() -> None:
+    """The baseline `make bench-check` compares against: one environment, of the machine
+    class its folder names, which every record names; measured quantities (the only
+    projected ones the roofline's arithmetic intensities, computed by a formula it states);
+    every measured value the median of its samples; and every guarded quantity of the smoke
+    suite present and measured."""
+    import fnmatch
+    import statistics
+
+    from kvbench.suite import load_suite, machine_class
+
+    repo = Path(__file__).resolve().parent.parent
+    rs = load(repo / "results" / "baselines" / "cpu-2c-x86_64" / "smoke.jsonl")
+    assert not rs.warnings and len(rs.envs) == 1
+    ((env_id, env),) = rs.envs.items()
+    assert machine_class(env) == "cpu-2c-x86_64" and env["cpu"]["logical_cpus"] == 2
+    assert env["versions"]["kvbench"] and env["versions"]["torch"]
+    assert len(rs.records) > 100 and {r["env_id"] for r in rs.records} == {env_id}
+    projected = {(r["name"], r["metric"]) for r in rs.records if r["provenance"] != "measured"}
+    assert projected == {("roofline", "intensity")}
+    assert all("formula" in r["method"] for r in rs.records if r["provenance"] == "projected")
+    ok = [r for r in rs.records if r["status"] == "ok"]
+    assert {r["status"] for r in rs.records} == {"ok", "waived"}
+    for r in ok:
+        assert r["samples"], r
+        assert r["value"] == statistics.median(r["samples"]) == r["stats"]["median"], r
+        assert r["stats"]["n"] == len(r["samples"])
+    for glob in load_suite(repo / "suites" / "smoke.toml").guard:
+        hits = [r for r in ok if fnmatch.fnmatch(f"{r['name']}.{r['metric']}", glob)]
+        assert hits and all(r["provenance"] == "measured" for r in hits), glob
