@@ -72,58 +72,79 @@ def test_gc_off_inside_the_timed_region_and_restored() -> None:
         gc.enable()
 
 
-def test_kernel_clock_counts_outermost_calls_on_this_thread_only() -> None:
+def test_kernel_clock_counts_outermost_calls_on_this_thread_only(monkeypatch) -> None:
+    """On a fake clock (tests/fake_cuda.py: perf_counter_ns advances only as told), an
+    outer kernel of 10 ms around a nested one of 20 ms counts 30 ms exactly, once, and
+    another thread's kernels are its own."""
     import threading
-    import time
+
+    from fake_cuda import FakeCuda
+
+    fake = FakeCuda().install(monkeypatch)
 
     @kernel
     def inner() -> None:
-        time.sleep(0.02)
+        fake.host(20_000_000)
 
     @kernel
     def outer() -> None:
         inner()
-        time.sleep(0.01)
+        fake.host(10_000_000)
 
     k0 = kernel_ns()
     outer()  # 30 ms once, not 50 ms (inner nested)
-    took = (kernel_ns() - k0) * 1e-9
-    assert 0.03 <= took < 0.045
-    k0 = kernel_ns()
+    assert kernel_ns() - k0 == 30_000_000
+    fake.host(5_000_000)  # outside any kernel: not counted
+    inner()
+    assert kernel_ns() - k0 == 50_000_000
     t = threading.Thread(target=inner)
     t.start()
     t.join()
-    assert kernel_ns() == k0  # another thread's kernels are its own
+    assert kernel_ns() - k0 == 50_000_000  # another thread's kernels are its own
+    assert fake.host_ns == 75_000_000  # that thread's 20 ms did pass on the clock
 
 
-def test_step_dispatch_is_wall_less_kernels_waits_and_carried_blocks() -> None:
-    import time
+def test_step_dispatch_is_wall_less_kernels_waits_and_carried_blocks(monkeypatch) -> None:
+    """On a fake clock: a step of 135 ms holds kernels (2 x 30 ms), a wait (20 ms) and a
+    carried block (20 ms, with a wait nested in it counted once); the dispatch task is what
+    is left, 20 ms of the attention wrapper's own Python plus 15 ms after, exactly."""
+    from fake_cuda import FakeCuda
 
+    import kvbench.runtime.context as context
     from kvbench.runtime.context import Counters
+
+    fake = FakeCuda().install(monkeypatch, context)
+    ms = 1_000_000
 
     @kernel
     def matmul() -> None:
-        time.sleep(0.03)
+        fake.host(30 * ms)
 
     c = Counters(kv_heads=1, elem_bytes=4, n_layers=1)
     c.step = 1
     c.step_begin()
-    t0 = time.perf_counter_ns()
+    t0 = fake.perf_counter_ns()
     matmul()
     with c.timed("attention"):  # a wrapper: its Python is dispatch, its kernel is not
         matmul()
-        time.sleep(0.02)
+        fake.host(20 * ms)
     with c.timed("accel_idle"):  # a wait
-        time.sleep(0.02)
+        fake.host(20 * ms)
     with c.timed("bookkeeping.x"):  # carried as its own task
-        time.sleep(0.01)
+        fake.host(10 * ms)
         with c.timed("accel_idle"):  # nested in a carried block: counted once
-            time.sleep(0.01)
-    time.sleep(0.015)
-    c.step_end((time.perf_counter_ns() - t0) * 1e-9)
+            fake.host(10 * ms)
+    fake.host(15 * ms)
+    assert fake.perf_counter_ns() - t0 == 135 * ms
+    c.step_end((fake.perf_counter_ns() - t0) * 1e-9)
     last = c.graph.tasks[-1]
     assert (last.resource, last.op) == ("host", "dispatch")
-    assert 0.035 <= last.work["seconds"] < 0.05  # 20 + 15 ms
+    assert last.work["seconds"] == pytest.approx(0.035, rel=1e-12)  # 20 + 15 ms
+    carried = [t for t in c.graph.tasks if t.op == "bookkeeping.x"]
+    assert len(carried) == 1 and carried[0].work["seconds"] == pytest.approx(0.02, rel=1e-12)
+    times = {(qn, w): steps[1] for qn, w, _, steps in c.series() if qn == "time"}
+    assert times[("time", "attention")] == pytest.approx(0.05, rel=1e-12)
+    assert times[("time", "accel_idle")] == pytest.approx(0.03, rel=1e-12)
     gpu = Counters(kv_heads=1, elem_bytes=4, cuda=True, n_layers=1)
     gpu.step_begin()
     gpu.step_end(0.1)
