@@ -228,6 +228,73 @@ def test_native_sparse_split_matches_reference(kernel_isa):
     assert max_err(lse[fin], ref_lse[fin]) < 1e-4
 
 
+def strided(t: torch.Tensor, pad: int) -> torch.Tensor:
+    """`t` [B, H, L, D] as a view whose rows lie D + pad elements apart (a wider cache's
+    first D columns), filled with NaN between rows: a kernel reading past D returns NaN."""
+    b, h, n, d = t.shape
+    wide = torch.full((b, h, n, d + pad), float("nan"), dtype=t.dtype)
+    wide[..., :d] = t
+    view = wide[..., :d]
+    assert view.stride(2) == d + pad and view.stride(3) == 1
+    return view
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [7, 33, 65])
+def test_native_head_dims_off_the_vector_width_on_strided_rows(kernel_isa, dtype, d):
+    """Issue 30: head dims 7, 33, 65 (not multiples of 4 or 8: every vector loop's tail),
+    K and V rows 3 or 13 elements past the head dim apart, dense (one thread and split-K)
+    and sparse, each inner-loop set, against the float64 reference."""
+    from kvbench.kernels.sparse import pack_indices, sparse_attention
+
+    for lk, lq, threads, pad in ((1, 1, 1, 3), (70, 1, 2, 13), (70, 4, 1, 3), (600, 1, 2, 3)):
+        q, k, v = make(2, 6, 3, lq, lk, d, dtype, seed=lk + d)
+        ks, vs = strided(k, pad), strided(v, pad + 2)
+        out, lse = dense_attention(q, ks, vs, backend="native", threads=threads)
+        ref, ref_lse = reference(q, k, v)
+        assert max_err(out, ref) < TOL[dtype], (lk, lq, threads)
+        assert max_err(lse, ref_lse) < 1e-4, (lk, lq, threads)
+        gen = torch.Generator().manual_seed(d)
+        n = max(1, lk // 3)
+        order = torch.rand(2, 3, lk, generator=gen).argsort(dim=-1)[..., :n].sort(-1).values
+        keep = torch.zeros(2, 3, lk, dtype=torch.bool).scatter_(2, order, True)
+        out, lse = sparse_attention(q, ks, vs, pack_indices(order, 2, 3, lk), threads=threads)
+        ref, ref_lse = reference(q, k, v, keep=keep)
+        assert max_err(out, ref) < TOL[dtype], ("sparse", lk, lq, threads)
+        fin = torch.isfinite(ref_lse)
+        assert max_err(lse[fin], ref_lse[fin]) < 1e-4
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse.float()))
+
+
+@settings(max_examples=25, deadline=None)
+@given(isa=st.sampled_from(["avx2", "portable"]), b=st.integers(1, 2),
+       hkv=st.integers(1, 3), group=st.sampled_from([1, 3]), lq=st.sampled_from([1, 2, 5]),
+       lk=st.integers(1, 90), d=st.sampled_from([7, 8, 33, 64, 65]), pad=st.integers(0, 9),
+       threads=st.integers(1, 3), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 99))
+def test_native_property_over_both_isas(isa, b, hkv, group, lq, lk, d, pad, threads, dtype,
+                                        seed):
+    """The native dense kernel over random shapes, head dims and row strides, under each
+    inner-loop set, equals the float64 reference."""
+    from kvbench.kernels import cpu
+
+    if cpu.isa() is None:
+        pytest.skip("native library not built")
+    before = cpu.isa()
+    try:
+        if cpu.isa(isa) != isa:
+            pytest.skip(f"this CPU has no {isa}")
+        q, k, v = make(b, hkv * group, hkv, lq, lk, d, dtype, seed)
+        out, lse = dense_attention(q, strided(k, pad), strided(v, pad), backend="native",
+                                   threads=threads)
+    finally:
+        cpu.isa(before)
+    ref, ref_lse = reference(q, k, v)
+    assert max_err(out, ref) < TOL[dtype]
+    fin = torch.isfinite(ref_lse)
+    assert max_err(lse[fin], ref_lse[fin]) < 1e-4
+
+
 def test_isa_rejects_unknown_name():
     from kvbench.kernels import cpu
 
