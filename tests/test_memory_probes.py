@@ -276,3 +276,72 @@ def test_gpu_pinned_sweep_records(tmp_path: Path) -> None:
     assert kinds == {"pageable", "pinned"}
     assert any(r["metric"] == "pageable_pinned_ratio" for r in recs)
     assert any(r["metric"] == "torch_loop_ratio" for r in recs)
+
+
+@pytest.mark.parametrize("size", [1, 63, 4097])
+@pytest.mark.parametrize("fence", [0, 1])
+def test_native_copy_jobs_at_unaligned_offsets(size: int, fence: int) -> None:
+    """Issue 30: probes/copy.c's kvb_copy_jobs at odd addresses (source 3, destination 7
+    bytes past a 64-byte line), odd sizes and a window stride of size + 5: three copies
+    from window 1 stepping by 2 of 3 visit windows 1, 0, 2, each arriving byte for byte
+    with the bytes between and after the windows untouched; `start` comes back as the next
+    window (1). Two threads splitting a copy at an odd offset land their halves too."""
+    import random
+
+    from kvbench.native import CopyJob, lib
+
+    so = lib()
+    stride, windows = size + 5, 3
+    total = stride * windows + 64
+    src = (ctypes.c_char * (total + 128))()
+    dst = (ctypes.c_char * (total + 128))()
+    s0 = ctypes.addressof(src) // 64 * 64 + 64 + 3 - ctypes.addressof(src)
+    d0 = ctypes.addressof(dst) // 64 * 64 + 64 + 7 - ctypes.addressof(dst)
+    data = random.Random(size).randbytes(total)
+    ctypes.memmove(ctypes.addressof(src) + s0, data, total)
+    ctypes.memset(ctypes.addressof(dst), 0xEE, total + 128)
+    job = CopyJob(ctypes.addressof(dst) + d0, ctypes.addressof(src) + s0, size, stride, windows,
+                  2, 1, None, 0, fence, 0)
+    jobs = (CopyJob * 1)(job)
+    so.kvb_copy_jobs(jobs, 1, 3)  # its time may read 0 ns for 1 byte: the bytes decide
+    assert jobs[0].start == 1 and jobs[0].allowed >= 1
+    got = bytes(dst)[d0:d0 + total]
+    expect = bytearray(b"\xee" * total)
+    for w in range(windows):
+        expect[w * stride:w * stride + size] = data[w * stride:w * stride + size]
+    assert got == bytes(expect)
+    assert bytes(dst)[:d0] == b"\xee" * d0  # nothing before the first window
+    # two threads: [0, half) and [half, size) of window 0, half odd
+    ctypes.memset(ctypes.addressof(dst), 0, total + 128)
+    half = size // 2 | 1 if size > 2 else size
+    parts = [(0, half), (half, size - half)]
+    two = (CopyJob * 2)(*[CopyJob(ctypes.addressof(dst) + d0 + off, ctypes.addressof(src) + s0
+                                  + off, n, stride, 1, 1, 0, None, 0, fence, 0)
+                          for off, n in parts])
+    so.kvb_copy_jobs(two, 2, 1)
+    assert bytes(dst)[d0:d0 + size] == data[:size]
+    assert bytes(dst)[d0 + size:] == b"\0" * (total + 128 - d0 - size)
+
+
+@pytest.mark.parametrize("size", [1, 63, 4097])
+def test_native_memcpy_references_at_unaligned_offsets(size: int) -> None:
+    """The plain memcpy references (one thread, and 3 unpinned threads whose slices do not
+    divide the size) move every byte at odd addresses, and nothing past it."""
+    import random
+
+    from kvbench.native import lib
+
+    so = lib()
+    data = random.Random(size + 1).randbytes(size)
+    src = ctypes.create_string_buffer(b"\x11" + data, size + 64)  # data 1 byte in
+    for threads in (1, 3):
+        dst = ctypes.create_string_buffer(size + 64)
+        if threads == 1:
+            so.kvb_memcpy_loop(ctypes.addressof(dst) + 5, ctypes.addressof(src) + 1, size, 2)
+            off = 5
+        else:
+            assert so.kvb_memcpy_threads(ctypes.addressof(dst) + 3, ctypes.addressof(src) + 1,
+                                         size, 1, threads) > 0
+            off = 3
+        assert dst.raw[off:off + size] == data, threads
+        assert dst.raw[:off] == b"\0" * off and dst.raw[off + size:] == b"\0" * (64 - off)
