@@ -80,7 +80,7 @@ class Hgca(Strategy):
     """HGCA: dense attention on a GPU ring window + per-head sparse attention on the host."""
 
     name = "hgca"
-    version = "3"
+    version = "4"
     params = HgcaParams
     exact = (("beta", 0.0),)  # every host entry selected (section 3.2.2)
 
