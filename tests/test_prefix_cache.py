@@ -217,7 +217,8 @@ def test_host_tier_is_placed_and_verified() -> None:
 @pytest.mark.skipif(libnuma() is None, reason="libnuma not available here")
 def test_cuda_host_tier_is_pinned_and_round_trips() -> None:
     """On a GPU: the host:0 arena is page-locked (cudaHostRegister), loads land on the GPU
-    bitwise equal to what was saved from it."""
+    bitwise equal to what was saved from it; a partial hit too (pinned rows: `transfer`
+    refuses a strided or pageable source)."""
     cuda = torch.device("cuda")
     c = PrefixCache(TierSpec("host", node=0), 1 << 20, C, META, cuda)
     assert c.tier.pinned and c.tier.placement == "verified"
@@ -226,4 +227,37 @@ def test_cuda_host_tier_is_pinned_and_round_trips() -> None:
     c.save(t, kv)
     h, got = c.load(t, 12)
     assert h == 12 and got[0][0].is_cuda and torch.equal(got[0][0], kv[0][0])
+    h, got = c.load(torch.cat([t[:, :8], torch.tensor([[1, 2, 3, 4]])], 1), 12)
+    assert h == 8 and torch.equal(got[1][1], kv[1][1][:, :, :8])
     c.close()
+
+
+def test_partial_hit_loads_contiguous_rows(tmp_path: Path, monkeypatch) -> None:
+    """GPU audit finding 6: a partial hit reads [..., :m*C, :] of an entry, which is
+    strided; the load copies it as one contiguous row per (layer, k/v, KV head) through
+    `transfer`, and a whole-entry hit as one copy, on every tier."""
+    from kvbench.prefix import cache as module
+
+    calls: list[tuple[int, ...]] = []
+    real = module.transfer
+
+    def spy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        calls.append(tuple(dst.shape))
+        return real(dst, src)
+
+    monkeypatch.setattr(module, "transfer", spy)
+    for spec in tiers(tmp_path):
+        c = cache(spec)
+        tokens = torch.arange(200, 212)[None]  # 3 chunks
+        kv = kv_of(tokens)
+        c.save(tokens, kv)
+        calls.clear()
+        h, got = c.load(torch.cat([tokens[:, :8], torch.tensor([[1, 2, 3, 4]])], 1), 12)
+        assert h == 8 and calls == [(8, 4)] * (2 * 2 * 2)  # layers x k/v x heads
+        for (k, v), (gk, gv) in zip(kv, got, strict=True):
+            assert torch.equal(gk, k[:, :, :8]) and torch.equal(gv, v[:, :, :8])
+        calls.clear()
+        h, got = c.load(tokens, 12)
+        assert h == 12 and calls == [(2, 2, 2, 12, 4)]  # the whole entry, once
+        assert torch.equal(got[1][0], kv[1][0])
+        c.close()
