@@ -359,3 +359,70 @@ def test_infinigen_attends_densely_until_its_skew_warm_up() -> None:
     assert s.skew[1] is not None
     assert torch.allclose(s.part[1][:, :, :22].float(),
                           s._partial(1, s.host_k[1][:22].permute(1, 2, 0, 3)), atol=1e-6)
+
+
+@pytest.mark.parametrize("spread", [1.0, 2.0])
+def test_infinigen_default_partial_ratio_matches_a_float64_reference(spread: float) -> None:
+    """Issue 30: InfiniGen at its defaults (partial ratio 0.2: d' = 4 of 20 channels, alpha
+    5, cap 0.2 of the cached tokens) over 6 decode steps, batch 2, against a float64
+    reference: A from the SVD of each group's prompt queries (right singular vectors), the
+    4 channels of largest sum |q A|, partial scores (q A)[c] . (k A)[c] / sqrt(D) of the
+    predicted query, n' = max(1, min(mean count within alpha of the head's max, cap)), each
+    head's top n' tokens plus the new one attended by the real query. The speculated tokens
+    and the outputs equal the reference's at every step. Keys at spread 1 leave most
+    tokens within alpha (the cap decides n': 8, 9), at spread 2 few (alpha decides)."""
+    from kvbench.models import ModelSpec
+
+    spec = ModelSpec("tiny-gqa-20", "llama", 2, 6, 2, 48, 96, 100, 512, head_dim=20)
+    c = RunContext(spec, 2, 2, 64, torch.float32, CPU, CPU, Counters(spec.n_kv_heads, 4))
+    c.model = _Model()
+    p, d, b, hq, hkv = 40, 20, 2, 6, 2
+    s = InfiniGen(InfiniGenParams(dense_layers=1, skew_tokens=p), c)
+    assert s.dp == 4 and s.p.partial_ratio == 0.2 and s.p.alpha == 5.0
+    g = torch.Generator().manual_seed(11)
+    scales = torch.linspace(0.3, 3.0, d)
+    q0 = torch.randn(b, hq, p, d, generator=g) * scales
+    k = torch.randn(b, hkv, p, d, generator=g) * scales * spread
+    v = torch.randn(b, hkv, p, d, generator=g)
+    s.prefill(1, q0, k, v)
+    # the reference's skew, float64, one A and 4 channels per KV head from its 3 heads
+    a, ch = [], []
+    for h in range(hkv):
+        qs = torch.cat([q0[bi, 3 * h + j].double() for bi in range(b) for j in range(3)])
+        ah = torch.linalg.svd(qs, full_matrices=False).Vh.T
+        a.append(ah)
+        ch.append((qs @ ah).abs().sum(0).topk(4).indices)
+    ks, vs = k.double(), v.double()
+    sizes = set()
+    for step in range(1, 7):
+        n = ks.shape[2]
+        pred = torch.randn(b, hq, 1, d, generator=g) * scales
+        q = pred + 0.3 * torch.randn(b, hq, 1, d, generator=g)
+        kn = torch.randn(b, hkv, 1, d, generator=g) * scales * spread
+        vn = torch.randn(b, hkv, 1, d, generator=g)
+        c.model.q = pred
+        c.counters.step = step
+        s.layer_input(0, torch.zeros(b, 1, 48))
+        out = s.decode(1, q, kn, vn)
+        logits = torch.empty(b, hq, n, dtype=torch.float64)
+        for bi in range(b):
+            for qh in range(hq):
+                h = qh // 3
+                pq = (pred[bi, qh, 0].double() @ a[h])[ch[h]]
+                pk = (ks[bi, h] @ a[h])[:, ch[h]]
+                logits[bi, qh] = pk @ pq / d ** 0.5
+        count = (logits >= logits.amax(-1, keepdim=True) - 5.0).sum(-1).double().mean()
+        n_sel = max(1, min(int(count), max(1, int(0.2 * n)), n))
+        sizes.add(n_sel)
+        chosen = s.chosen[1]
+        assert chosen is not None and chosen.shape == (b, hq, n_sel), step
+        for bi in range(b):
+            for qh in range(hq):
+                h = qh // 3
+                toks = logits[bi, qh].topk(n_sel).indices
+                assert set(chosen[bi, qh].tolist()) == set(toks.tolist()), (step, bi, qh)
+                ref = ref_attention(q[bi, qh, 0], torch.cat([ks[bi, h, toks], kn[bi, h]]),
+                                    torch.cat([vs[bi, h, toks], vn[bi, h]]))
+                assert torch.allclose(out[bi, qh, 0].double(), ref, atol=1e-5), step
+        ks, vs = torch.cat([ks, kn.double()], 2), torch.cat([vs, vn.double()], 2)
+    assert sizes == {8, 9} if spread == 1.0 else max(sizes) < 8
