@@ -26,7 +26,7 @@ from kvbench.probes._bandwidth_stats import at_fraction, derived
 from kvbench.probes._copy import HostCopier, Pair, coprime_hop, plan_pairs
 from kvbench.probes.latency import LatencyProbe
 from kvbench.store import load
-from kvbench.timing import QUICK, Policy, time_native
+from kvbench.timing import QUICK, Policy, Timing, time_native
 from kvbench.topology import libnuma
 
 H0 = Endpoint("host", 0)
@@ -345,3 +345,13 @@ def test_native_memcpy_references_at_unaligned_offsets(size: int) -> None:
             off = 3
         assert dst.raw[off:off + size] == data, threads
         assert dst.raw[:off] == b"\0" * off and dst.raw[off + size:] == b"\0" * (64 - off)
+
+
+def test_copy_latency_record_is_microseconds_per_copy() -> None:
+    """Issue 30: the latency probe's samples are seconds per copy x 1e6 (us), the value
+    their median."""
+    rec = LatencyProbe()._copy_record({"size": 64}, "verified", "one isolated copy")(
+        Timing((2.5e-6, 1.25e-6, 5e-6, 4e-6), "CLOCK_MONOTONIC (native)", 1))
+    assert rec.samples == pytest.approx([2.5, 1.25, 5.0, 4.0], rel=1e-12)
+    assert rec.value == pytest.approx(3.25, rel=1e-12)
+    assert (rec.unit, rec.direction, rec.metric) == ("us", "lower", "copy_latency")

@@ -297,3 +297,29 @@ def test_kv_read_gbps_is_kv_bytes_over_time(mode: str, dtype: str) -> None:
     if mode == "cpu-dense":  # the read loop reads the KV's bytes (under COPY_BYTES)
         assert recs["host_read_gbps"].samples == [kv / 2e-3 / 1e9] * 5
         assert res["read"] == [(kv / s / 1e9) / (kv / 2e-3 / 1e9) for s in secs]
+
+
+def test_host_copy_gbps_counts_the_bytes_once():
+    """Issue 30: a host copy of COPY_BYTES (256 MiB = 268435456 bytes) in s seconds is
+    0.268435456 / s GB/s per sample (memcpy's convention: bytes once); the bar's host rate
+    is the best of the copies' medians."""
+    from kvbench.probes.attention import COPY_BYTES
+    from kvbench.timing import Timing
+
+    assert COPY_BYTES == 268435456
+    gen = AttentionProbe()._copy_records({
+        "native": [Timing((0.1, 0.05), "CLOCK_MONOTONIC (native)", 1),
+                   Timing((0.2,), "CLOCK_MONOTONIC (native)", 1)],
+        "torch copy_": [Timing((0.4, 0.5, 0.6), "perf_counter_ns", 1)]}, 2)
+    recs = []
+    try:
+        while True:
+            recs.append(next(gen))
+    except StopIteration as done:
+        host_bw, dev_bw = done.value
+    native, torch_copy = recs
+    assert native.samples == pytest.approx([2.68435456, 5.36870912, 1.34217728], rel=1e-12)
+    assert native.value == pytest.approx(2.68435456, rel=1e-12)
+    assert native.method["blocks"] == [2, 1] and native.params["bytes"] == COPY_BYTES
+    assert torch_copy.value == pytest.approx(0.268435456 / 0.5, rel=1e-12)
+    assert host_bw == native.value and dev_bw is None
