@@ -412,3 +412,32 @@ def test_shifted_base_test_decides(direction: str) -> None:
         assert row.change == pytest.approx(sign * (new - 100.0) / 100.0, rel=1e-12)
         assert row.verdict == verdict, (new, row)
         assert (row.p_value < 0.05) == (verdict != "noise")
+
+
+def test_each_metric_gets_its_own_verdict_in_one_comparison() -> None:
+    """Several exact quantities of both directions in one pair of files, each judged by its
+    own change against the 5% threshold (no Mann-Whitney p, so Benjamini-Hochberg leaves
+    threshold-only rows alone), and a tested one beside them."""
+    def recs(values: dict[str, tuple[str, float]], tested: float) -> ResultSet:
+        out = [{**measured("run", "full", m, "", d, [x], {}, {"exact": "yes"}).to_dict(),
+                "env_id": "e1"} for m, (d, x) in values.items()]
+        out.append({**measured("probe", "bw", "bandwidth", "GB/s", "higher",
+                               [tested * (1 + 0.001 * i) for i in range(9)]).to_dict(),
+                    "env_id": "e1"})
+        return ResultSet(Path("x"), records=out)
+
+    base = recs({"ppl": ("lower", 10.0), "acc": ("higher", 0.5), "err": ("lower", 0.2),
+                 "recall": ("higher", 0.8), "zero": ("lower", 0.0)}, 100.0)
+    new = recs({"ppl": ("lower", 10.5), "acc": ("higher", 0.53), "err": ("lower", 0.1),
+                "recall": ("higher", 0.7), "zero": ("lower", 0.0)}, 50.0)
+    rows = {r.metric: r for r in compare_sets(base, new, threshold=0.05)}
+    assert {m: (r.verdict, r.test) for m, r in rows.items()} == {
+        "ppl": ("same", "threshold-only"),  # -5.0%: at the threshold
+        "acc": ("improved", "threshold-only"),  # +6%
+        "err": ("improved", "threshold-only"),  # -50% of a lower-is-better value
+        "recall": ("regressed", "threshold-only"),  # -12.5%
+        "zero": ("same", "threshold-only"),
+        "bandwidth": ("regressed", "mann-whitney")}
+    assert rows["ppl"].change == -0.05 and rows["err"].change == 0.5
+    assert rows["recall"].change == pytest.approx(-0.125, abs=1e-15)
+    assert [r.metric for r in regressed(list(rows.values()))] == ["recall", "bandwidth"]
