@@ -106,6 +106,14 @@ def test_placement_pinned_is_what_the_strategy_pins(name: str) -> None:
     assert cls.placement(params, ctx())["pinned"] == 0
 
 
+def test_staging_is_capped_by_the_cache_in_exact_settings() -> None:
+    """A budget of 2^20 tokens (the exact setting) stages at most the cache's blocks."""
+    p = ScoutParams(budget_tokens=1 << 20, page_size=16, dense_layers=1)
+    token = 2 * 2 * SPEC.n_kv_heads * SPEC.head_dim * 4  # batch 2, k and v, fp32
+    got = STRATEGIES.get("scout").placement(p, ctx(torch.device("cuda")))["pinned"]
+    assert got == token * (2 * 90 + 6 * 16)  # 2 sparse layers + 6 blocks of 16
+
+
 def test_check_fit_reports_pinned_bytes() -> None:
     from kvbench.runtime.run import RunConfig, check_fit
 

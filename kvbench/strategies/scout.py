@@ -42,14 +42,14 @@ real query's blocks that the predicted query selected), pages recalled/evicted a
 (link "h2d.recall"), `accel_idle`, worker seconds "host_attention".
 Exact setting: a budget covering the context (every block resident, nothing on the host).
 Layout per layer: host k/v token-major [max_len, B, Hkv, D] (sparse layers; a step's
-store is one contiguous D2H, the native kernel reads the view [B, Hkv, n, D]) and one recall
-staging pair [B * Hkv * C * S, D] shared by the layers, exactly sized and pinned on CUDA
-(strategies._hostcopy; GPU audit findings 3 and 6); accelerator k/v [B, Hkv, max_len, D]
-indexed by position, valid only where resident (blocks leaving it are set to NaN, so a stray
-read shows), digests [B, Hkv, ceil(max_len/S), D], resident mask and last-selected step
-[B, Hkv, ceil(max_len/S)]. Host reads of stored KV (the worker, --pred-error, a recall's
-gather) wait for the layer's last store event; a recall rewrites the staging only after the
-H2D that last read it.
+store is one contiguous D2H, the native kernel reads the view [B, Hkv, n, D]) and one
+recall staging pair [B * Hkv * min(C, blocks) * S, D] shared by the layers, exactly sized
+and pinned on CUDA (strategies._hostcopy; GPU audit findings 3 and 6); accelerator k/v
+[B, Hkv, max_len, D] indexed by position, valid only where resident (blocks leaving it are
+set to NaN, so a stray read shows), digests [B, Hkv, ceil(max_len/S), D], resident mask
+and last-selected step [B, Hkv, ceil(max_len/S)]. Host reads of stored KV (the worker,
+--pred-error, a recall's gather) wait for the layer's last store event; a recall rewrites
+the staging only after the H2D that last read it.
 """
 
 from __future__ import annotations
@@ -179,15 +179,20 @@ class Scout(Strategy):
     @classmethod
     def placement(cls, params: ScoutParams, ctx: RunContext) -> dict[str, int]:
         """`kv_placement` on the accelerator; on the host the sparse layers' k/v and the
-        recall staging k/v [B * Hkv * C * S, D] ("pinned": all of it, on CUDA)."""
+        recall staging k/v [B * Hkv * C' * S, D] ("pinned": all of it, on CUDA)."""
         out = super().placement(params, ctx)
         sparse = max(ctx.n_layers - params.dense_layers, 0)
         token = ctx.batch * ctx.spec.kv_bytes_per_token(ctx.elem_bytes, 1)  # k and v
-        host = token * (sparse * ctx.max_len + (params.resident * params.page_size
-                                                if sparse else 0))
+        stage = cls.recall_most(params, ctx.max_len) * params.page_size if sparse else 0
+        host = token * (sparse * ctx.max_len + stage)
         out["host"] = host
         out["pinned"] = host if ctx.accel.type == "cuda" else 0
         return out
+
+    @staticmethod
+    def recall_most(params: ScoutParams, max_len: int) -> int:
+        """C' = min(C, blocks of the cache): the most blocks one recall copies per head."""
+        return min(params.resident, -(-max_len // params.page_size))
 
     def __init__(self, params: ScoutParams, ctx: RunContext) -> None:
         import torch
@@ -213,7 +218,7 @@ class Scout(Strategy):
         self.host_k = {i: self.host.empty((n, b, hkv, d), ctx.dtype) for i in sparse}
         self.host_v = {i: self.host.empty((n, b, hkv, d), ctx.dtype) for i in sparse}
         if sparse:
-            rows = b * hkv * params.resident * params.page_size
+            rows = b * hkv * self.recall_most(params, n) * params.page_size
             self.stage = tuple(self.host.empty((rows, d), ctx.dtype) for _ in range(2))
         self.stored: dict[int, Any] = {}  # layer -> CUDA event of its last store's D2H
         self.staged: Any = None  # CUDA event: the last recall's H2D out of the staging
