@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -45,6 +46,24 @@ def make(b, hq, hkv, lq, lk, d, dtype=torch.float32, seed=0):
 
 def max_err(a, b):
     return (a.double() - b.double()).abs().max().item()
+
+
+@contextlib.contextmanager
+def native_isa(name: str):
+    """The native kernel's inner loops set to `name` (portable, or avx2 where the CPU has
+    it; the portable ones elsewhere) for the block, the previous set restored after; a
+    no-op where the kernel is not built."""
+    from kvbench.kernels import cpu
+
+    before = cpu.isa()
+    if before is None:
+        yield
+        return
+    cpu.isa(name)
+    try:
+        yield
+    finally:
+        cpu.isa(before)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -108,17 +127,19 @@ def test_merge_with_empty_parts():
        lq=st.sampled_from([1, 2, 5, 32]), lk=st.integers(0, 80), d=st.sampled_from([8, 64]),
        frac=st.floats(0, 1), causal=st.booleans(),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 99),
-       backend=st.sampled_from(["auto", "torch"]))
+       backend=st.sampled_from(["auto", "torch"]), isa=st.sampled_from(["avx2", "portable"]))
 def test_contiguous_split_merges_to_full(b, hkv, group, lq, lk, d, frac, causal, dtype, seed,
-                                         backend):
-    """Old keys [0, s) and recent keys [s, Lk) attended apart then merged == full attention."""
+                                         backend, isa):
+    """Old keys [0, s) and recent keys [s, Lk) attended apart then merged == full attention
+    (the native kernel under either inner-loop set)."""
     q, k, v = make(b, hkv * group, hkv, lq, lk, d, dtype, seed)
     s = round(frac * lk)
     start = lk - lq
-    o1, l1 = dense_attention(q, k[:, :, :s], v[:, :, :s], causal=causal, q_start=start,
-                             backend=backend)
-    o2, l2 = dense_attention(q, k[:, :, s:], v[:, :, s:], causal=causal, q_start=start - s,
-                             backend=backend)
+    with native_isa(isa):
+        o1, l1 = dense_attention(q, k[:, :, :s], v[:, :, :s], causal=causal, q_start=start,
+                                 backend=backend)
+        o2, l2 = dense_attention(q, k[:, :, s:], v[:, :, s:], causal=causal,
+                                 q_start=start - s, backend=backend)
     out, lse = merge(o1, l1, o2, l2)
     ref, ref_lse = reference(q, k, v, causal=causal)
     assert out.shape == q.shape and out.dtype == dtype

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_kernels_attention import TOL, make, max_err, reference
+from test_kernels_attention import TOL, make, max_err, native_isa, reference
 
 from kvbench.errors import KvbenchError
 from kvbench.kernels import dense_attention, merge, pack_indices, sparse_attention
@@ -20,16 +20,18 @@ def ragged(keep):
 
 @settings(max_examples=60, deadline=None)
 @given(b=st.integers(1, 2), hkv=st.integers(1, 3), group=st.sampled_from([1, 2, 4]),
-       lq=st.sampled_from([1, 3, 32]), lk=st.integers(0, 90), d=st.sampled_from([8, 64]),
+       lq=st.sampled_from([1, 3, 32]), lk=st.integers(0, 90), d=st.sampled_from([7, 8, 33, 64, 65]),
        p=st.floats(0, 1), causal=st.booleans(),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 99),
-       task=st.sampled_from([None, 1, 3]))
-def test_any_split_merges_to_full(b, hkv, group, lq, lk, d, p, causal, dtype, seed, task):
+       task=st.sampled_from([None, 1, 3]), isa=st.sampled_from(["avx2", "portable"]))
+def test_any_split_merges_to_full(b, hkv, group, lq, lk, d, p, causal, dtype, seed, task, isa):
     q, k, v = make(b, hkv * group, hkv, lq, lk, d, dtype, seed)
     gen = torch.Generator().manual_seed(seed)
     part = torch.rand(b, hkv, lk, generator=gen) < p  # per-head random split, may be empty
-    o1, l1 = sparse_attention(q, k, v, ragged(part), causal=causal, group=task, threads=2)
-    o2, l2 = sparse_attention(q, k, v, ragged(~part), causal=causal, group=task, threads=2)
+    with native_isa(isa):  # either inner-loop set of the native kernel
+        o1, l1 = sparse_attention(q, k, v, ragged(part), causal=causal, group=task, threads=2)
+        o2, l2 = sparse_attention(q, k, v, ragged(~part), causal=causal, group=task,
+                                  threads=2)
     out, lse = merge(o1, l1, o2, l2)
     ref, ref_lse = reference(q, k, v, causal=causal)
     assert out.shape == q.shape and out.dtype == dtype and lse.dtype == torch.float32
