@@ -42,4 +42,4 @@ def show_record(rec: Record) -> None:
 
 
 def wrote(path: Path) -> None:
-    console.print(f"results: [cyan]{path}[/]")
+    console.print(f"results: [cyan]{path}[/]", soft_wrap=True)  # a path to copy, unbroken

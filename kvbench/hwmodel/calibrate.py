@@ -289,7 +289,8 @@ def show(meta: dict[str, Any]) -> None:
     """What a calibration stored: path, machine, probes with shapes and times, total time."""
     from kvbench.console import console
 
-    console.print(f"calibration of this machine ({meta['machine']}): [cyan]{meta['path']}[/]")
+    console.print(f"calibration of this machine ({meta['machine']}): [cyan]{meta['path']}[/]",
+                  soft_wrap=True)  # a path to copy, never broken across lines
     for p in meta["probes"]:
         console.print(f"  {p['probe']} v{p['version']} ({p['seconds']:.1f} s): {p['what']}")
     console.print(f"{meta['records']} records in {meta['seconds']:.0f} s"
