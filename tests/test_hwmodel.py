@@ -173,6 +173,25 @@ def test_hardware_this_from_probe_records(tmp_path: Path) -> None:
     assert recs["energy_per_token"]["status"] == "waived"
 
 
+def test_hardware_this_builds_copy_curves_from_the_torch_engine_only() -> None:
+    from kvbench.hwmodel.this import build
+
+    def rec(name: str, metric: str, value: float, **params: object) -> dict[str, object]:
+        return {"kind": "probe", "name": name, "metric": metric, "value": value,
+                "status": "ok", "params": params}
+    records = [rec("roofline", "peak_flops", 100.0, device="cuda:0", dtype="bfloat16"),
+               rec("roofline", "memory_gbps", 2000.0, device="cuda:0"),
+               rec("timer", "op_overhead", 5.0, device="cuda:0"),
+               rec("attention", "kv_read_gbps", 1000.0, mode="gpu", kv_bytes=4096)]
+    for src, dst in (("host:0", "gpu:0"), ("gpu:0", "host:0")):
+        records += [rec("bandwidth", "bandwidth", g, src=src, dst=dst, memory="pageable",
+                        engine=engine, size=1 << 20)
+                    for engine, g in (("torch", 10.0), ("cupy", 99.0))]
+    p = build(records)
+    assert p.tables["h2d"]["pageable"]["gbps"] == [10.0]
+    assert p.tables["d2h"]["pageable"]["gbps"] == [10.0]
+
+
 def _v1_file(path: Path) -> Path:
     path.write_text(json.dumps({"schema_version": 1, "kind": "run", "name": "full",
                                 "metric": "trace.flops", "value": 1.0, "status": "ok",

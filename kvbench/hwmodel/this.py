@@ -5,7 +5,8 @@ accelerator role: cuda:0 when the probe saw one, else the CPU; its linear points
 dense layers' GB/s over rows), `attention` (KV-read GB/s
 against KV bytes: the accelerator's mode "gpu" or "cpu-dense", the host's "cpu-sparse"
 then "cpu-dense"), `bandwidth` (the h2d and d2h curves: host:0 -> gpu:0 and back, pinned
-and pageable; host:0 -> host:0 on a CPU-only machine, where the "copies" are memcpys) and
+and pageable, from the torch engine's records only, not `--engine cupy`'s; host:0 -> host:0
+on a CPU-only machine, where the "copies" are memcpys) and
 `timer` (op_overhead: per-launch cost). The PNM device role of pnm-kv and png-kv, which
 kvbench runs on host memory and threads, is this machine's CPU: [pnm] takes the CPU's
 roofline memory GB/s and peak, `shares_host` (its tasks take the host's time). Every
@@ -101,7 +102,10 @@ def build(records: list[dict[str, Any]], spec: ModelSpec | None = None) -> Profi
                                                                     "cpu-dense")],
                     "attention", "kv_read_gbps")
     host_att = [r for r in att if r["params"].get("mode") == "cpu-sparse"] or acc_att
-    bw = _ok(records, "bandwidth", "bandwidth")
+    # the torch engine's copies only: --engine cupy's (the raw-CUDA reference) are not the
+    # path kvbench's strategies copy through
+    bw = [r for r in _ok(records, "bandwidth", "bandwidth")
+          if r["params"].get("engine", "torch") == "torch"]
     links: dict[str, dict[str, Any]] = {}
     for link, (src, dst) in {"h2d": ("host:0", dev.replace("cuda", "gpu")),
                              "d2h": (dev.replace("cuda", "gpu"), "host:0")}.items():
