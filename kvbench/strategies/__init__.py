@@ -105,7 +105,9 @@ class Strategy:
     def placement(cls, params: Any, ctx: RunContext) -> dict[str, int]:
         """Bytes per device ("accel", "host") that `cls(params, ctx)` allocates: its KV and
         the state beside it (scores, staging buffers). Default: `kv_placement` of a cache of
-        ctx.max_len tokens. Strategies whose state is not a share of the KV override this."""
+        ctx.max_len tokens. Strategies whose state is not a share of the KV override this.
+        An optional "pinned" entry is the part of "host" page-locked on CUDA (0 otherwise);
+        the fit check reports it as `pinned_bytes`."""
         kv = ctx.batch * ctx.max_len * ctx.spec.kv_bytes_per_token(ctx.elem_bytes,
                                                                    ctx.n_layers)
         return cls.kv_placement(params, kv)
@@ -125,8 +127,9 @@ class Strategy:
 
     def attended(self, layer: int) -> torch.Tensor | None:
         """Which cached positions the last decode step of `layer` attended: bool [B, Hq, n]
-        over the n tokens cached so far (None: not tracked, e.g. dense strategies). Eval
-        mode reads it for the share of full attention's top keys a strategy kept."""
+        over the n tokens cached so far (None: not tracked, e.g. dense strategies), on
+        ctx.accel. Eval mode reads it between steps, outside their times, for the share of
+        full attention's top keys a strategy kept."""
         return None
 
     def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor,
