@@ -1,8 +1,8 @@
 """The strategy contract, run for every registered strategy (from the registry, so a new
 strategy is covered the moment it registers):
 
-- in the setting it declares exact (`Strategy.exact`), its perplexity on the bundled model
-  (fp32, eval mode) equals full attention's within 1e-4 relative, single-turn and, where it
+- in the setting it declares exact (`Strategy.exact`), its NLL of every token on the bundled
+  model (fp32, eval mode) equals full attention's within 5e-5, single-turn and, where it
   supports `append`, over a multi-turn conversation;
 - without `append` it refuses `--turns 2` with one line and exit 2;
 - a parameter out of range is one line and exit 2;
@@ -29,8 +29,10 @@ NAMES = STRATEGIES.names()
 P, G, TURNS = 80, 24, 2  # arkvale's 32-token pages fill during decode; quest's 16 too
 
 
-def _ppl(bundled, name: str, overrides: dict, turns: int) -> float:
-    """Eval-mode perplexity of strategy `name` with `overrides` on the bundled model."""
+def _nll(bundled, name: str, overrides: dict, turns: int) -> list[float]:
+    """Eval-mode NLL of every scored token (G + 1 a turn) of strategy `name` with
+    `overrides` on the bundled model. A turn's tokens do not depend on the turns after it,
+    so the first G + 1 of a multi-turn run are the single-turn run's."""
     spec, model = bundled.model.spec, bundled.model
     length = turns * (P + G + 1)
     rows = token_rows(bundled.encode(read_text("")), 1, length, spec.vocab)
@@ -41,25 +43,39 @@ def _ppl(bundled, name: str, overrides: dict, turns: int) -> float:
     params = dataclasses.replace(cls.params(), **overrides) if overrides else cls.params()
     strategy = cls(params, ctx)
     model.setup(strategy, counters, length)
-    out = decode_run(model, strategy, rows, G, "eval", lambda: None, turns=turns)
-    return math.exp(sum(out.nll) / len(out.nll))
+    return decode_run(model, strategy, rows, G, "eval", lambda: None, turns=turns).nll
 
 
 @pytest.fixture(scope="module")
-def full_ppl(bundled) -> dict[int, float]:
-    return {t: _ppl(bundled, "full", {}, t) for t in (1, TURNS)}
+def full_nll(bundled) -> list[float]:
+    return _nll(bundled, "full", {}, TURNS)
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_exact_setting_equals_full(name: str, bundled, full_ppl) -> None:
+def test_exact_setting_equals_full(name: str, bundled, full_nll) -> None:
+    """Token by token, single-turn and (with `append`) over every turn, the strategy's NLL
+    in its declared exact setting is full attention's within 5e-5: each token's probability
+    agrees to 5e-5 relative (|dNLL| = |d log p|). That is fp32 summation order's noise: a
+    logit of ~20 computed in another order moves by ~1e-6 relative; page gathers and
+    log-sum-exp merges measured up to 2.4e-5 on this model. (It was the perplexity, the mean
+    over tokens, to 1e-4.)"""
     cls = STRATEGIES.get(name)
     assert cls.exact is not None, f"{name} declares no exact setting (Strategy.exact)"
-    assert 1.5 < full_ppl[1] < 100  # a real model on English text
-    ppl = _ppl(bundled, name, dict(cls.exact), 1)
-    assert abs(ppl / full_ppl[1] - 1) < 1e-4, (name, ppl, full_ppl[1])
-    if supports_append(cls):  # multi-turn: appends onto the cache equal full's
-        ppl = _ppl(bundled, name, dict(cls.exact), TURNS)
-        assert abs(ppl / full_ppl[TURNS] - 1) < 1e-4, (name, ppl, full_ppl[TURNS])
+    first = G + 1
+    assert 1.5 < math.exp(sum(full_nll[:first]) / first) < 100  # a real model on English text
+    turns = TURNS if supports_append(cls) else 1
+    nll = _nll(bundled, name, dict(cls.exact), turns)
+    assert len(nll) == turns * first
+    for i, (got, want) in enumerate(zip(nll, full_nll, strict=False)):
+        assert abs(got - want) <= 5e-5, (name, f"token {i}", got, want)
+
+
+def test_the_contract_can_fail(bundled, full_nll) -> None:
+    """Below its exact setting a strategy attends less than full attention, and the token
+    by token comparison above sees it: StreamingLLM keeping 4 sinks and 28 recent tokens of
+    the 80-token prompt misses full attention's NLL by far more than the tolerance."""
+    nll = _nll(bundled, "streaming", {"gpu_tokens": 32}, 1)
+    assert max(abs(a - b) for a, b in zip(nll, full_nll, strict=False)) > 100 * 5e-5
 
 
 def _cli(args: list[str], capsys) -> tuple[int, str]:
