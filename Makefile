@@ -7,7 +7,7 @@ STAMP := $(VENV)/.kvbench-installed
 STAMP_TIME := $(shell date +%Y%m%d-%H%M%S)
 DEMO_OUT ?= results/demo-$(STAMP_TIME).jsonl
 
-.PHONY: install demo test lint clean bench-check gpu-smoke
+.PHONY: install demo test test-random lint clean bench-check gpu-smoke
 
 $(STAMP): pyproject.toml setup.py $(wildcard probes/*.c)
 	test -x $(BIN)/python || $(PY) -m venv --system-site-packages $(VENV)
@@ -33,16 +33,27 @@ demo: install
 	@echo "results: $(DEMO_OUT)"
 	@echo "report:  $(DEMO_OUT:.jsonl=-report)/report.html"
 
+# Tests in parallel on every core (pytest-xdist; the Ray fleet tests share one worker and
+# one cluster), in file order; `make test-random SEED=N` runs them shuffled (pytest-randomly)
+# to show that no test depends on another. Real-measurement tests (marker bench) run in
+# bench-check.
+PYTEST := $(BIN)/python -m pytest -q -n auto --dist loadgroup -m "not bench"
+SEED ?= 1
 test: install
-	$(BIN)/python -m pytest -q
+	$(PYTEST) -p no:randomly
+
+test-random: install
+	$(PYTEST) --randomly-seed=$(SEED)
 
 lint: install
 	$(BIN)/ruff check kvbench tests
 
-# Smoke suite, then its guarded metrics (suites/smoke.toml: guard, threshold) against
-# results/baselines/<machine-class>/smoke.jsonl; exit 1 on a regression.
+# The real-measurement tests (marker bench: compare and its noise calibration on real probe
+# runs), then the smoke suite and its guarded metrics (suites/smoke.toml: guard, threshold)
+# against results/baselines/<machine-class>/smoke.jsonl; exit 1 on a regression.
 BENCH_OUT ?= results/bench-check-$(STAMP_TIME).jsonl
 bench-check: install
+	$(BIN)/python -m pytest -q -m bench -p no:randomly
 	$(BIN)/kvbench suite run suites/smoke.toml --out $(BENCH_OUT)
 	$(BIN)/kvbench suite check suites/smoke.toml $(BENCH_OUT)
 

@@ -11,6 +11,12 @@ import pytest
 # plain run none (kvbench.console then uses 160, as in CI logs), so rich would wrap a
 # message at different places and a test reading it would pass or fail by the runner.
 os.environ["COLUMNS"] = "160"
+# Under pytest-xdist each worker's torch (and the kvbench processes its tests start) gets
+# its share of the cores: N workers of torch's default all-core pools oversubscribe the
+# machine, and the tests then run slower in parallel than one after another.
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _workers))
 
 # node -> (cpulist, MemTotal kB, distance row)
 FAKE_NODES = {

@@ -171,6 +171,7 @@ REAL_RUNS = {  # small versions of each probe's default run (CI: 2 cores)
 }
 
 
+@pytest.mark.bench
 @pytest.mark.parametrize("probe", sorted(REAL_RUNS))
 def test_real_runs_twice_never_judge_diagnostics(tmp_path: Path, probe: str,
                                                  capsys: pytest.CaptureFixture[str]) -> None:

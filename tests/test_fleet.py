@@ -25,6 +25,8 @@ import psutil
 import pytest
 
 ray = pytest.importorskip("ray")
+# one Ray cluster per test session: under pytest-xdist every fleet test runs on one worker
+pytestmark = pytest.mark.xdist_group("ray")
 
 from kvbench.cli import main  # noqa: E402
 from kvbench.compare import compare_sets, select_env  # noqa: E402

@@ -226,3 +226,31 @@ def test_random_weights_never_materialise_fp32_on_the_device(dtype_name: str) ->
     assert any("empty" in f for f, _ in made)  # the watch saw the allocation itself
     matrices = [p for p in params.values() if p.dim() >= 2]
     assert all(0.01 < float(p.detach().float().std()) < 0.03 for p in matrices)  # normal(0, 0.02)
+
+
+def test_gguf_is_parsed_once_per_load_and_left_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers asks for the same GGUF three times in one load: inside the block the
+    reader and the tensor-name map are built once per argument; outside, gguf is untouched."""
+    import sys
+    import types
+
+    from kvbench.models.weights import _gguf_parsed_once
+
+    built: list[tuple] = []
+
+    class Reader:
+        def __init__(self, path: str) -> None:
+            built.append(("reader", path))
+
+    def name_map(arch: int, n: int) -> tuple[int, int]:
+        built.append(("map", arch, n))
+        return arch, n
+
+    fake = types.SimpleNamespace(GGUFReader=Reader, get_tensor_name_map=name_map)
+    monkeypatch.setitem(sys.modules, "gguf", fake)
+    with _gguf_parsed_once():
+        first = fake.GGUFReader("a.gguf")
+        assert fake.GGUFReader("a.gguf") is first and fake.GGUFReader("b.gguf") is not first
+        assert [fake.get_tensor_name_map(1, 30) for _ in range(3)] == [(1, 30)] * 3
+    assert built == [("reader", "a.gguf"), ("reader", "b.gguf"), ("map", 1, 30)]
+    assert fake.GGUFReader is Reader and fake.get_tensor_name_map is name_map

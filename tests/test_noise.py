@@ -126,6 +126,7 @@ def scaled(src: Path, dst: Path, factor: float) -> Path:
     return dst
 
 
+@pytest.mark.bench
 def test_real_runs_with_calibration(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Real runs: six unchanged runs appended to one file calibrate; a seventh and eighth
     compare clean against each other with it; the eighth with its GB/s halved regresses in
