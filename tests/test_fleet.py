@@ -1,6 +1,6 @@
 """Fleet sweeps on a Ray cluster on this machine, started by docs/fleet.md's commands: two
 worker nodes stand in for two machine classes (custom resources class:small + cxl, class:big +
-a fake GPU). The cluster starts once per test session; cases are tiny probes. Skipped where
+a fake GPU). The cluster starts once for this file; cases are tiny probes. Skipped where
 Ray is not installed."""
 
 from __future__ import annotations
@@ -101,9 +101,10 @@ def _alive(name: str) -> bool:
     return any(n["Alive"] and n.get("NodeName") == name for n in ray.nodes())
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """One Ray cluster for the session, started by docs/fleet.md's commands as a user types
+    """One Ray cluster for this file's tests (stopped after them: an idle cluster's daemons
+    would take CPU from the rest of the suite), started by docs/fleet.md's commands as a user types
     them on one machine: the head, then its two worker nodes (two machine classes: small-1
     with class:small + cxl, big-1 with class:big + a fake GPU), each `ray start --block` in
     the background and stopped by SIGTERM to its process (`ray stop` would stop every Ray

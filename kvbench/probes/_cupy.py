@@ -15,12 +15,11 @@ own, forked from and joined into it by events.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvbench.errors import KvbenchError
 from kvbench.memory import Endpoint, HostBuffer
-from kvbench.probes._gpu_copy import _SLEEP_CYCLES
+from kvbench.probes._gpu_copy import _SLEEP_CYCLES, DeviceCopier
 from kvbench.timing import Policy, Timing, time_host
 
 if TYPE_CHECKING:
@@ -39,7 +38,7 @@ def cupy_runtime() -> Any:
     return cupy.cuda.runtime
 
 
-class CupyCopier:
+class CupyCopier(DeviceCopier):
     """Copies that touch a GPU by cudaMemcpyAsync (GpuCopier's interface and buffers)."""
 
     def __init__(self, pair: Pair, kind: str, span: int, bidirectional: bool) -> None:
@@ -84,14 +83,6 @@ class CupyCopier:
             self.rt.hostRegister(buf.ptr, self.span, 0)
             self.registered.append(buf.ptr)
         return buf.ptr
-
-    @property
-    def placement(self) -> str:
-        bad = [f"node {b.node}: {b.placement}" for b in self.buffers if b.placement != "verified"]
-        return "; ".join(bad) or ("verified" if self.buffers else "device memory")
-
-    def bytes_per_copy(self, size: int) -> int:
-        return size * len(self.routes)
 
     def _main(self) -> int:
         """torch's current stream on the copier's GPU, as a cudaStream_t."""
@@ -141,12 +132,6 @@ class CupyCopier:
                 samples.append(rt.eventElapsedTime(e0, e1) * 1e-3)
         return Timing(tuple(samples), TIMER, policy.warmup)
 
-    def measure(self, size: int, latency: bool = False) -> Callable[[Policy], Timing]:
-        return lambda policy: self.timing(size, policy, latency)
-
-    def sweep(self, sizes: Sequence[int], policy: Policy) -> dict[int, tuple[Timing, int]]:
-        """size -> (seconds per copy, 1 copy per sample), one size after another."""
-        return {s: (self.timing(s, policy), 1) for s in sizes}
 
     def close(self) -> None:
         rt = self.rt

@@ -22,7 +22,34 @@ if TYPE_CHECKING:
 _SLEEP_CYCLES = 200_000  # device-side wait queued before each timed copy (~100 us)
 
 
-class GpuCopier:
+class DeviceCopier:
+    """What every GPU copy engine shares: host buffers (`buffers`) and routes (`routes`,
+    one (src, dst) per direction), measured by its own `timing(size, policy, latency)`."""
+
+    buffers: list[HostBuffer]
+    routes: list[tuple[Any, ...]]
+
+    def timing(self, size: int, policy: Policy, latency: bool = False) -> Timing:
+        raise NotImplementedError
+
+    @property
+    def placement(self) -> str:
+        bad = [f"node {b.node}: {b.placement}" for b in self.buffers if b.placement != "verified"]
+        return "; ".join(bad) or ("verified" if self.buffers else "device memory")
+
+    def bytes_per_copy(self, size: int) -> int:
+        return size * len(self.routes)
+
+    def measure(self, size: int, latency: bool = False) -> Callable[[Policy], Timing]:
+        """measure(policy) = timing(size, policy, latency), as HostCopier.measure."""
+        return lambda policy: self.timing(size, policy, latency)
+
+    def sweep(self, sizes: Sequence[int], policy: Policy) -> dict[int, tuple[Timing, int]]:
+        """size -> (seconds per copy, 1 copy per sample), one size after another."""
+        return {s: (self.timing(s, policy), 1) for s in sizes}
+
+
+class GpuCopier(DeviceCopier):
     """Copies that touch a GPU, through torch CUDA with host buffers placed on their node
     (registered with cudaHostRegister when pinned). Bandwidth timings use CUDA events with
     a device-side wait queued first; latency timings are host wall time to completion."""
@@ -54,14 +81,6 @@ class GpuCopier:
             buf.register_cuda()
         return buf.tensor()
 
-    @property
-    def placement(self) -> str:
-        bad = [f"node {b.node}: {b.placement}" for b in self.buffers if b.placement != "verified"]
-        return "; ".join(bad) or ("verified" if self.buffers else "device memory")
-
-    def bytes_per_copy(self, size: int) -> int:
-        return size * len(self.routes)
-
     def _copy(self, size: int) -> None:
         """One copy of size bytes per route, routes concurrent on their own streams."""
         torch = self.torch
@@ -87,14 +106,6 @@ class GpuCopier:
                 return time_host(once, policy)
             return time_cuda(lambda: self._copy(size), policy,
                              before=lambda: torch.cuda._sleep(_SLEEP_CYCLES))
-
-    def measure(self, size: int, latency: bool = False) -> Callable[[Policy], Timing]:
-        """measure(policy) = timing(size, policy, latency), as HostCopier.measure."""
-        return lambda policy: self.timing(size, policy, latency)
-
-    def sweep(self, sizes: Sequence[int], policy: Policy) -> dict[int, tuple[Timing, int]]:
-        """size -> (seconds per copy, 1 copy per sample), one size after another."""
-        return {s: (self.timing(s, policy), 1) for s in sizes}
 
     def torch_loop_gbps(self, size: int, reps: int = 10, rounds: int = 5) -> list[float]:
         """GB/s of a bare back-to-back torch copy loop on the same buffers (the reference
