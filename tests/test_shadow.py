@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import needs_bundled
 
 from kvbench.cli import main
 from kvbench.models import get_spec
@@ -44,6 +45,7 @@ def test_reference_runs_between_steps() -> None:
     assert all(e < 1e-6 for e in errors.values())  # full against full: exact
 
 
+@needs_bundled
 def test_eval_run_times_exclude_reference(tmp_path: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """In a real eval run every reference call comes from Shadow.flush (between steps,
