@@ -57,10 +57,14 @@ def env_tables(env: dict[str, Any]) -> None:
 def listing(as_json: bool) -> None:
     from kvbench.models import MODELS
     from kvbench.probes import PROBES
-    from kvbench.strategies import STRATEGIES
+    from kvbench.strategies import STRATEGIES, variants
 
     entries = [{"kind": reg.kind, "name": c.name, "version": c.version, "summary": c.summary()}
                for reg in (PROBES, STRATEGIES) for c in reg.all()]
+    for e, c in zip(entries[len(PROBES.all()):], STRATEGIES.all(), strict=True):
+        if names := [v.name for v in variants(c.params)]:
+            e["variants"] = names
+            e["summary"] += f" (variants: {', '.join(names)})"
     entries += [{"kind": "model", "name": m.name, "version": "", "params": m.params(),
                  "kv_bytes_per_token": m.kv_bytes_per_token(),
                  "summary": f"{m.family}: {m.params() / 1e9:.3g}B params, KV "

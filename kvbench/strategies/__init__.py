@@ -56,14 +56,24 @@ and suites build the same dataclass from a TOML table by field name. The class m
 `placement` (by default `kv_placement`, the KV bytes each device holds at a given length)
 says how many bytes each device will hold, so that the run can refuse a batch that cannot
 fit before allocating anything; `for_run` resolves length-dependent defaults.
+
+A strategy with more than one semantics (the authors' accuracy code, their kernel path,
+kvbench's own generalisation) declares them with `variant_field(Variant(...), ...)` as its
+`variant` parameter: the first is the default and is the authors' algorithm; each variant
+names the parameters it does not take, and `check_variant` (called from the params'
+`__post_init__`) refuses an unknown variant or such a parameter with one line. The variant
+that ran is in every record's params.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from kvbench.errors import KvbenchError
+from kvbench.options import flag
 from kvbench.registry import Registry, first_line
 
 if TYPE_CHECKING:
@@ -75,6 +85,51 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class NoParams:
     """Parameters of a strategy that has none."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One semantics of a strategy: its `name`, one line on what it is (whose code it
+    follows), and the parameters it does not take (`ignores`: field names)."""
+
+    name: str
+    text: str
+    ignores: tuple[str, ...] = ()
+
+
+def variant_field(*variants: Variant) -> Any:
+    """The `variant` parameter of a params dataclass: the first variant is the default (the
+    authors' algorithm); `--help` lists every variant."""
+    names = [v.name for v in variants]
+    if not variants or len(set(names)) != len(names):
+        raise ValueError(f"variants must be distinct and at least one: {names}")
+    text = "; ".join(f"'{v.name}'{' (default)' if i == 0 else ''}: {v.text}"
+                     for i, v in enumerate(variants))
+    return dataclasses.field(default=variants[0].name,
+                             metadata={"help": f"Semantics. {text}.", "variants": variants})
+
+
+def variants(params_cls: type) -> tuple[Variant, ...]:
+    """The variants a params dataclass declares (empty: one semantics)."""
+    for f in dataclasses.fields(params_cls):
+        if f.name == "variant":
+            return f.metadata["variants"]
+    return ()
+
+
+def check_variant(params: Any) -> None:
+    """KvbenchError (one line naming the variants) for an unknown `params.variant`, or for a
+    parameter the chosen variant does not take set away from its default."""
+    by_name = {f.name: f for f in dataclasses.fields(params)}
+    declared = variants(type(params))
+    chosen = {v.name: v for v in declared}.get(params.variant)
+    known = ", ".join(v.name for v in declared)
+    if chosen is None:
+        raise KvbenchError(f"--variant '{params.variant}': unknown (variants: {known})")
+    for name in chosen.ignores:
+        if getattr(params, name) != by_name[name].default:
+            raise KvbenchError(f"{flag(name)} is not a parameter of variant '{chosen.name}' "
+                               f"(variants: {known})")
 
 
 class Strategy:
