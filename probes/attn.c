@@ -3,6 +3,9 @@
  * One call computes, for every (batch, KV head) row, the attention of that KV head's
  * G = Hq / Hkv query heads times Lq queries over either all Lk positions (dense) or the
  * row's own list of selected positions (sparse: idx [rows, nmax] int32, lens [rows]).
+ * A sparse call may also give each selection to fewer query heads: rows are then
+ * (batch, Hs heads) with Hkv | Hs | Hq, row (b, s) holding query heads s*Hq/Hs.. of KV head
+ * s*Hq/Hs / G (Hs = Hq: one list per query head, Quest's per-head top-k under GQA).
  * Each K and V row is read once for all G * Lq queries of its row (GQA reads a KV head once
  * for its whole query group), in blocks of BLK keys through an online softmax (the
  * FlashAttention recurrence): decode is bandwidth-bound.
@@ -50,7 +53,7 @@ typedef struct {
     int64_t B, Hq, Hkv, Lq, Lk, D;
     const int64_t *ks, *vs;
     const int32_t *idx, *lens;
-    int64_t nmax;
+    int64_t nmax, Hs; /* Hs: selection rows per sequence (Hkv, or up to Hq when sparse) */
     float scale;
     int causal;
     int64_t q_start, group, ntasks;
@@ -101,12 +104,12 @@ static inline void row_ptrs(const job_t *j, const void *base, int64_t off, int64
 /* Attention of row r's G*Lq queries over its keys [k0, k1): leaves the running max m, sum l
  * and unnormalised accumulator acc (nr x D, in the isa's order) in w. */
 static void do_range(job_t *j, const isa_t *isa, work_t *w, int64_t r, int64_t k0, int64_t k1) {
-    const int64_t D = j->D, G = j->Hq / j->Hkv, Lq = j->Lq, nr = G * Lq;
-    const int64_t b = r / j->Hkv, hk = r % j->Hkv;
+    const int64_t D = j->D, G = j->Hq / j->Hs, Lq = j->Lq, nr = G * Lq; /* G: heads of a row */
+    const int64_t b = r / j->Hs, h0 = r % j->Hs * G, hk = h0 / (j->Hq / j->Hkv);
     const int32_t *idx = j->idx ? j->idx + r * j->nmax : NULL;
     const int64_t kb = b * j->ks[0] + hk * j->ks[1], vb = b * j->vs[0] + hk * j->vs[1];
-    for (int64_t t = 0; t < nr; t++) { /* t = g * Lq + i: query head hk*G+g, query i */
-        const int64_t qoff = ((b * j->Hq + hk * G) * Lq + t) * D;
+    for (int64_t t = 0; t < nr; t++) { /* t = g * Lq + i: query head h0+g, query i */
+        const int64_t qoff = ((b * j->Hq + h0) * Lq + t) * D;
         for (int64_t d = 0; d < D; d++)
             w->qf[t * D + d] = elem((const char *)j->q + qoff * (j->dtype ? 2 : 4),
                                     isa->perm ? swap23(d) : d, j->dtype) * j->scale;
@@ -168,11 +171,11 @@ static void do_range(job_t *j, const isa_t *isa, work_t *w, int64_t r, int64_t k
  * t * stride, its accumulator at t * astride. */
 static void finish_row(job_t *j, int64_t r, const float *m, const float *l, const float *acc,
                        int64_t stride, int64_t astride) {
-    const int64_t D = j->D, G = j->Hq / j->Hkv, Lq = j->Lq, nr = G * Lq;
-    const int64_t b = r / j->Hkv, hk = r % j->Hkv;
+    const int64_t D = j->D, G = j->Hq / j->Hs, Lq = j->Lq, nr = G * Lq;
+    const int64_t b = r / j->Hs, h0 = r % j->Hs * G;
     const int perm = j->isa->perm;
     for (int64_t t = 0; t < nr; t++) {
-        const int64_t orow = (b * j->Hq + hk * G + t / Lq) * Lq + t % Lq;
+        const int64_t orow = (b * j->Hq + h0 + t / Lq) * Lq + t % Lq;
         const float lt = l[t * stride], inv = lt > 0.0f ? 1.0f / lt : 0.0f;
         j->lse[orow] = lt > 0.0f ? m[t * stride] + logf(lt) : -INFINITY;
         const float *a = acc + t * astride;
@@ -189,7 +192,7 @@ static void finish_row(job_t *j, int64_t r, const float *m, const float *l, cons
 /* Take tasks from the shared counter until none is left (a thread that could not get its
  * work buffers still takes its tasks, marking the job failed). */
 static void run_tasks(job_t *j) {
-    const int64_t nr = (j->Hq / j->Hkv) * j->Lq, D = j->D;
+    const int64_t nr = (j->Hq / j->Hs) * j->Lq, D = j->D;
     const isa_t *isa = j->isa;
     work_t w;
     float *mem = malloc(sizeof(float) * (2 * nr * D + 3 * nr + nr * BLK));
@@ -201,7 +204,7 @@ static void run_tasks(job_t *j) {
         w.corr = w.l + nr;
         w.s = w.corr + nr;
     }
-    const int64_t rows = j->B * j->Hkv;
+    const int64_t rows = j->B * j->Hs;
     for (;;) {
         const int64_t task = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
         if (task >= j->ntasks) break;
@@ -231,7 +234,7 @@ static void run_tasks(job_t *j) {
 /* Exact merge of row r's split partials (HGCA section 3.3's log-sum-exp merge) into chunk 0's
  * slot, then its output. */
 static void merge_row(job_t *j, int64_t r) {
-    const int64_t D = j->D, nr = (j->Hq / j->Hkv) * j->Lq, S = j->split;
+    const int64_t D = j->D, nr = (j->Hq / j->Hs) * j->Lq, S = j->split;
     float *p0 = j->part + r * S * nr * (D + 2);
     for (int64_t t = 0; t < nr; t++) {
         float *a = p0 + t * (D + 2);
@@ -258,7 +261,8 @@ static void merge_row(job_t *j, int64_t r) {
     finish_row(j, r, p0, p0 + 1, p0 + 2, D + 2, D + 2);
 }
 
-/* Returns 0, or -1 when a buffer could not be had (outputs then undefined).
+/* Returns 0, -1 when a buffer could not be had (outputs then undefined), or -2 when Hs does
+ * not fit (Hkv | Hs | Hq, Hs = Hkv when dense).
  *
  * The tasks run in an OpenMP parallel region: the library links the OpenMP runtime that torch
  * has already loaded (kvbench.native loads torch first), so the kernel's threads are torch's
@@ -267,13 +271,14 @@ static void merge_row(job_t *j, int64_t r) {
 int kvb_attn(int dtype, const void *q, const void *k, const void *v, void *out, float *lse,
              int64_t B, int64_t Hq, int64_t Hkv, int64_t Lq, int64_t Lk, int64_t D,
              const int64_t *kstrides, const int64_t *vstrides, const int32_t *idx,
-             const int32_t *lens, int64_t nmax, float scale, int causal, int64_t q_start,
-             int64_t group, int threads) {
+             const int32_t *lens, int64_t nmax, int64_t Hs, float scale, int causal,
+             int64_t q_start, int64_t group, int threads) {
+    if (Hs < 1 || Hs % Hkv || Hq % Hs || (!idx && Hs != Hkv)) return -2;
     job_t job, *j = &job;
     *j = (job_t){dtype, q, k, v, out, lse, B, Hq, Hkv, Lq, Lk, D, kstrides, vstrides, idx, lens,
-                 nmax, scale, causal, q_start, group < 1 ? 1 : group, 0, 1, 0, 0, NULL,
+                 nmax, Hs, scale, causal, q_start, group < 1 ? 1 : group, 0, 1, 0, 0, NULL,
                  kvb_attn_loops(dtype, D, kvb_attn_isa(-1)), 0, 0};
-    const int64_t rows = B * Hkv, n = idx ? nmax : Lk, esz = dtype ? 2 : 4;
+    const int64_t rows = B * Hs, n = idx ? nmax : Lk, esz = dtype ? 2 : 4;
     j->prefetch = !idx && D * esz <= 256 && 2 * rows * Lk * D * esz >= g_prefetch_from;
     int nt = threads < 1 ? 1 : threads > 256 ? 256 : threads;
     if (nt > 1 && rows < SPLIT_ROWS * nt && n >= 2 * MIN_CHUNK) {
@@ -287,7 +292,7 @@ int kvb_attn(int dtype, const void *q, const void *k, const void *v, void *out, 
     }
     if (j->split > 1) {
         j->ntasks = rows * j->split;
-        j->part = malloc(sizeof(float) * j->ntasks * (Hq / Hkv) * Lq * (D + 2));
+        j->part = malloc(sizeof(float) * j->ntasks * (Hq / Hs) * Lq * (D + 2));
         if (!j->part) return -1;
     } else {
         j->ntasks = (rows + j->group - 1) / j->group;

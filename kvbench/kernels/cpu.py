@@ -2,7 +2,9 @@
 
 `run` computes attention of q `[B, Hq, Lq, D]` over k/v `[B, Hkv, Lk, D]` (any strides with
 a contiguous last dimension) for every (batch, KV head) row, either over all Lk positions or
-over the row's selected positions idx `[B * Hkv, N]` int32 (the first lens[row] of them).
+over the row's selected positions idx `[B * Hkv, N]` int32 (the first lens[row] of them);
+a selection may also serve fewer query heads each (`heads` rows per sequence, Hkv | heads |
+Hq: idx `[B * heads, N]`; heads = Hq gives every query head its own list).
 Rows are grouped `group` at a time into tasks for `threads` pthreads (HGCA section 3.3);
 with fewer than 8 rows per thread the kernel splits each row's keys into chunks merged by
 log-sum-exp (split-K), so batch-1 decode over a few KV heads uses every thread. Its inner
@@ -102,8 +104,10 @@ def run(
     lse: torch.Tensor | None = None,
     group: int | None = None,
     threads: int | None = None,
+    heads: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Call kvb_attn; returns (out, lse), writing into `out`/`lse` when given."""
+    """Call kvb_attn; returns (out, lse), writing into `out`/`lse` when given. `heads`:
+    selection rows per sequence (default Hkv; sparse calls only)."""
     import torch
 
     so = _lib()
@@ -122,7 +126,11 @@ def run(
         raise KvbenchError("out/lse buffers must be contiguous [B, Hq, Lq, D] / [B, Hq, Lq] "
                            "float32 matching q")
     nt = threads or default_threads()
-    rows = b * hkv
+    hs = heads or hkv
+    if hs % hkv or hq % hs or (idx is None and hs != hkv):
+        raise KvbenchError(f"{hs} selection rows per sequence: need Hkv={hkv} | rows | Hq={hq}"
+                           " (Hkv when dense)")
+    rows = b * hs
     ks = (ctypes.c_int64 * 3)(*k.stride()[:3])
     vs = (ctypes.c_int64 * 3)(*v.stride()[:3])
     nmax = 0
@@ -133,7 +141,7 @@ def run(
     rc = so.kvb_attn(0 if q.dtype == torch.float32 else 1, q.data_ptr(), k.data_ptr(),
                      v.data_ptr(), out.data_ptr(), lse.data_ptr(), b, hq, hkv, lq, lk, d, ks, vs,
                      None if idx is None else idx.data_ptr(),
-                     None if lens is None else lens.data_ptr(), nmax, scale, int(causal),
+                     None if lens is None else lens.data_ptr(), nmax, hs, scale, int(causal),
                      q_start, group or group_size(rows, nt), nt)
     if rc != 0:
         raise KvbenchError("native attention kernel could not allocate its work buffers")
