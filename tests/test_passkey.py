@@ -3,6 +3,7 @@ input."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -29,14 +30,92 @@ def test_prompt_is_exact_length_with_the_key_at_depth(depth: float) -> None:
         line = len(passkey.KEY.format(key=key))
         room = body - line
         assert abs((at - len(passkey.INTRO) - len("The secret number ")) - depth * room) <= 1
-        assert bytes(answers[r].tolist()).decode() == " " + key
+        assert bytes(answers[r]).decode() == " " + key
     assert passkey.build(encode, 3, 700, depth, seed=7, vocab=256)[2] == keys  # seeded
 
 
-def test_score_compares_the_first_generated_tokens() -> None:
-    answers = torch.tensor([[1, 2], [3, 4]])
-    tokens = torch.tensor([[9, 9, 1, 2, 5], [9, 9, 3, 5, 4]])
-    assert passkey.score(tokens, answers, 2) == [1.0, 0.0]
+def test_passkey_keys_are_those_of_earlier_runs() -> None:
+    """The keys of seed 7 as drawn before the RULER tasks were added (results comparable)."""
+    import random
+
+    rng = random.Random("passkey-7")
+    assert passkey.build(encode, 3, 700, 0.5, seed=7, vocab=256)[2] == [
+        str(rng.randrange(10000, 100000)) for _ in range(3)]
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.3, 0.75])
+def test_multikey_hides_distinct_words_at_even_depths_and_asks_the_one_at_depth(
+        depth: float) -> None:
+    rows, answers, texts = passkey.build(encode, 2, 2000, depth, seed=3, vocab=256,
+                                         task="multikey")
+    assert rows.shape == (2, 2000)
+    for r in range(2):
+        text = bytes(rows[r].tolist()).decode()
+        found = [(text.index(f"for {w} is: "), w) for w in passkey.WORDS
+                 if f"for {w} is: " in text]
+        assert len(found) == passkey.NEEDLES
+        asked = text.rsplit("magic number for ", 1)[1].split(" ")[0]
+        at, word = next((a, w) for a, w in found if w == asked)
+        number = text[at + len(f"for {word} is: "):][:5]
+        assert texts[r] == number and bytes(answers[r]).decode() == " " + number
+        room = 2000 - len(passkey.INTROS["multikey"]) - len(text.split("\n")[-1]) - 1
+        room -= sum(len(f"One of the special magic numbers for {w} is: 00000.\n")
+                    for _, w in found)
+        # the asked needle sits at depth x filler, the others at depth + i/4 (mod 1)
+        before = sum(len(f"One of the special magic numbers for {w} is: 00000.\n")
+                     for a, w in found if a < at)
+        start = at - len("One of the special magic numbers ") - len(passkey.INTROS["multikey"])
+        assert abs(start - before - depth * room) <= 1, (start, before, depth * room)
+
+
+def test_multivalue_answers_every_number_in_prompt_order() -> None:
+    rows, answers, texts = passkey.build(encode, 3, 1500, 0.6, seed=1, vocab=256,
+                                         task="multivalue")
+    for r in range(3):
+        text = bytes(rows[r].tolist()).decode()
+        word = text.rsplit("magic numbers for ", 1)[1].split(" ")[0]
+        parts = text.split(f"numbers for {word} is: ")[1:]
+        nums = [p[:5] for p in parts]
+        assert len(nums) == passkey.NEEDLES and texts[r] == ", ".join(nums)
+        assert bytes(answers[r]).decode() == " " + ", ".join(nums)
+
+
+def test_vartrack_chain_in_order_after_depth() -> None:
+    rows, _answers, texts = passkey.build(encode, 2, 1200, 0.2, seed=5, vocab=256,
+                                         task="vartrack")
+    for r in range(2):
+        text = bytes(rows[r].tolist()).decode()
+        names = texts[r].split(" ")
+        value = text.split(f"VAR {names[0]} = ")[1][:5]
+        assert value.isdigit() and f"the value {value}" in text
+        pos = [text.index(f"VAR {names[0]} = {value}.")] + [
+            text.index(f"VAR {b} = VAR {a}.") for a, b in itertools.pairwise(names)]
+        assert pos == sorted(pos) and len(names) == passkey.HOPS
+        assert pos[0] >= len(passkey.INTROS["vartrack"]) + 0.2 * 900
+
+
+def test_every_task_is_exact_length_seeded_and_refuses_short_prompts() -> None:
+    from kvbench.errors import KvbenchError
+
+    for task in passkey.TASKS:
+        rows, answers, texts = passkey.build(encode, 2, 900, 0.5, seed=11, vocab=256,
+                                             task=task)
+        assert rows.shape == (2, 900) and len(answers) == 2
+        assert passkey.build(encode, 2, 900, 0.5, seed=11, vocab=256, task=task)[2] == texts
+        assert passkey.build(encode, 2, 900, 0.5, seed=12, vocab=256, task=task)[2] != texts
+        with pytest.raises(KvbenchError, match=f"the {task} prompt needs at least"):
+            passkey.build(encode, 1, 100, 0.5, seed=11, vocab=256, task=task)
+    with pytest.raises(KvbenchError, match="--task 'nope': one of passkey, multikey"):
+        passkey.build(encode, 1, 900, 0.5, seed=11, vocab=256, task="nope")
+
+
+def test_score_compares_the_first_generated_tokens_per_row() -> None:
+    answers = [[1, 2], [3, 4, 6]]
+    tokens = torch.tensor([[9, 9, 1, 2, 5], [9, 9, 3, 4, 6]])
+    assert passkey.score(tokens, answers, 2) == [1.0, 1.0]
+    tokens[1, 4] = 7
+    tokens[0, 3] = 0
+    assert passkey.score(tokens, answers, 2) == [0.0, 0.0]
 
 
 def test_cli_records_and_bad_input(tmp_path: Path, capsys) -> None:
