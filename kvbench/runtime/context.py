@@ -67,19 +67,43 @@ class Counters:
         self._pairs: list[tuple[Any, Any]] = []  # CUDA event pairs free for reuse
         self._k0 = 0  # kernel clock at the step's start (CPU runs' dispatch account)
         self._excluded = 0.0  # seconds of the step in waits and carried blocks
+        self._lazy: list[tuple[dict[Any, Any], Any]] = []  # (holder, key) of tensor sums
 
-    def add(self, quantity: str, where: str, value: float) -> None:
-        """Add `value` (in UNITS[quantity]) to the current step and layer.
+    def add(self, quantity: str, where: str, value: float | torch.Tensor) -> None:
+        """Add `value` (in UNITS[quantity]) to the current step and layer. A 0-dim tensor
+        value is summed on its device, without a sync, and read once at `settle`.
 
         Graph: flops/bytes_read on a device become a "compute" task there (consecutive adds
         merge); time a background "host" task of that many measured seconds."""
-        self._v[(quantity, where, self.layer)][self.step] += value
+        steps = self._v[(quantity, where, self.layer)]
+        steps[self.step] += value
+        task = None
         if quantity in ("flops", "bytes_read") and where in RESOURCES:
-            self.graph.record(self.step, self.layer, where, "compute",
-                              {quantity: value, "launches": 0.0}, merge=True)
+            task = self.graph.record(self.step, self.layer, where, "compute",
+                                     {quantity: value, "launches": 0.0}, merge=True)
         elif quantity == "time" and where not in WAIT_PHASES:
             with self.graph.background():
-                self.graph.record(self.step, self.layer, "host", where, {"seconds": value})
+                task = self.graph.record(self.step, self.layer, "host", where,
+                                         {"seconds": value})
+        if not isinstance(value, (int, float)):
+            self._lazy.append((steps, self.step))
+            if task is not None:
+                self._lazy.append((task.work, "seconds" if quantity == "time" else quantity))
+
+    def settle(self) -> None:
+        """Tensor-valued adds become floats: one read per device for all of them (at
+        `step_end` and `series`, never inside a step)."""
+        held: dict[Any, list[tuple[dict[Any, Any], Any]]] = defaultdict(list)
+        for h, k in {(id(h), k): (h, k) for h, k in self._lazy}.values():
+            if not isinstance(h[k], (int, float)):
+                held[h[k].device].append((h, k))
+        self._lazy.clear()
+        for items in held.values():
+            import torch
+
+            for (h, k), x in zip(items, torch.stack([h[k].double() for h, k in items]).tolist(),
+                                 strict=True):
+                h[k] = x
 
     def task(self, resource: str, op: str, **work: float) -> None:
         """A task on `resource` with explicit work (kvbench.runtime.trace.WORK names), for
@@ -185,6 +209,7 @@ class Counters:
         role shares with them here. On CUDA the host issues asynchronously (no dispatch
         task): the step's event pairs are resolved (`resolve`) and go back to the pool, so
         a run holds the events of one step, not of every step."""
+        self.settle()
         if self.cuda:
             self.resolve()
             return
@@ -205,12 +230,14 @@ class Counters:
 
     def series(self) -> Iterator[tuple[str, str, int, dict[int, float]]]:
         """(quantity, where, layer, {step: value}) for everything counted, in stable order."""
+        self.settle()
         self.resolve()
         for (quantity, where, layer), steps in sorted(self._v.items()):
             yield quantity, where, layer, dict(steps)
 
     def step_total(self, quantity: str, where: str, step: int) -> float:
         """Sum over layers of one quantity at one step."""
+        self.settle()
         return sum(s.get(step, 0.0) for (qn, w, _), s in self._v.items()
                    if qn == quantity and w == where)
 
