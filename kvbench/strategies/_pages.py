@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvbench.errors import require
+from kvbench.timing import kernel
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -119,14 +120,19 @@ def page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, per: str
                 ) -> torch.Tensor:
     """Upper-bound scores of q [B, Hq, 1, D] against digests [B, Hkv, P, D]: [B, H, P].
 
-    H = Hq (per="query") or Hkv (per="kv": the group's query heads summed).
+    H = Hq (per="query") or Hkv (per="kv": the group's query heads summed). As
+    max(q_i hi_i, q_i lo_i) = q_i+ hi_i + q_i- lo_i (lo <= hi), a score is two matmuls,
+    q+ . hi + q- . lo, and the group's sum sums q+ and q- first: every head and page in a
+    fixed number of calls, the digests read once.
     """
     b, hq, _, d = q.shape
-    hkv, p = lo.shape[1], lo.shape[2]
-    g = hq // hkv
-    qf = q.float().view(b, hkv, g, 1, d)
-    s = (qf * hi.unsqueeze(2)).maximum(qf * lo.unsqueeze(2)).sum(-1)  # [B, Hkv, G, P]
-    return s.view(b, hq, p) if per == "query" else s.sum(2)
+    hkv = lo.shape[1]
+    qf = q.float().view(b, hkv, hq // hkv, d)  # [B, Hkv, G, D]
+    qp, qn = qf.clamp(min=0), qf.clamp(max=0)
+    if per != "query":
+        qp, qn = qp.sum(2, keepdim=True), qn.sum(2, keepdim=True)  # [B, Hkv, 1, D]
+    s = qp @ hi.float().transpose(-1, -2) + qn @ lo.float().transpose(-1, -2)  # [B,Hkv,G',P]
+    return s.view(b, -1, s.shape[-1])
 
 
 def select_pages(scores: torch.Tensor, n_pages: int, k: int, sinks: int,
@@ -149,19 +155,18 @@ def select_pages(scores: torch.Tensor, n_pages: int, k: int, sinks: int,
 def page_tokens(pages: torch.Tensor, page: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token positions [B, H, K * S] of page ids [B, H, K] and valid lengths [B, H].
 
-    Positions at or past n (the partial last page's empty tail) are moved to the end of
-    each row as 0 and excluded by the length, so a row's first `len` positions are < n.
+    Positions at or past n (the partial last page's empty tail, or pages past the end) are
+    moved to the end of each row as 0 and excluded by the length, so a row's first `len`
+    positions are < n. Always reordered (a stable argsort): asking whether any position is
+    invalid would read the device.
     """
     import torch
 
     off = torch.arange(page, device=pages.device)
     pos = (pages.unsqueeze(-1) * page + off).flatten(-2)  # [B, H, K*S]
-    valid = pos < n
-    lens = valid.sum(-1)
-    if bool(valid.all()):
-        return pos, lens
-    order = (~valid).to(torch.int8).argsort(dim=-1, stable=True)
-    return pos.masked_fill(~valid, 0).gather(-1, order), lens
+    invalid = pos >= n
+    order = invalid.to(torch.int8).argsort(dim=-1, stable=True)
+    return pos.masked_fill(invalid, 0).gather(-1, order), pos.shape[-1] - invalid.sum(-1)
 
 
 def attend_selected(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
@@ -170,27 +175,61 @@ def attend_selected(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torc
     """Attention of decode queries q [B, Hq, 1, D] over selected keys of k/v [B, Hkv, N, D].
 
     pos [B, H, n] (first lens[b, h] valid) per KV head (H = Hkv: the group shares the
-    selection) or per query head (H = Hq: one native call per group member, each a 1:1
-    query-to-KV-head problem, so no key is copied). Returns (out [B, Hq, 1, D], lse
-    [B, Hq, 1]) and counts tokens (mean per head), FLOPs and the key/value bytes read.
+    selection) or per query head (H = Hq). Returns (out [B, Hq, 1, D], lse [B, Hq, 1]) and
+    counts tokens (mean per head), FLOPs and the key/value bytes read, as tensors read at
+    the step's end (no sync here). Every head in one call: on the CPU the native kernel
+    (probes/attn.c, one selection per H row; backend "native-pages"), elsewhere one gather
+    and the torch reference path (backend "torch-pages"); the record's method.backend says
+    which ran.
     """
+    from kvbench.kernels import cpu
+    from kvbench.kernels.attention import note_backend
+
+    hq, d = q.shape[1], q.shape[3]
+    hkv, h = k.shape[1], pos.shape[1]
+    require(h % hkv == 0 and hq % h == 0, f"selection of {h} heads for {hq} query heads "
+            f"over {hkv} KV heads")
+    total = lens.sum()
+    counters.add("tokens", where, total / h)
+    counters.add("flops", where, total * (4.0 * hq * d / h))
+    counters.add("bytes_read", where, total * (2.0 * d * counters.elem_bytes))
+    if cpu.native_ok(q) and k.device.type == "cpu" and k.dtype == v.dtype == q.dtype:
+        note_backend("native-pages", q)
+        return _native_selected(q, k, v, pos, lens)
+    note_backend("torch-pages", q)
+    return _torch_selected(q, k, v, pos, lens)
+
+
+@kernel
+def _native_selected(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                     lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """attend_selected on the native kernel: one call for every (sequence, H) row."""
     import torch
 
-    from kvbench.kernels.sparse import pack_indices, sparse_attention
+    from kvbench.kernels import cpu
 
-    b, hq, _, d = q.shape
-    hkv, n = k.shape[1], k.shape[2]
-    mean = float(lens.float().mean())
-    counters.add("tokens", where, b * mean)
-    counters.add("flops", where, 4.0 * b * hq * mean * d)
-    counters.add("bytes_read", where, 2.0 * float(lens.sum()) * d * counters.elem_bytes)
-    if pos.shape[1] == hkv:
-        return sparse_attention(q, k, v, pack_indices(pos, b, hkv, n, lens), causal=False)
-    g = hq // hkv
-    out, lse = torch.empty_like(q), torch.empty(b, hq, 1, dtype=torch.float32,
-                                                 device=q.device)
-    for j in range(g):  # query heads j, j + G, ...: one per KV head
-        sel = pack_indices(pos[:, j::g], b, hkv, n, lens[:, j::g])
-        o, s = sparse_attention(q[:, j::g], k, v, sel, causal=False)
-        out[:, j::g], lse[:, j::g] = o, s
-    return out, lse
+    b, h, n = pos.shape
+    idx = pos.reshape(b * h, n).to(torch.int32)
+    return cpu.run(q, k, v, scale=q.shape[-1] ** -0.5, causal=False, q_start=0, idx=idx,
+                   lens=lens.reshape(b * h).to(torch.int32), heads=h)
+
+
+def _torch_selected(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                    lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """attend_selected in torch: the selected rows gathered for every head at once (a KV
+    head's keys serve its R = H / Hkv selections through a stride-0 view, not a copy), then
+    the reference path (kvbench.kernels.attention.torch_attention). Padding slots are
+    masked and their values zeroed (a NaN there must not reach the output)."""
+    import torch
+
+    from kvbench.kernels.attention import torch_attention
+
+    b, h, n = pos.shape
+    hkv, lk, d = k.shape[1], k.shape[2], k.shape[3]
+    r = h // hkv
+    idx = pos.reshape(b, hkv, r, n, 1).expand(b, hkv, r, n, d)
+    kg = k.unsqueeze(2).expand(b, hkv, r, lk, d).gather(3, idx).view(b, h, n, d)
+    vg = v.unsqueeze(2).expand(b, hkv, r, lk, d).gather(3, idx).view(b, h, n, d)
+    hole = torch.arange(n, device=pos.device) >= lens.unsqueeze(-1)  # [B, H, n]
+    vg.masked_fill_(hole.unsqueeze(-1), 0)
+    return torch_attention(q, kg, vg, d ** -0.5, False, 0, key_pos=pos.masked_fill(hole, -1))
