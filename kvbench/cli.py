@@ -178,6 +178,65 @@ def suite_check_cmd(
         raise typer.Exit(1)
 
 
+experiment_app = typer.Typer(no_args_is_help=True, help="Declared experiments "
+                             "(experiments/NAME.toml): run their suites, render their tables.")
+app.add_typer(experiment_app, name="experiment")
+
+
+@experiment_app.command("list")
+def experiment_list_cmd() -> None:
+    """The declared experiments, their suites and whether their records are committed."""
+    from kvbench.experiment import load_experiment, names
+
+    for name in names():
+        exp = load_experiment(name)
+        have = sum(p.exists() for p in exp.records)
+        print(f"{name}: {exp.title} ({len(exp.suites)} suites, {len(exp.tables)} tables, "
+              f"records {have}/{len(exp.records)} present)")
+
+
+@experiment_app.command("run")
+def experiment_run_cmd(
+    name: str = typer.Argument(..., help="Experiment name (experiments/NAME.toml) or path."),
+    resume: bool = typer.Option(False, help="Continue the suites' outputs (cases already "
+                                "recorded are skipped)."),
+) -> None:
+    """Run the experiment's suites and fold their records into its records file; exit 1
+    when a case errored."""
+    from kvbench.console import wrote
+    from kvbench.experiment import load_experiment, run
+
+    exp = load_experiment(name)
+    errors = run(exp, resume)
+    wrote(exp.records[0])
+    if errors:
+        raise typer.Exit(1)
+
+
+@experiment_app.command("render")
+def experiment_render_cmd(
+    name: str = typer.Argument(..., help="Experiment name (experiments/NAME.toml) or path."),
+    check: bool = typer.Option(False, help="Write nothing; exit 1 when the committed "
+                               "table.md differs from what the records render."),
+) -> None:
+    """Write results/NAME/table.md from the committed records only."""
+    from kvbench.console import wrote
+    from kvbench.experiment import load_experiment, render
+
+    exp = load_experiment(name)
+    text = render(exp)
+    target = exp.out / "table.md"
+    if check:
+        same = target.exists() and target.read_text(encoding="utf-8") == text
+        print(f"{target}: {'matches its records' if same else 'differs from its records'}")
+        if not same:
+            raise typer.Exit(1)
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(text, encoding="utf-8")
+    wrote(target)
+
+
 @app.command("report")
 def report_cmd(
     files: list[Path] = typer.Argument(..., help="Result files (JSONL)."),

@@ -1,0 +1,212 @@
+"""Declared experiments: a paper's experiment as one TOML file, run and rendered by kvbench.
+
+`experiments/<name>.toml` declares what runs (suites), where the records it rests on are
+committed, and its tables (kvbench.present.pivot): rows x columns of a metric with a filter,
+a reference column (full attention), the tokens attended per step as an extra, and the
+paper's values with their citation. `kvbench experiment run NAME [--resume]` runs the
+suites (each into its own output, resumable) and folds their outputs into the committed
+records file; `kvbench experiment render NAME` writes `results/<name>/table.md` from the
+committed records only, so every cell traces to a record. As asv keeps benchmark code,
+results and HTML apart, `results/<name>/` holds data and the rendered table, no code.
+
+    [experiment]
+    name = "page-sparse"            # results/<name>/ takes the outputs
+    title = "..."
+    setup = "Ours: ...; the paper: ..."   # model and hardware difference, stated once
+    suites = ["suites/page-sparse-ppl.toml"]
+    records = ["results/page-sparse/summary.jsonl.gz"]   # the first one is written by run
+    keep_traces = ["trace.topk_recall"]                  # decode traces kept in it
+    aliases = { budget = ["budget_tokens", "gpu_tokens"] }
+
+    [[table]]   # kvbench.present.pivot.Pivot's fields; [[table.extra]], [[table.paper]]
+
+Bad input (unknown suite, strategy, parameter or metric; two runs in one cell) is refused
+with one line naming it, exit 2, before anything runs or is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvbench.errors import KvbenchError, require
+from kvbench.present.pivot import PER_RECORD, Extra, PaperTable, Pivot, Table
+from kvbench.store import REPO_ROOT
+from kvbench.suite_spec import tomllib  # tomli on Python 3.10
+
+EXPERIMENTS = REPO_ROOT / "experiments"
+_HEAD = {"name", "title", "setup", "suites", "records", "keep_traces", "aliases"}
+# parameters the run adds to every record beside its config's fields (runtime.run_params)
+_RUN_LABELS = {"layers_total", "accel", "depth", "steps_completed", "prefix_chunk"}
+
+
+@dataclass(frozen=True)
+class Experiment:
+    path: Path
+    name: str
+    title: str
+    setup: str
+    suites: tuple[Path, ...]
+    records: tuple[Path, ...]
+    keep_traces: tuple[str, ...]
+    aliases: dict[str, tuple[str, ...]]
+    tables: tuple[Pivot, ...]
+
+    @property
+    def out(self) -> Path:
+        return REPO_ROOT / "results" / self.name
+
+
+def names() -> list[str]:
+    """The declared experiments (experiments/*.toml)."""
+    return sorted(p.stem for p in EXPERIMENTS.glob("*.toml"))
+
+
+def _known_params() -> set[str]:
+    from kvbench.probes import PROBES
+    from kvbench.runtime.run import RunConfig
+    from kvbench.strategies import STRATEGIES
+
+    known = {f.name for f in dataclasses.fields(RunConfig)} | set(PER_RECORD) | _RUN_LABELS
+    for cls in STRATEGIES.all():
+        known |= {f.name for f in dataclasses.fields(cls.params)}
+    for probe in PROBES.all():
+        known |= {f.name for f in dataclasses.fields(probe.config)}
+    return known | {"name", "metric", "status"}
+
+
+def _pivot(raw: dict[str, Any], i: int, path: Path) -> Pivot:
+    where = f"{path.name}: table {i + 1}"
+    fields = {f.name for f in dataclasses.fields(Pivot)} - {"extras", "paper"}
+    unknown = sorted(set(raw) - fields - {"extra", "paper"})
+    require(not unknown, f"{where}: unknown key '{unknown[0] if unknown else ''}'")
+    for key in ("title", "metric", "rows", "columns"):
+        require(key in raw, f"{where}: '{key}' is required")
+    try:
+        extras = tuple(Extra(**e) for e in raw.get("extra", []))
+        paper = tuple(PaperTable(p["citation"], tuple(p["columns"]),
+                                 {k: tuple(v) for k, v in p["rows"].items()})
+                      for p in raw.get("paper", []))
+        kw = {k: v for k, v in raw.items() if k not in ("extra", "paper")}
+        kw["rows"] = tuple(kw["rows"]) if isinstance(kw["rows"], list) else (kw["rows"],)
+        kw["order"] = tuple(kw.get("order", ()))
+        return Pivot(**kw, extras=extras, paper=paper)
+    except (TypeError, KeyError) as e:
+        raise KvbenchError(f"{where}: {e}") from None
+
+
+def load_experiment(name_or_path: str | Path) -> Experiment:
+    """Parse and check a declaration: by name (experiments/NAME.toml) or path."""
+    path = Path(name_or_path)
+    if path.suffix != ".toml":
+        path = EXPERIMENTS / f"{name_or_path}.toml"
+        require(path.exists(), f"unknown experiment '{name_or_path}' (known: "
+                f"{', '.join(names()) or 'none'})")
+    try:
+        doc = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise KvbenchError(f"cannot read experiment '{path}': {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise KvbenchError(f"{path}: not valid TOML: {e}") from None
+    head = doc.get("experiment", {})
+    unknown = sorted(set(head) - _HEAD) + sorted(set(doc) - {"experiment", "table"})
+    require(not unknown, f"{path.name}: unknown key '{unknown[0] if unknown else ''}'")
+    require("name" in head and head.get("records"), f"{path.name}: [experiment] needs a "
+            "name and records")
+    suites = tuple(REPO_ROOT / s for s in head.get("suites", []))
+    for s in suites:
+        require(s.exists(), f"{path.name}: unknown suite '{_rel(s)}'")
+    aliases = {k: tuple(v) for k, v in head.get("aliases", {}).items()}
+    exp = Experiment(path, head["name"], head.get("title", head["name"]),
+                     head.get("setup", ""), suites,
+                     tuple(REPO_ROOT / r for r in head["records"]),
+                     tuple(head.get("keep_traces", ())), aliases,
+                     tuple(_pivot(t, i, path) for i, t in enumerate(doc.get("table", []))))
+    _check_names(exp)
+    return exp
+
+
+def _check_names(exp: Experiment) -> None:
+    """Every strategy and parameter a table names is one kvbench knows."""
+    from kvbench.strategies import STRATEGIES
+
+    known = _known_params() | set(exp.aliases)
+    for t in exp.tables:
+        filters = [t.where, t.reference or {}]
+        for key in [*t.rows, t.columns, *(k for f in filters for k in f)]:
+            require(key in known, f"{exp.path.name}: table '{t.title}': unknown parameter "
+                    f"'{key}'")
+        for f in filters:
+            wanted = f.get("name", [])
+            for name in wanted if isinstance(wanted, list) else [wanted]:
+                STRATEGIES.get(name)  # unknown: one line naming the known ones
+
+
+def load_records(exp: Experiment) -> list[dict[str, Any]]:
+    from kvbench.store import load
+
+    out = []
+    for path in exp.records:
+        if path.exists():
+            out += load(path).records
+    return out
+
+
+def render(exp: Experiment) -> str:
+    """table.md of the experiment from its committed records (every table checked first)."""
+    records = load_records(exp)
+    require(bool(records), f"experiment '{exp.name}': no records yet in "
+            f"{', '.join(_rel(p) for p in exp.records)} (run "
+            f"`kvbench experiment run {exp.name}`)")
+    metrics = {r["metric"] for r in records}
+    for t in exp.tables:
+        for m in [t.metric, *(e.metric for e in t.extras)]:
+            require(m in metrics, f"{exp.path.name}: table '{t.title}': unknown metric "
+                    f"'{m}' (none in the records)")
+    tables = [Table(t, records, exp.aliases) for t in exp.tables]
+    md = [f"# {exp.title}", "",
+          f"Rendered by `kvbench experiment render {exp.name}` from {_rel(exp.path)} and the "
+          "records "
+          "in " + ", ".join(f"`{p.name}`" for p in exp.records if p.exists()) + "; runs: "
+          + (", ".join(f"`{_rel(s)}`" for s in exp.suites) or "none") + ".",
+          ""]
+    if exp.setup:
+        md += [exp.setup, ""]
+    for t in tables:
+        md += [*t.markdown(), ""]
+    return "\n".join(md)
+
+
+def _rel(path: Path) -> str:
+    """`path` as records and messages name it: relative to the repository when inside."""
+    return str(path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path)
+
+
+def run(exp: Experiment, resume: bool) -> int:
+    """Run every suite (resumable) and fold their outputs into the first records file;
+    records of suites whose output is absent here are kept. Returns the cases in error."""
+    from kvbench.store import read_lines, slim
+    from kvbench.suite import load_suite, run_suite
+
+    # every suite checked before any runs; records name it as the repository does
+    suites = [dataclasses.replace(load_suite(s), path=Path(_rel(s))) for s in exp.suites]
+    errors = 0
+    outputs = [REPO_ROOT / s.output for s in suites]  # absolute outputs stay as they are
+    for s, out in zip(suites, outputs, strict=True):
+        errors += run_suite(s, out, resume=resume or out.exists())
+    target = exp.records[0]
+    outputs = [o for o in outputs if o.exists()]
+    ran = {_rel(Path(s.path)) for s in suites}
+    kept = []
+    if target.exists():  # records of other suites (or of none) stay
+        import json
+
+        kept = [ln for ln in read_lines(target) if (json.loads(ln).get("method") or {})
+                .get("suite") not in ran or not outputs]
+    tmp = target.with_name(target.name + ".new.jsonl")
+    tmp.write_text("".join(ln + "\n" for ln in kept))
+    slim([tmp, *outputs], target, exp.keep_traces)
+    tmp.unlink()
+    return errors

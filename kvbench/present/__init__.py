@@ -1,0 +1,1 @@
+"""Presentation: records turned into tables for people (markdown), from declarations."""

@@ -1,0 +1,250 @@
+"""Records pivoted to a table: rows x columns of one metric, every cell traced to records.
+
+A `Pivot` (an experiment's `[[table]]`, kvbench.experiment) takes the run records whose
+fields match `where`, keys each by its `rows` fields and its `columns` field, and writes
+the `metric`'s value per cell, with its change against a `reference` run (e.g. full
+attention) and `extras`: other metrics of the same run (tokens attended per step, top-10
+recall). A run is a strategy and its parameters; records that differ only in a
+per-record field (`where`, `layer`, `phase`) belong to one run, and an extra with
+`sum_over` adds them (tokens attended on the accelerator plus the host).
+
+Fields are record keys (`name`, `metric`) or parameters; an alias (`budget`: the first of
+`budget_tokens`, `gpu_tokens` present) lets strategies with differently named knobs share a
+column. Two runs in one cell are refused (one line naming the cell), so a table never
+shows one of several values silently. Under the table: the commits and dates its records
+span and the error records it left out. The papers' values sit beside ours as `PaperTable`s.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbench.errors import KvbenchError
+
+PER_RECORD = ("where", "layer", "phase")  # parameters that split one run into records
+
+
+@dataclass(frozen=True)
+class Extra:
+    """Another metric of the cell's run shown after its value: label + value + unit."""
+
+    metric: str
+    fmt: str = ".3g"
+    label: str = ""
+    unit: str = ""
+    sum_over: str | None = None  # add the run's records that differ in this parameter
+
+
+@dataclass(frozen=True)
+class PaperTable:
+    """A paper's values beside ours: `rows` maps a label to one value per column."""
+
+    citation: str
+    columns: tuple[Any, ...]
+    rows: dict[str, tuple[Any, ...]]
+
+
+@dataclass(frozen=True)
+class Pivot:
+    """One table of an experiment (module docstring)."""
+
+    title: str
+    metric: str
+    rows: tuple[str, ...]
+    columns: str
+    where: dict[str, Any] = field(default_factory=dict)
+    fmt: str = ".3f"
+    text: str = ""
+    reference: dict[str, Any] | None = None
+    change: bool = True  # each cell's change against the reference
+    extras: tuple[Extra, ...] = ()
+    rank: str | None = None  # "lower" or "higher": a ranking line per column
+    # per-layer metrics (trace.*): a run's records reduced to one value, "sum" or "mean"
+    # of each record's mean over steps; None: one record per run
+    reduce: str | None = None
+    order: tuple[str, ...] = ()  # row labels first, in this order
+    paper: tuple[PaperTable, ...] = ()
+
+
+def value_of(r: dict[str, Any], key: str, aliases: dict[str, tuple[str, ...]]) -> Any:
+    """A record's field: `name`/`metric`/`status`, else a parameter (through `aliases`)."""
+    if key in ("name", "metric", "status"):
+        return r[key]
+    p = r.get("params") or {}
+    for k in aliases.get(key, (key,)):
+        if k in p:
+            return p[k]
+    return None
+
+
+def _matches(r: dict[str, Any], where: dict[str, Any], aliases: dict) -> bool:
+    for k, want in where.items():
+        got = value_of(r, k, aliases)
+        if got not in (want if isinstance(want, list) else [want]):
+            return False
+    return True
+
+
+def run_key(r: dict[str, Any]) -> tuple:
+    """The run a record belongs to: its strategy and parameters but the per-record ones."""
+    p = r.get("params") or {}
+    return r["name"], tuple(sorted((k, repr(v)) for k, v in p.items() if k not in PER_RECORD))
+
+
+def _label(r: dict[str, Any], keys: tuple[str, ...], aliases: dict,
+           varying: set[tuple[Any, str]]) -> str:
+    """The row label: the first key's value, then the other keys that vary among the rows
+    of that first value (`varying`: (first value, key) pairs)."""
+    head = value_of(r, keys[0], aliases)
+    rest = [(k, v) for k in keys[1:] if (head, k) in varying
+            and (v := value_of(r, k, aliases)) is not None]
+    return str(head) + (" (" + ", ".join(f"{k} {v}" for k, v in rest) + ")" if rest else "")
+
+
+def _natural(text: str) -> list[Any]:
+    """Sort key reading digit runs as numbers: '64 (...)' before '128'."""
+    return [(0, int(t)) if t.isdigit() else (1, t) for t in re.split(r"(\d+)", text)]
+
+
+class Table:
+    """The pivot applied to records: cells, reference, what was left out."""
+
+    def __init__(self, pivot: Pivot, records: list[dict[str, Any]],
+                 aliases: dict[str, tuple[str, ...]]) -> None:
+        self.p, self.aliases = pivot, aliases
+        chosen = [r for r in records if _matches(r, pivot.where, aliases)]
+        self.errors = [r for r in chosen if r["status"] == "error" and r["metric"] in
+                       (pivot.metric, "case")]
+        ok = [r for r in chosen if r["status"] == "ok"]
+        self.by_run: dict[tuple, dict[str, list[dict[str, Any]]]] = defaultdict(
+            lambda: defaultdict(list))
+        for r in ok:
+            self.by_run[run_key(r)][r["metric"]].append(r)
+        ref = pivot.reference
+        mains = [r for r in ok if r["metric"] == pivot.metric]
+        # the reference per column (a reference run without the column: one for all)
+        self.refs: dict[Any, dict[str, Any]] = {}
+        for r in (r for r in mains if ref and _matches(r, ref, aliases)):
+            col = value_of(r, pivot.columns, aliases)
+            if col in self.refs and run_key(self.refs[col]) != run_key(r):
+                raise KvbenchError(f"table '{pivot.title}': the reference {ref} matches two "
+                                   f"runs at {pivot.columns} {col}")
+            self.refs[col] = r
+        self.ref = self.refs.pop(None, None)  # shown above the table
+        first: dict[Any, dict[str, set]] = defaultdict(lambda: defaultdict(set))
+        for r in mains:
+            for k in pivot.rows[1:]:
+                first[value_of(r, pivot.rows[0], aliases)][k].add(
+                    repr(value_of(r, k, aliases)))
+        varying = {(h, k) for h, by in first.items() for k, vals in by.items()
+                   if len(vals) > 1}
+        if pivot.reduce is not None:
+            mains = self._reduced(mains)
+        self.cells: dict[tuple[str, Any], dict[str, Any]] = {}
+        for r in mains:
+            if r is self.ref:
+                continue
+            key = (_label(r, pivot.rows, aliases, varying),
+                   value_of(r, pivot.columns, aliases))
+            if key in self.cells and run_key(self.cells[key]) != run_key(r):
+                raise KvbenchError(f"table '{pivot.title}': two runs for one cell (row "
+                                   f"'{key[0]}', {pivot.columns} {key[1]})")
+            self.cells[key] = r
+        self.records = [x for r in mains for x in self._run_records(r)]
+
+    def _reduced(self, mains: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """One record per run: the `reduce` of its records' means over steps."""
+        if self.p.reduce not in ("sum", "mean"):
+            raise KvbenchError(f"table '{self.p.title}': reduce '{self.p.reduce}': sum or mean")
+        runs: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+        for r in mains:
+            runs[run_key(r)].append(r)
+        out = []
+        for recs in runs.values():
+            means = [x["stats"]["mean"] for x in recs]
+            total = sum(means)
+            out.append({**recs[0], "value": total if self.p.reduce == "sum"
+                        else total / len(means)})
+        return out
+
+    def _run_records(self, r: dict[str, Any]) -> list[dict[str, Any]]:
+        return [x for recs in self.by_run[run_key(r)].values() for x in recs]
+
+    def extra(self, r: dict[str, Any], e: Extra) -> float | None:
+        recs = self.by_run[run_key(r)].get(e.metric, [])
+        if not recs:
+            return None
+        if e.sum_over is None and len(recs) > 1:
+            raise KvbenchError(f"table '{self.p.title}': {len(recs)} records of "
+                               f"'{e.metric}' in one run; set sum_over")
+        return sum(x["value"] for x in recs)
+
+    def cell(self, r: dict[str, Any] | None, col: Any) -> str:
+        if r is None:
+            return "-"
+        v = r["value"]
+        text = format(v, self.p.fmt)
+        ref = self.refs.get(col, self.ref)
+        if self.p.change and ref is not None and ref is not r and ref["value"]:
+            text += f" ({v / ref['value'] - 1:+.1%})"
+        for e in self.p.extras:
+            x = self.extra(r, e)
+            if x is not None:
+                text += f", {e.label}{format(x, e.fmt)}{e.unit}"
+        return text
+
+    def row_labels(self) -> list[str]:
+        """Rows whose first key is in `order` first, in that order, then the rest."""
+        heads = {label: str(value_of(r, self.p.rows[0], self.aliases))
+                 for (label, _), r in self.cells.items()}
+        order = {h: i for i, h in enumerate(self.p.order)}
+        return sorted(heads, key=lambda label: (order.get(heads[label], len(order)),
+                                                _natural(label)))
+
+    def columns(self) -> list[Any]:
+        return sorted({k[1] for k in self.cells}, key=lambda c: (c is None, str(type(c)), c))
+
+    def markdown(self) -> list[str]:
+        p, cols = self.p, self.columns()
+        out = [f"## {p.title}", ""]
+        if p.text:
+            out += [p.text, ""]
+        if self.ref is not None:
+            out += [f"Reference ({', '.join(f'{k} {v}' for k, v in p.reference.items())}): "
+                    f"{format(self.ref['value'], p.fmt)}", ""]
+        out += [f"| {' / '.join(p.rows)} | " + " | ".join(f"{p.columns} {c}" for c in cols)
+                + " |", "|---|" + "---|" * len(cols)]
+        for row in self.row_labels():
+            out.append(f"| {row} | " + " | ".join(self.cell(self.cells.get((row, c)), c)
+                                                  for c in cols) + " |")
+        if p.rank:
+            out += ["", f"Ranking at each {p.columns} ({p.rank} is better):", ""]
+            for c in cols:
+                got = sorted(((r["value"], row) for (row, col), r in self.cells.items()
+                              if col == c), reverse=p.rank == "higher")
+                sep = " < " if p.rank == "lower" else " > "
+                out.append(f"- {p.columns} {c}: " + sep.join(
+                    f"{row} {format(v, p.fmt)}" for v, row in got))
+        for paper in p.paper:
+            out += ["", f"The paper: {paper.citation}", "",
+                    "| paper | " + " | ".join(f"{p.columns} {c}" for c in paper.columns)
+                    + " |", "|---|" + "---|" * len(paper.columns)]
+            out += [f"| {label} | " + " | ".join(map(str, vals)) + " |"
+                    for label, vals in paper.rows.items()]
+        return [*out, "", self.provenance()]
+
+    def provenance(self) -> str:
+        runs = {run_key(r) for r in self.records}
+        commits = sorted({r.get("git_commit", "")[:7] for r in self.records} - {""})
+        days = sorted({r.get("time", "")[:10] for r in self.records} - {""})
+        text = (f"Records: {len(runs)} runs, {len(self.records)} records, commits "
+                f"{', '.join(commits) or 'none recorded'}"
+                + (f", {days[0]} to {days[-1]}" if days else "") + ".")
+        if self.errors:
+            text += " Left out, status error: " + "; ".join(
+                f"{r['name']} {r['metric']} ({r.get('reason', '').splitlines()[0][:100]})"
+                for r in self.errors)
+        return text

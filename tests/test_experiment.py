@@ -1,0 +1,184 @@
+"""Declared experiments (kvbench.experiment, kvbench.present.pivot): tables pivoted from
+records, every committed experiment's table.md equal to what its committed records render,
+and bad declarations refused with one line before anything runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvbench import experiment
+from kvbench.errors import KvbenchError
+from kvbench.experiment import load_experiment, render
+from kvbench.present.pivot import Pivot, Table
+
+FIX = Path(__file__).parent / "fixtures" / "experiment"
+
+
+def rec(name: str, metric: str, value: float, commit: str = "abc1234def", status: str = "ok",
+        samples: list[float] | None = None, **params: object) -> dict:
+    return {"schema_version": 1, "kind": "run", "name": name, "metric": metric, "unit": "x",
+            "direction": "lower", "value": value, "status": status, "reason": "killed -9"
+            if status == "error" else "", "provenance": "measured",
+            "params": {"mode": "eval", **params}, "samples": samples or [value],
+            "stats": {"mean": sum(samples or [value]) / len(samples or [value])},
+            "git_commit": commit, "time": "2026-11-26T07:00:00+00:00"}
+
+
+RECORDS = [
+    rec("full", "perplexity", 10.0),
+    rec("full", "tokens_attended_per_step", 512, where="accel"),
+    rec("quest", "perplexity", 12.5, budget_tokens=64, variant="authors"),
+    rec("quest", "tokens_attended_per_step", 70, budget_tokens=64, variant="authors",
+        where="accel"),
+    rec("quest", "perplexity", 11.0, budget_tokens=128, variant="authors", commit="fff0000aa"),
+    rec("quest", "perplexity", 13.0, budget_tokens=64, variant="kernel"),
+    rec("h2o", "perplexity", 20.0, gpu_tokens=64),
+    rec("h2o", "tokens_attended_per_step", 60, gpu_tokens=64, where="accel"),
+    rec("h2o", "tokens_attended_per_step", 5, gpu_tokens=64, where="host"),
+    rec("h2o", "perplexity", 0.0, gpu_tokens=128, status="error"),
+    rec("quest", "trace.pages", 0, budget_tokens=64, variant="authors", layer=0,
+        samples=[1.0, 3.0]),
+    rec("quest", "trace.pages", 0, budget_tokens=64, variant="authors", layer=1,
+        samples=[4.0, 4.0]),
+]
+
+
+def serialised() -> str:
+    return "".join(json.dumps(r) + "\n" for r in RECORDS)
+
+
+@pytest.fixture
+def toy() -> experiment.Experiment:
+    assert (FIX / "records.jsonl").read_text() == serialised()  # the fixture is RECORDS
+    return load_experiment(FIX / "toy.toml")
+
+
+def assert_usage_error(argv: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    from kvbench.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    out = capsys.readouterr()
+    text = (out.out + out.err).strip()
+    assert e.value.code == 2 and len(text.splitlines()) == 1, text
+    assert message in text and "Traceback" not in text
+
+
+def test_toy_experiment_renders_its_golden_table(toy: experiment.Experiment) -> None:
+    assert render(toy) == (FIX / "toy.md").read_text()
+
+
+def test_cells_trace_to_records(toy: experiment.Experiment) -> None:
+    """Each cell is its run's value, change vs the reference and the summed extra."""
+    t = Table(toy.tables[0], RECORDS, toy.aliases)
+    assert t.ref["value"] == 10.0
+    assert t.cell(t.cells[("quest (variant authors)", 64)], 64) == "12.500 (+25.0%), 70 tok"
+    assert t.cell(t.cells[("h2o", 64)], 64) == "20.000 (+100.0%), 65 tok"  # accel + host
+    assert t.cell(t.cells.get(("h2o", 128)), 128) == "-"  # the error run is left out...
+    assert "h2o perplexity (killed -9)" in t.provenance()  # ...and listed
+    assert "commits abc1234, fff0000" in t.provenance()
+    recalls = Table(toy.tables[1], RECORDS, toy.aliases)
+    assert recalls.cells[("authors", 64)]["value"] == 2.0 + 4.0  # sum over layers of means
+
+
+def test_two_runs_in_one_cell_are_refused(toy: experiment.Experiment) -> None:
+    pivot = Pivot(title="t", metric="perplexity", rows=("name",), columns="budget")
+    with pytest.raises(KvbenchError, match=r"table 't': two runs for one cell \(row 'quest', "
+                                           r"budget 64\)"):
+        Table(pivot, RECORDS, toy.aliases)
+
+
+def test_an_extra_with_several_records_needs_sum_over(toy: experiment.Experiment) -> None:
+    from kvbench.present.pivot import Extra
+
+    pivot = Pivot(title="t", metric="perplexity", rows=("name", "variant"), columns="budget",
+                  extras=(Extra("tokens_attended_per_step"),))
+    t = Table(pivot, RECORDS, toy.aliases)
+    with pytest.raises(KvbenchError, match="2 records of 'tokens_attended_per_step'"):
+        t.cell(t.cells[("h2o", 64)], 64)
+
+
+@pytest.mark.parametrize("name", experiment.names())
+def test_every_committed_table_is_what_its_records_render(name: str) -> None:
+    exp = load_experiment(name)
+    assert (exp.out / "table.md").read_text() == render(exp)
+
+
+BAD = [
+    ("suites = [\"suites/nope.toml\"]", "unknown suite 'suites/nope.toml'"),
+    ("[[table]]\ntitle = \"t\"\nmetric = \"perplexity\"\nrows = \"name\"\ncolumns = \"bugdet\"",
+     "table 't': unknown parameter 'bugdet'"),
+    ("[[table]]\ntitle = \"t\"\nmetric = \"perplexity\"\nrows = \"name\"\ncolumns = \"batch\"\n"
+     "where = { name = \"qeust\" }", "unknown strategy 'qeust'"),
+    ("[[table]]\ntitle = \"t\"\nmetric = \"perplexity\"\nrows = \"name\"", "'columns' is "
+     "required"),
+    ("[[table]]\ntitle = \"t\"\nmetric = \"perplexity\"\nrows = \"name\"\ncolumns = \"batch\"\n"
+     "colour = 1", "unknown key 'colour'"),
+    ("oops = 1", "unknown key 'oops'"),
+]
+
+
+@pytest.mark.parametrize(("extra", "message"), BAD)
+def test_bad_declarations_are_refused_with_one_line(tmp_path: Path, extra: str,
+                                                    message: str,
+                                                    capsys: pytest.CaptureFixture) -> None:
+    head, _, tables = extra.partition("[[table]]")
+    path = tmp_path / "bad.toml"
+    path.write_text("[experiment]\nname = \"bad\"\nrecords = [\"x.jsonl\"]\n"
+                    + (head if "=" in head and not tables else "")
+                    + ("[[table]]" + tables if tables else ""))
+    with pytest.raises(KvbenchError, match=message.replace("(", r"\(")):
+        load_experiment(path)
+    assert_usage_error(["experiment", "render", str(path)], message, capsys)
+    assert_usage_error(["experiment", "run", str(path)], message, capsys)
+
+
+def test_unknown_metric_and_unknown_experiment(tmp_path: Path,
+                                               toy: experiment.Experiment) -> None:
+    text = (FIX / "toy.toml").read_text().replace('metric = "perplexity"',
+                                                   'metric = "perplexitty"')
+    path = tmp_path / "m.toml"
+    path.write_text(text)
+    with pytest.raises(KvbenchError, match="unknown metric 'perplexitty'"):
+        render(load_experiment(path))
+    with pytest.raises(KvbenchError, match="unknown experiment 'nope' \\(known: "):
+        load_experiment("nope")
+
+
+def test_run_folds_the_suites_outputs_into_the_records(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A re-run suite's records replace its old ones; another suite's records stay."""
+    import dataclasses
+
+    import kvbench.suite as suite_mod
+
+    ours, other = tmp_path / "a.toml", tmp_path / "b.toml"
+    for s in (ours, other):
+        s.write_text("")
+    target = tmp_path / "summary.jsonl.gz"
+
+    def tagged(r: dict, suite: Path) -> str:
+        return json.dumps({**r, "method": {"suite": str(suite)}}) + "\n"
+
+    old = [tagged(RECORDS[0], ours), tagged(RECORDS[6], other)]
+    from kvbench.store import open_text, read_lines
+
+    with open_text(target, "w") as f:
+        f.writelines(old)
+    out = tmp_path / "a-out.jsonl"
+    fake = suite_mod.Suite(ours, "a", out, [], [], {}, 0.05)
+    monkeypatch.setattr(suite_mod, "load_suite", lambda p: fake)
+
+    def run_suite(suite: object, path: Path, resume: bool) -> int:
+        path.write_text(tagged(RECORDS[2], ours))
+        return 0
+
+    monkeypatch.setattr(suite_mod, "run_suite", run_suite)
+    exp = dataclasses.replace(load_experiment(FIX / "toy.toml"), suites=(ours,),
+                              records=(target,), keep_traces=())
+    assert experiment.run(exp, resume=False) == 0
+    got = [json.loads(ln) for ln in read_lines(target)]
+    assert [(r["name"], r["value"]) for r in got] == [("h2o", 20.0), ("quest", 12.5)]
