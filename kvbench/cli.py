@@ -200,6 +200,8 @@ def experiment_run_cmd(
     name: str = typer.Argument(..., help="Experiment name (experiments/NAME.toml) or path."),
     resume: bool = typer.Option(False, help="Continue the suites' outputs (cases already "
                                 "recorded are skipped)."),
+    only: str | None = typer.Option(None, help="Only cases whose label (e.g. "
+                                    "'quest[*budget_tokens=64*]*') or id matches this glob."),
 ) -> None:
     """Run the experiment's suites and fold their records into its records file; exit 1
     when a case errored."""
@@ -207,7 +209,7 @@ def experiment_run_cmd(
     from kvbench.experiment import load_experiment, run
 
     exp = load_experiment(name)
-    errors = run(exp, resume)
+    errors = run(exp, resume, only)
     wrote(exp.records[0])
     if errors:
         raise typer.Exit(1)

@@ -184,27 +184,35 @@ def _rel(path: Path) -> str:
     return str(path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path)
 
 
-def run(exp: Experiment, resume: bool) -> int:
-    """Run every suite (resumable) and fold their outputs into the first records file;
-    records of suites whose output is absent here are kept. Returns the cases in error."""
-    from kvbench.store import read_lines, slim
-    from kvbench.suite import load_suite, run_suite
+def run(exp: Experiment, resume: bool, only: str | None = None) -> int:
+    """Run every suite (resumable; `only`: the cases whose label or id matches the glob)
+    and fold their outputs into the first records file: a record there is replaced when the
+    outputs hold the same case of the same strategy version, and kept otherwise (other
+    suites, cases not re-run, earlier versions). Returns the cases that ended in error."""
+    import json
+
+    from kvbench.store import read_lines, slim, unit_key
+    from kvbench.suite import load_suite, run_suite, units
 
     # every suite checked before any runs; records name it as the repository does
     suites = [dataclasses.replace(load_suite(s), path=Path(_rel(s))) for s in exp.suites]
+    if only is not None:
+        require(any(units(s, only) for s in suites), f"--only '{only}' matches no case of "
+                f"experiment '{exp.name}'")
+        suites = [s for s in suites if units(s, only)]
     errors = 0
     outputs = [REPO_ROOT / s.output for s in suites]  # absolute outputs stay as they are
     for s, out in zip(suites, outputs, strict=True):
-        errors += run_suite(s, out, resume=resume or out.exists())
-    target = exp.records[0]
-    outputs = [o for o in outputs if o.exists()]
-    ran = {_rel(Path(s.path)) for s in suites}
-    kept = []
-    if target.exists():  # records of other suites (or of none) stay
-        import json
+        errors += run_suite(s, out, resume=resume or out.exists(), only=only)
 
-        kept = [ln for ln in read_lines(target) if (json.loads(ln).get("method") or {})
-                .get("suite") not in ran or not outputs]
+    def case(r: dict[str, Any]) -> tuple:
+        return unit_key(r), r.get("name"), r.get("version")
+
+    outputs = [o for o in outputs if o.exists()]
+    fresh = {case(json.loads(ln)) for o in outputs for ln in read_lines(o)}
+    target = exp.records[0]
+    kept = [ln for ln in read_lines(target) if case(json.loads(ln)) not in fresh] \
+        if target.exists() else []
     tmp = target.with_name(target.name + ".new.jsonl")
     tmp.write_text("".join(ln + "\n" for ln in kept))
     slim([tmp, *outputs], target, exp.keep_traces)

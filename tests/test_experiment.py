@@ -160,10 +160,12 @@ def test_run_folds_the_suites_outputs_into_the_records(tmp_path: Path,
         s.write_text("")
     target = tmp_path / "summary.jsonl.gz"
 
-    def tagged(r: dict, suite: Path) -> str:
-        return json.dumps({**r, "method": {"suite": str(suite)}}) + "\n"
+    def tagged(r: dict, suite: Path, case: str, version: str = "1") -> str:
+        return json.dumps({**r, "version": version,
+                           "method": {"suite": str(suite), "suite_case": case}}) + "\n"
 
-    old = [tagged(RECORDS[0], ours), tagged(RECORDS[6], other)]
+    old = [tagged(RECORDS[0], ours, "c1"), tagged(RECORDS[6], other, "c9"),
+           tagged(RECORDS[5], ours, "c2"), tagged(RECORDS[2], ours, "c2", "0")]
     from kvbench.store import open_text, read_lines
 
     with open_text(target, "w") as f:
@@ -172,13 +174,17 @@ def test_run_folds_the_suites_outputs_into_the_records(tmp_path: Path,
     fake = suite_mod.Suite(ours, "a", out, [], [], {}, 0.05)
     monkeypatch.setattr(suite_mod, "load_suite", lambda p: fake)
 
-    def run_suite(suite: object, path: Path, resume: bool) -> int:
-        path.write_text(tagged(RECORDS[2], ours))
+    def run_suite(suite: object, path: Path, resume: bool, only: str | None) -> int:
+        path.write_text(tagged(RECORDS[2], ours, "c2"))  # case c2 re-run at version 1
         return 0
 
     monkeypatch.setattr(suite_mod, "run_suite", run_suite)
+    monkeypatch.setattr(suite_mod, "units", lambda s, only=None: [1])
     exp = dataclasses.replace(load_experiment(FIX / "toy.toml"), suites=(ours,),
                               records=(target,), keep_traces=())
     assert experiment.run(exp, resume=False) == 0
-    got = [json.loads(ln) for ln in read_lines(target)]
-    assert [(r["name"], r["value"]) for r in got] == [("h2o", 20.0), ("quest", 12.5)]
+    got = [(json.loads(ln)["name"], json.loads(ln)["value"], json.loads(ln)["version"])
+           for ln in read_lines(target)]
+    # c1 (not re-run), c9 (another suite) and c2 at version 0 stay; c2 at version 1 is new
+    assert got == [("full", 10.0, "1"), ("h2o", 20.0, "1"), ("quest", 12.5, "0"),
+                   ("quest", 12.5, "1")]
