@@ -3,6 +3,7 @@ host cache stay consistent, and KV_cpu is re-evaluated from the host attention w
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvbench.kernels.attention import dense_attention
@@ -53,9 +54,10 @@ def test_hgca_supports_append() -> None:
     assert supports_append(Hgca)
 
 
-def test_beta0_multi_turn_equals_full_attention() -> None:
+@pytest.mark.parametrize("variant", ["authors", "union-ema"])
+def test_beta0_multi_turn_equals_full_attention(variant: str) -> None:
     """Appends before and after the ring wraps, with a host part on every append."""
-    s = make(HgcaParams(gpu_tokens=16, block=8, beta=0.0))
+    s = make(HgcaParams(variant=variant, gpu_tokens=16, block=8, beta=0.0))
     plan = [(20, 10), (12, 9), (5, 7), (30, 2)]
     worst, keys = turns(s, torch.Generator().manual_seed(0), plan)
     assert worst < 2e-5
@@ -67,7 +69,7 @@ def test_beta0_multi_turn_equals_full_attention() -> None:
     assert (L.n, L.n_host) == (15, 80)
     assert torch.equal(L.hk[:, :, :80], keys[:, :, :80])  # KV_cpu: oldest tokens, in order
     assert torch.equal(torch.cat([p[0] for p in L.resident()], dim=2), keys[:, :, 80:])
-    assert L.lens.tolist() == [L.n_host] * 6  # beta 0: every host entry selected
+    assert L.lens.tolist() == [L.n_host] * L.lens.numel()  # beta 0: every host entry
 
 
 def test_append_reselects_from_host_weights() -> None:
@@ -76,7 +78,7 @@ def test_append_reselects_from_host_weights() -> None:
     query head of the row's KV head, in KV_cpu order; selections made at eviction time
     that the appended queries do not confirm are dropped."""
     gen = torch.Generator().manual_seed(1)
-    s = make(HgcaParams(gpu_tokens=32, block=8, beta=1.0), batch=1)
+    s = make(HgcaParams(variant="union-ema", gpu_tokens=32, block=8, beta=1.0), batch=1)
     turns(s, gen, [(24, 20)])  # ring: 24 + 8 -> evict 8, + 8 -> evict 8, + 4: 28 resident
     L = s.layers[0]
     s._join(L)

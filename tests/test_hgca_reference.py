@@ -21,7 +21,8 @@ def reference(s, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
               ) -> torch.Tensor:
     """What decode(layer, q, k, v) must return [B, Hq, 1, D], from the state it will read:
     per (sequence, query head), one softmax over the window's keys, the new key and the
-    KV_ctx row of the head's KV head, in float64 on the host."""
+    head's KV_ctx row (its own for `authors`, its KV head's for `union-ema`), in float64
+    on the host."""
     L = s.layers[layer]
     s._join(L)  # KV_ctx as this step reads it (decode joins the same jobs first)
     if q.is_cuda:
@@ -31,20 +32,22 @@ def reference(s, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     qd = q.double().cpu()
     b, hq, _, d = q.shape
     g = hq // k.shape[1]
+    rows = L.lens.numel() // b  # KV_ctx rows per sequence
     out = torch.empty(b, hq, 1, d, dtype=torch.float64)
     for i in range(b):
         for h in range(hq):
-            kh = h // g
-            n = int(L.lens[i * k.shape[1] + kh])
-            kk = torch.cat([keys[i, kh], L.ck[i, kh, :n].double()])
-            vv = torch.cat([vals[i, kh], L.cv[i, kh, :n].double()])
+            kh, r = h // g, h // (hq // rows)
+            n = int(L.lens[i * rows + r])
+            kk = torch.cat([keys[i, kh], L.ck[i, r, :n].double()])
+            vv = torch.cat([vals[i, kh], L.cv[i, r, :n].double()])
             w = torch.softmax(kk @ qd[i, h, 0] * d ** -0.5, dim=0)
             out[i, h, 0] = w @ vv
     return out
 
 
+@pytest.mark.parametrize("variant", ["authors", "union-ema"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_hgca_decode_at_beta_1_equals_window_plus_kv_ctx(device: str) -> None:
+def test_hgca_decode_at_beta_1_equals_window_plus_kv_ctx(device: str, variant: str) -> None:
     """40-token prompt, 39 decode steps, a 16-token ring of 8-token blocks (it wraps and
     evicts every 8 steps), beta 1, alpha 0.1: every output within 1e-4 of the reference,
     and the selection is partial (some host entries attended, not all)."""
@@ -54,7 +57,8 @@ def test_hgca_decode_at_beta_1_equals_window_plus_kv_ctx(device: str) -> None:
     b, layers = 2, 2
     ctx = RunContext(SPEC, layers, b, 80, torch.float32, dev, torch.device("cpu"),
                      Counters(SPEC.n_kv_heads, 4, cuda=dev.type == "cuda"))
-    s = STRATEGIES.get("hgca")(HgcaParams(gpu_tokens=16, block=8, beta=1.0, alpha=0.1), ctx)
+    s = STRATEGIES.get("hgca")(HgcaParams(variant=variant, gpu_tokens=16, block=8, beta=1.0,
+                                          alpha=0.1), ctx)
     gen = torch.Generator().manual_seed(3)
 
     def qkv(t: int) -> tuple[torch.Tensor, ...]:

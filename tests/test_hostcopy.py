@@ -213,7 +213,7 @@ def test_hgca_select_clock_starts_after_the_copy_wait(monkeypatch) -> None:
     s = STRATEGIES.get("hgca")(SPARSE["hgca"], ctx())
     L = s.layers[0]
     k = torch.randn(2, 2, 8, 8)
-    took = s._select(L, k, k.clone(), torch.rand(2, 6, 8), Copied())
+    took = s._select(L, k, k.clone(), torch.rand(2, 6, 8), 16, Copied())
     assert took == {"select": 10.0}  # one tick: the selection alone
 
 

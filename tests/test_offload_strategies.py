@@ -80,7 +80,8 @@ def test_exact_configurations_equal_full(name, params, layers) -> None:
 def test_hgca_ring_and_host_accounting() -> None:
     """GPU window never full between steps, every token on exactly one side, selection
     per row within the host cache, and the counters agree with the state."""
-    s = make("hgca", HgcaParams(gpu_tokens=16, block=8, beta=1.0, alpha=0.1), layers=1)
+    s = make("hgca", HgcaParams(variant="union-ema", gpu_tokens=16, block=8, beta=1.0,
+                                alpha=0.1), layers=1)
     steps = inputs(40, 39)
     drive(s, steps)
     s._join(s.layers[0])
@@ -108,7 +109,8 @@ def test_hgca_ring_and_host_accounting() -> None:
 def test_hgca_selection_rule_per_head() -> None:
     """Alg. 1 lines 23-25: KV_ctx[row] gets, in order, the evicted entries whose MAW exceeds
     beta / W for any query head of the KV head's group; KV_cpu gets all of them."""
-    s = make("hgca", HgcaParams(gpu_tokens=16, block=8, beta=1.0), layers=1, batch=1)
+    s = make("hgca", HgcaParams(variant="union-ema", gpu_tokens=16, block=8, beta=1.0),
+             layers=1, batch=1)
     L = s.layers[0]
     k = torch.randn(1, 3, 8, 64)
     v = torch.randn(1, 3, 8, 64)
@@ -117,12 +119,12 @@ def test_hgca_selection_rule_per_head() -> None:
     maw[0, 2, 5] = 0.07  # KV head 0: entry 5
     maw[0, 4, 7] = 1 / 16  # KV head 1: not strictly above the threshold
     maw[0, 8, [0, 1]] = 0.5  # KV head 2: entries 0 and 1
-    s._select(L, k, v, maw, None)
+    s._select(L, k, v, maw, 16, None)
     assert L.n_host == 8 and torch.equal(L.hk[:, :, :8], k)
     assert L.lens.tolist() == [2, 0, 2]
     assert torch.equal(L.ck[0, 0, :2], k[0, 0, [2, 5]])
     assert torch.equal(L.cv[0, 2, :2], v[0, 2, [0, 1]])
-    s._select(L, k, v, maw, None)  # a second block appends after the first
+    s._select(L, k, v, maw, 16, None)  # a second block appends after the first
     assert L.lens.tolist() == [4, 0, 4] and torch.equal(L.ck[0, 0, 2:4], k[0, 0, [2, 5]])
 
 
@@ -136,7 +138,8 @@ def test_hgca_prefill_weights_and_beta() -> None:
     k[:, :, 3] = 8 * u / u.norm()  # token 3: the sink every query looks at
     lens = []
     for beta in (0.0, 0.5, 1.0, 4.0):
-        s = make("hgca", HgcaParams(gpu_tokens=16, block=8, beta=beta, alpha=0.1), layers=1,
+        s = make("hgca", HgcaParams(variant="union-ema", gpu_tokens=16, block=8, beta=beta,
+                                    alpha=0.1), layers=1,
                  batch=1, max_len=41)
         s.prefill(0, q, k, v)
         s._join(s.layers[0])
@@ -155,8 +158,8 @@ def test_hgca_prefill_maw_of_uniform_attention() -> None:
     keeps sum over its T - j queries of alpha (1 - alpha)^age / W, in closed form
     (1 - (1 - alpha)^(T - j)) / W, whatever the number of keys each query saw."""
     (q, k, v), = inputs(40, 0, batch=1)
-    s = make("hgca", HgcaParams(gpu_tokens=16, block=8, beta=1.0, alpha=0.1), layers=1,
-             batch=1, max_len=41)
+    s = make("hgca", HgcaParams(variant="union-ema", gpu_tokens=16, block=8, beta=1.0,
+                                alpha=0.1), layers=1, batch=1, max_len=41)
     s.prefill(0, torch.zeros_like(q), k, v)
     j = torch.arange(32, 40, dtype=torch.float64)  # the 8 tokens left resident
     want = (1 - 0.9 ** (40 - j)) / 16
@@ -166,8 +169,8 @@ def test_hgca_prefill_maw_of_uniform_attention() -> None:
 def test_hgca_decode_moving_average() -> None:
     """Alg. 1 line 8 at a decode step: resident entries' MAW <- (1 - alpha) MAW + alpha x
     the window softmax of the step's query (the new entry starting from 0)."""
-    s = make("hgca", HgcaParams(gpu_tokens=16, block=8, beta=1.0, alpha=0.3), layers=1,
-             batch=1, max_len=40)
+    s = make("hgca", HgcaParams(variant="union-ema", gpu_tokens=16, block=8, beta=1.0,
+                                alpha=0.3), layers=1, batch=1, max_len=40)
     (q0, k0, v0), (q, k, v) = inputs(8, 1, batch=1)
     s.prefill(0, q0, k0, v0)
     L = s.layers[0]
@@ -317,14 +320,14 @@ def test_hgca_maw_handed_to_selection_after_the_ring_wraps(monkeypatch) -> None:
     every decode query that saw the entry (from 0 at its insertion), computed directly
     over the tokens resident at each step; KV_ctx gets the entries above beta / W."""
     alpha, w = 0.2, 16
-    s = make("hgca", HgcaParams(gpu_tokens=w, block=8, beta=1.0, alpha=alpha), layers=1,
-             batch=1, max_len=40)
+    s = make("hgca", HgcaParams(variant="union-ema", gpu_tokens=w, block=8, beta=1.0,
+                                alpha=alpha), layers=1, batch=1, max_len=40)
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # (k, maw) of each eviction
     select = s._select
 
-    def spy(L, k, v, maw, copied):
+    def spy(L, k, v, maw, size, copied):
         seen.append((k.clone(), maw.clone()))
-        return select(L, k, v, maw, copied)
+        return select(L, k, v, maw, size, copied)
 
     monkeypatch.setattr(s, "_select", spy)
     steps = inputs(4, 28, batch=1)  # 4 prompt tokens (no prefill eviction), 28 decode steps

@@ -150,7 +150,8 @@ def test_hgca_counts_host_entries_on_steps_without_a_selection() -> None:
     """A beta so high that nothing is selected: every decode step with host entries still
     counts them, so the selected fraction is 0 (not missing, and never inflated by
     leaving out such steps)."""
-    s = STRATEGIES.get("hgca")(HgcaParams(gpu_tokens=16, block=8, beta=1e9), context(80))
+    s = STRATEGIES.get("hgca")(HgcaParams(gpu_tokens=16, block=8, beta=1e9, keep_min=0),
+                               context(80))
     drive(s)
     c = s.ctx.counters
     n_host = s.layers[0].n_host

@@ -4,8 +4,10 @@ strategies.hgca.
 The accelerator holds a ring of fixed-size blocks, k/v [B, Hkv, W, D], with a moving
 average of attention weights (MAW) per resident entry and query head, [B, Hq, W]. The
 host holds KV_cpu (every evicted entry, k/v [B, Hkv, N, D]) and the contextual cache
-KV_ctx: per (batch, KV head) row the selected entries, stored contiguously ([B, Hkv, N, D]
-with per-row lengths), which is what the host's sparse attention reads. Only the CPU reads
+KV_ctx: per row the selected entries, stored contiguously ([B, R, N, D] with per-row
+lengths), which is what the host's sparse attention reads. R is Hq for the `authors`
+variant (each query head its own selection, `topk_keep`) and Hkv for `union-ema` (a KV
+head's query heads share the union of their selections, `union_keep`). Only the CPU reads
 KV_cpu and KV_ctx (native kernel, gathers), so they are pageable; the eviction staging that
 the side stream's D2H writes is exactly sized and pinned on CUDA (strategies._hostcopy,
 GPU audit finding 3).
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvbench.errors import require
 from kvbench.kernels.cpu import default_threads
-from kvbench.strategies import _budget
+from kvbench.strategies import Variant, _budget, check_variant, variant_field
 from kvbench.strategies._hostcopy import HostKV
 
 if TYPE_CHECKING:
@@ -37,6 +39,17 @@ MIN_BLOCKS = 4  # a window of fewer blocks is outside the paper's regime (a ring
 class HgcaParams:
     """HGCA knobs (section 3.2): GPU window, sparsification, moving average, blocks, threads."""
 
+    variant: str = variant_field(
+        Variant("authors", "deng451e/beyond-ae KVcache_manager.py: prefill entries scored by "
+                "the column mean of the causal prefill attention (threshold beta / P), a new "
+                "entry's MAW starts at its first weight, per query head its top-k host "
+                "entries (k: the largest at-threshold count in its group of adjacent heads, "
+                "at least --keep-min)"),
+        Variant("union-ema", "kvbench's earlier rules: prefill scored by replaying the "
+                "decode moving average over the prompt (threshold beta / W), a new entry's "
+                "MAW starts at 0, a KV head keeps the host entries any of its query heads "
+                "rates above the threshold and all of them attend those",
+                ignores=("keep_min", "head_groups")))
     gpu_share: float = _budget.gpu_share(0.25, "; the window, rounded down to whole blocks")
     gpu_tokens: int = _budget.gpu_tokens("; a multiple of --block")
     beta: float = field(default=1.0, metadata={
@@ -48,6 +61,13 @@ class HgcaParams:
     block: int = field(default=0, metadata={
         "help": f"KV block size in tokens (0: the largest power of two up to {BLOCK} that "
                 f"leaves the window at least {MIN_BLOCKS} blocks)."})
+    keep_min: int = field(default=10, metadata={
+        "help": "authors: the fewest host entries a query head keeps of each selection "
+                "(the artifact's keep_min, 10; at most the entries offered)."})
+    head_groups: int = field(default=4, metadata={
+        "help": "authors: query heads are split into groups of Hq // this many adjacent "
+                "heads, whose heads all keep as many entries as the group's most (the "
+                "artifact's head_split_num, 4)."})
     cpu_threads: int = field(default=0, metadata={
         "help": "Threads of the host sparse attention (0: this process's CPUs, less one "
                 "where CUDA is present, for the thread that launches the GPU work; the run "
@@ -57,10 +77,13 @@ class HgcaParams:
         "derived": True, "help": "Blocks in the accelerator window (set by the run)."})
 
     def __post_init__(self) -> None:
+        check_variant(self)
         require(self.beta >= 0, f"--beta {self.beta}: must be >= 0")
         _budget.check(self.gpu_share, self.gpu_tokens)
         require(0 < self.alpha <= 1, f"--alpha {self.alpha}: must be in (0, 1]")
         require(self.block >= 0, f"--block {self.block}: must be at least 1 (0: automatic)")
+        require(self.keep_min >= 0, f"--keep-min {self.keep_min}: must be >= 0")
+        require(self.head_groups >= 1, f"--head-groups {self.head_groups}: must be >= 1")
         require(self.cpu_threads >= 0,
                 f"--cpu-threads {self.cpu_threads}: must be >= 0 (0: automatic)")
 
@@ -99,7 +122,8 @@ def host_dtype(dtype: torch.dtype) -> torch.dtype:
 class LayerKV:
     """One layer: ring + MAW on the accelerator, KV_cpu and KV_ctx on the host, worker jobs."""
 
-    def __init__(self, ctx: RunContext, w: int, block: int) -> None:
+    def __init__(self, ctx: RunContext, w: int, block: int, rows: int) -> None:
+        """rows: KV_ctx rows per sequence (Hq or Hkv, see the module docstring)."""
         import torch
 
         s, b, n = ctx.spec, ctx.batch, ctx.max_len
@@ -115,10 +139,10 @@ class LayerKV:
         self.hk = torch.empty(b, hkv, n, d, dtype=hd)  # KV_cpu
         self.hv = torch.empty_like(self.hk)
         self.n_host = 0
-        self.ck = torch.empty(b, hkv, n, d, dtype=hd)  # KV_ctx, contiguous per row
+        self.ck = torch.empty(b, rows, n, d, dtype=hd)  # KV_ctx, contiguous per row
         self.cv = torch.empty_like(self.ck)
-        self.lens = torch.zeros(b * hkv, dtype=torch.int32)
-        self.cpos = torch.empty(b * hkv, n, dtype=torch.int32)  # KV_ctx entries' positions
+        self.lens = torch.zeros(b * rows, dtype=torch.int32)
+        self.cpos = torch.empty(b * rows, n, dtype=torch.int32)  # KV_ctx entries' positions
         self.seen = (0, 0)  # (host entries, resident entries) the last decode step attended
         self.sk = self.host.empty((b, hkv, block, d), hd)  # eviction staging
         self.sv = self.host.empty((b, hkv, block, d), hd)
@@ -143,14 +167,15 @@ class LayerKV:
                     + s.n_heads * (block * 4 + s.head_dim * he + 4))
 
     @staticmethod
-    def nbytes(ctx: RunContext, w: int, block: int) -> tuple[int, int]:
+    def nbytes(ctx: RunContext, w: int, block: int, rows: int) -> tuple[int, int]:
         """(accelerator, host) bytes one layer allocates (the output buffers included)."""
         s, b = ctx.spec, ctx.batch
         hkv, hq, d = s.n_kv_heads, s.n_heads, s.head_dim
         he = host_dtype(ctx.dtype).itemsize
         accel = b * w * (2 * hkv * d * ctx.elem_bytes + hq * 4)  # ring k/v, MAW
-        host = b * hkv * (d * he * (4 * ctx.max_len + 2 * block) + 4 * ctx.max_len + 4)
-        # KV_cpu, KV_ctx, staging, KV_ctx positions and row lengths
+        host = b * hkv * d * he * (2 * ctx.max_len + 2 * block)  # KV_cpu, staging
+        host += b * rows * (2 * d * he * ctx.max_len + 4 * ctx.max_len + 4)
+        # KV_ctx, its positions and row lengths
         host += b * hq * (block * 4 + d * he + 4)  # staging MAW, output and lse
         return accel, host
 
@@ -171,24 +196,68 @@ class LayerKV:
         self.n_host += n
         return h0
 
-    def keep(self, k: torch.Tensor, v: torch.Tensor, weight: torch.Tensor,
-             threshold: float | None, first: int) -> None:
+    def keep(self, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, first: int) -> None:
         """KV_ctx[row] += the entries of k/v [B, Hkv, n, D] (positions first, first + 1, ...)
-        whose weight [B, Hq, n] exceeds threshold for some query head of the row's KV head
-        (None: every entry), in order."""
+        that keep [B, R, n] (bool, from `topk_keep` or `union_keep`) marks for the row, in
+        position order; a row of query head h reads KV head h // (R / Hkv)."""
         import torch
 
         b, hkv, n, d = k.shape
-        g = weight.shape[1] // hkv
-        score = weight.view(b, hkv, g, n).amax(dim=2).reshape(b * hkv, n)
-        keep = torch.ones_like(score, dtype=torch.bool) if threshold is None else score > threshold
+        r = keep.shape[1]
+        keep = keep.reshape(b * r, n)
         rows, j = keep.nonzero(as_tuple=True)
+        src = rows // (r // hkv)  # row b * R + h reads KV row b * Hkv + h // g
         pos = self.lens.long()[rows] + (keep.long().cumsum(dim=1) - 1)[rows, j]
-        ck, cv = self.ck.view(b * hkv, -1, d), self.cv.view(b * hkv, -1, d)
-        ck[rows, pos] = k.reshape(b * hkv, n, d)[rows, j]
-        cv[rows, pos] = v.reshape(b * hkv, n, d)[rows, j]
+        ck, cv = self.ck.view(b * r, -1, d), self.cv.view(b * r, -1, d)
+        ck[rows, pos] = k.reshape(b * hkv, n, d)[src, j]
+        cv[rows, pos] = v.reshape(b * hkv, n, d)[src, j]
         self.cpos[rows, pos] = (first + j).to(torch.int32)
         self.lens += keep.sum(dim=1, dtype=torch.int32)
+
+
+def union_keep(weight: torch.Tensor, hkv: int, threshold: float | None) -> torch.Tensor:
+    """`union-ema` (HGCA Alg. 1 lines 20 and 23 with GQA): bool [B, Hkv, n], the entries
+    whose weight [B, Hq, n] exceeds threshold for some query head of the KV head (None:
+    every entry)."""
+    import torch
+
+    b, hq, n = weight.shape
+    if threshold is None:
+        return torch.ones(b, hkv, n, dtype=torch.bool, device=weight.device)
+    return weight.view(b, hkv, hq // hkv, n).amax(dim=2) > threshold
+
+
+def topk_keep(weight: torch.Tensor, threshold: float | None, groups: int,
+              floor: int) -> torch.Tensor:
+    """`authors` (beyond-ae KVcache_manager.py, distill and its callers): bool [B, Hq, n],
+    per query head its k highest-weight entries of weight [B, Hq, n], k = the largest count
+    of entries at or above threshold among the head's group of max(1, Hq // groups)
+    adjacent heads (the last group may be smaller), at least `floor`, at most n (None:
+    every entry). Equal weights: the earlier position first."""
+    import torch
+
+    b, hq, n = weight.shape
+    if threshold is None:
+        return torch.ones(b, hq, n, dtype=torch.bool, device=weight.device)
+    size = max(1, hq // groups)
+    ng = -(-hq // size)
+    count = torch.zeros(b, ng * size, dtype=torch.int64, device=weight.device)
+    count[:, :hq] = (weight >= threshold).sum(dim=-1)
+    k = count.view(b, ng, size).amax(dim=-1).clamp(floor, n).repeat_interleave(size, dim=1)
+    order = weight.argsort(dim=-1, descending=True, stable=True)
+    ranked = torch.arange(n, device=weight.device) < k[:, :hq, None]  # rank r: kept if < k
+    return torch.zeros_like(ranked).scatter_(-1, order, ranked)
+
+
+def column_mean(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, n: int, *,
+                scale: float) -> torch.Tensor:
+    """`authors` MAW [B, Hq, n + T] of the window's n keys and T new ones after a prefill or
+    append: the mean over the T queries (q [B, Hq, T, D] at positions n..) of their causal
+    attention over k [B, Hkv, n + T, D] (lse [B, Hq, T]), replacing the earlier MAW
+    (beyond-ae add_cache: A_gpu.sum(dim=-2) / s)."""
+    from kvbench.strategies import column_scores
+
+    return column_scores(q, k, lse, scale=scale, q_start=n) / q.shape[2]
 
 
 def ingest_maw(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, n: int,

@@ -64,8 +64,11 @@ from kvbench.strategies._hgca_kv import (
     MIN_BLOCKS,
     HgcaParams,
     LayerKV,
+    column_mean,
     host_threads,
     ingest_maw,
+    topk_keep,
+    union_keep,
 )
 from kvbench.strategies._hostcopy import transfer
 
@@ -80,7 +83,7 @@ class Hgca(Strategy):
     """HGCA: dense attention on a GPU ring window + per-head sparse attention on the host."""
 
     name = "hgca"
-    version = "4"
+    version = "5"  # 5: variants, `authors` (the artifact's rules) the default
     params = HgcaParams
     exact = (("beta", 0.0),)  # every host entry selected (section 3.2.2)
 
@@ -115,23 +118,30 @@ class Hgca(Strategy):
     def placement(cls, params: HgcaParams, ctx: RunContext) -> dict[str, int]:
         """Per layer (LayerKV.nbytes): ring k/v and MAW on the accelerator; KV_cpu, KV_ctx
         (float32 for a float16 model), eviction staging and output buffers on the host;
-        plus the host's row index [B * Hkv, max_len] int32. "pinned": the staging and
+        plus the host's row index [B * R, max_len] int32 (R: `rows`). "pinned": the staging and
         output buffers (LayerKV.pinned), part of "host"."""
         p, _ = cls.for_run(params, ctx.max_len)
-        accel, host = LayerKV.nbytes(ctx, p.window(ctx.max_len), p.block)
-        index = ctx.batch * ctx.spec.n_kv_heads * ctx.max_len * 4
+        rows = cls.rows(p, ctx)
+        accel, host = LayerKV.nbytes(ctx, p.window(ctx.max_len), p.block, rows)
+        index = ctx.batch * rows * ctx.max_len * 4
         return {"accel": ctx.n_layers * accel, "host": ctx.n_layers * host + index,
                 "pinned": ctx.n_layers * LayerKV.pinned(ctx, p.block)}
+
+    @staticmethod
+    def rows(params: HgcaParams, ctx: RunContext) -> int:
+        """KV_ctx rows per sequence: one per query head (`authors`) or per KV head."""
+        return ctx.spec.n_heads if params.variant == "authors" else ctx.spec.n_kv_heads
 
     def __init__(self, params: HgcaParams, ctx: RunContext) -> None:
         import torch
 
         params, _ = self.for_run(params, ctx.max_len)
         super().__init__(params, ctx)
+        self.authors = params.variant == "authors"
         self.w = params.window(ctx.max_len)
-        self.layers = [LayerKV(ctx, self.w, params.block) for _ in range(ctx.n_layers)]
-        rows = ctx.batch * ctx.spec.n_kv_heads
-        self.idx = torch.arange(ctx.max_len, dtype=torch.int32).repeat(rows, 1)
+        rows = self.rows(params, ctx)
+        self.layers = [LayerKV(ctx, self.w, params.block, rows) for _ in range(ctx.n_layers)]
+        self.idx = torch.arange(ctx.max_len, dtype=torch.int32).repeat(ctx.batch * rows, 1)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hgca-select")
         self.stream = torch.cuda.Stream(ctx.accel) if ctx.accel.type == "cuda" else None
         self.scale = ctx.spec.head_dim ** -0.5
@@ -154,12 +164,14 @@ class Hgca(Strategy):
         with self.ctx.counters.timed("bookkeeping.issue"):
             L.jobs.append(self.worker.submit(fn, L, *args))
 
-    def _evict(self, L: LayerKV, k: torch.Tensor, v: torch.Tensor, maw: torch.Tensor) -> None:
+    def _evict(self, L: LayerKV, k: torch.Tensor, v: torch.Tensor, maw: torch.Tensor,
+               size: int) -> None:
         """Lines 11-13 then 23-25: copy k/v [B, Hkv, n, D] and MAW [B, Hq, n] to the host
-        and hand the selection to the worker. One block (a decode step's eviction) goes to
-        the layer's pinned staging: on CUDA made contiguous in the host dtype on the side
-        stream, then an async D2H (GPU audit finding 6). A prefill's or append's overflow
-        (more than one block) is copied once, blocking, to fresh pageable buffers."""
+        and hand the selection (threshold beta / size) to the worker. One block (a decode
+        step's eviction) goes to the layer's pinned staging: on CUDA made contiguous in the
+        host dtype on the side stream, then an async D2H (GPU audit finding 6). A prefill's
+        or append's overflow (more than one block) is copied once, blocking, to fresh
+        pageable buffers."""
         import torch
 
         c = self.ctx.counters
@@ -170,14 +182,14 @@ class Hgca(Strategy):
             with c.timed("bookkeeping.evict"):
                 staged = tuple(x.to("cpu", dt, copy=True) for x, dt in
                                zip(src, (L.hk.dtype, L.hk.dtype, torch.float32), strict=True))
-            self._submit(L, self._select, *staged, None)
+            self._submit(L, self._select, *staged, size, None)
             return
         staged = (L.sk, L.sv, L.smaw)
         if self.stream is None:
             with c.timed("bookkeeping.evict"):
                 for dst, x in zip(staged, src, strict=True):
                     transfer(dst, x.to(dst.dtype).contiguous())
-            self._submit(L, self._select, *staged, None)
+            self._submit(L, self._select, *staged, size, None)
             return
         with c.timed("bookkeeping.issue"):
             self.stream.wait_stream(torch.cuda.current_stream())
@@ -186,54 +198,60 @@ class Hgca(Strategy):
                     transfer(dst, x.to(dst.dtype).contiguous())
                 L.copied = L.side = torch.cuda.Event()
                 L.copied.record(self.stream)
-        self._submit(L, self._select, *staged, L.copied)
+        self._submit(L, self._select, *staged, size, L.copied)
 
-    def _manage(self, L: LayerKV, q: torch.Tensor, lse: torch.Tensor, a: int | None) -> None:
-        """Lines 8-13 after a decode step: MAW update, then (a: first slot of the oldest
-        block, when the ring is full) its eviction. On CUDA the update goes on the side
-        stream (the paper's per-buffer stream); on a CPU-only machine this thread does it."""
+    def _manage(self, L: LayerKV, q: torch.Tensor, lse: torch.Tensor, slot: int,
+                a: int | None) -> None:
+        """Lines 8-13 after a decode step that wrote ring slot `slot`: MAW update, then (a:
+        first slot of the oldest block, when the ring is full) its eviction. On CUDA the
+        update goes on the side stream (the paper's per-buffer stream); on a CPU-only
+        machine this thread does it."""
         import torch
 
         c = self.ctx.counters
         if self.stream is None:
             with c.timed("bookkeeping.maw"):
-                self._update_maw(L, q, lse)
+                self._update_maw(L, q, lse, slot)
         else:
             with c.timed("bookkeeping.issue"):
                 self.stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(self.stream):
-                    self._update_maw(L, q, lse)
+                    self._update_maw(L, q, lse, slot)
                     L.side = torch.cuda.Event()
                     L.side.record(self.stream)
                 q.record_stream(self.stream)
                 lse.record_stream(self.stream)
         if a is not None:
             e = a + self.p.block
-            self._evict(L, L.gk[:, :, a:e], L.gv[:, :, a:e], L.maw[:, :, a:e])
+            self._evict(L, L.gk[:, :, a:e], L.gv[:, :, a:e], L.maw[:, :, a:e], self.w)
 
-    def _threshold(self, size: int) -> float | None:
-        """beta / size, the selection threshold over `size` entries (None at beta 0: all)."""
-        return self.p.beta / size if self.p.beta > 0 else None
+    def _chosen(self, weight: torch.Tensor, size: int) -> torch.Tensor:
+        """The variant's selection of entries with weight [B, Hq, n] at threshold beta /
+        size (every entry at beta 0): bool [B, R, n], `topk_keep` or `union_keep`."""
+        t = self.p.beta / size if self.p.beta > 0 else None
+        if self.authors:
+            return topk_keep(weight, t, self.p.head_groups, self.p.keep_min)
+        return union_keep(weight, self.ctx.spec.n_kv_heads, t)
 
     def _select(self, L: LayerKV, k: torch.Tensor, v: torch.Tensor, maw: torch.Tensor,
-                copied: Any) -> dict[str, float]:
-        """Worker: KV_cpu += evicted block; KV_ctx += its entries with MAW > beta / W.
-        The clock starts once the D2H copy has landed (GPU audit finding 13): waiting for
-        the side stream is not selection time."""
+                size: int, copied: Any) -> dict[str, float]:
+        """Worker: KV_cpu += evicted entries; KV_ctx += those the variant selects at
+        threshold beta / size. The clock starts once the D2H copy has landed (GPU audit
+        finding 13): waiting for the side stream is not selection time."""
         import torch
 
         if copied is not None:
             copied.synchronize()
         t0 = time.perf_counter()
         with torch.inference_mode():
-            L.keep(k, v, maw, self._threshold(self.w), L.add_host(k, v))
+            L.keep(k, v, self._chosen(maw, size), L.add_host(k, v))
         return {"select": time.perf_counter() - t0}
 
     def _reselect(self, L: LayerKV, qh: torch.Tensor, lse: torch.Tensor,
                   n: int) -> dict[str, float]:
-        """Worker, after an append (lines 19-21): KV_ctx <- the KV_cpu[:n] entries whose
-        weight A_cpu (host softmax of the T appended queries qh [B, Hq, T, D] with lse
-        [B, Hq, T], mean over the queries) exceeds beta / n."""
+        """Worker, after an append (lines 19-21): KV_ctx <- the KV_cpu[:n] entries the
+        variant selects by their weight A_cpu (host softmax of the T appended queries qh
+        [B, Hq, T, D] with lse [B, Hq, T], mean over the queries) at threshold beta / n."""
         import torch
 
         t0 = time.perf_counter()
@@ -241,13 +259,17 @@ class Hgca(Strategy):
             hk, hv = L.hk[:, :, :n], L.hv[:, :, :n]
             a_cpu = column_scores(qh, hk, lse, scale=self.scale, q_start=n) / qh.shape[2]
             L.lens.zero_()
-            L.keep(hk, hv, a_cpu, self._threshold(n), 0)
+            L.keep(hk, hv, self._chosen(a_cpu, n), 0)
         return {"reselect": time.perf_counter() - t0}
 
-    def _update_maw(self, L: LayerKV, q: torch.Tensor, lse: torch.Tensor) -> None:
-        """Line 8: MAW <- (1 - alpha) MAW + alpha A_gpu, A_gpu the window softmax [B, Hq, W]."""
+    def _update_maw(self, L: LayerKV, q: torch.Tensor, lse: torch.Tensor, slot: int) -> None:
+        """Line 8: MAW <- (1 - alpha) MAW + alpha A_gpu, A_gpu the window softmax [B, Hq, W].
+        The entry just written at `slot` starts from 0 (`union-ema`) or, as in beyond-ae's
+        add_cache, at its first weight A_gpu[slot] (`authors`)."""
         a = decode_weights(q, L.gk, lse, scale=self.scale)
         L.maw.mul_(1 - self.p.alpha).add_(a, alpha=self.p.alpha)
+        if self.authors:
+            L.maw[:, :, slot] = a[:, :, slot]
 
     # -- Algorithm 2: hybrid attention -------------------------------------------------------
 
@@ -290,8 +312,9 @@ class Hgca(Strategy):
         return out, lse
 
     def _count_selected(self, L: LayerKV, b: int) -> None:
-        """Host-resident and selected tokens (per KV head, summed over the batch) of a decode
-        step: every step with host entries, those that select none included."""
+        """Host-resident and selected tokens (per KV_ctx row: query head for `authors`, KV
+        head for `union-ema`; summed over the batch) of a decode step: every step with host
+        entries, those that select none included."""
         c = self.ctx.counters
         c.add("tokens", "host_resident", b * L.n_host)
         for h, n in enumerate(L.lens.view(b, -1).sum(dim=0).tolist()):
@@ -312,7 +335,11 @@ class Hgca(Strategy):
                 v: torch.Tensor) -> torch.Tensor:
         """Prefill (empty layer) or append of T tokens: q [B, Hq, T, D], k/v [B, Hkv, T, D]
         -> causal attention [B, Hq, T, D] over the window, the new tokens and (append)
-        all of KV_cpu; then new MAW, overflow eviction and (append) re-evaluation."""
+        all of KV_cpu; then new MAW, overflow eviction and (append) re-evaluation.
+        `authors`: the MAW is the column mean of this attention (`column_mean`), the
+        overflow is selected at beta / (n + T) and KV_cpu re-evaluated only when the append
+        evicts (beyond-ae's add_cache starts its append thread only then); `union-ema`: the
+        decode average replayed (`ingest_maw`), beta / W, re-evaluated at every append."""
         import torch
 
         from kvbench.kernels.attention import dense_attention, merge
@@ -330,6 +357,8 @@ class Hgca(Strategy):
         qh = self._to_host(L, q) if nh else None
         out, lse = dense_attention(q, keys, vals, q_start=n)
         c.attended("accel", q, n + t)
+        m = n + t
+        evict = math.ceil((m - self.w + 1) / self.p.block) * self.p.block if m >= self.w else 0
         if qh is not None:  # the host part is exact: every KV_cpu entry
             with c.timed("accel_idle"):
                 host = dense_attention(qh, L.hk[:, :, :nh], L.hv[:, :, :nh], causal=False,
@@ -341,22 +370,25 @@ class Hgca(Strategy):
             c.join()
             with c.timed("bookkeeping.merge"):
                 out, _ = merge(out, lse, *host)
-            self._submit(L, self._reselect, qh, host[1], nh)
-        if self.ctx.max_len > self.w:  # some token will leave the window: it needs a MAW
+            if evict or not self.authors:
+                self._submit(L, self._reselect, qh, host[1], nh)
+        if self.ctx.max_len <= self.w:  # no token will leave the window: no MAW needed
+            maw = L.maw.new_zeros(q.shape[0], q.shape[1], m)
+        elif self.authors:
+            with c.timed("bookkeeping.scores"):
+                maw = column_mean(q, keys, lse, n, scale=self.scale)
+        else:
             with c.timed("bookkeeping.scores"):
                 maw = ingest_maw(q, keys, lse, n, old, alpha=self.p.alpha, w=self.w,
                                  scale=self.scale)
-        else:
-            maw = L.maw.new_zeros(q.shape[0], q.shape[1], n + t)
-        m = n + t
-        evict = math.ceil((m - self.w + 1) / self.p.block) * self.p.block if m >= self.w else 0
         r = m - evict
         L.gk[:, :, :r] = keys[:, :, evict:]
         L.gv[:, :, :r] = vals[:, :, evict:]
         L.maw[:, :, :r] = maw[:, :, evict:]
         L.n, L.tail = r, 0
         if evict:
-            self._evict(L, keys[:, :, :evict], vals[:, :, :evict], maw[:, :, :evict])
+            self._evict(L, keys[:, :, :evict], vals[:, :, :evict], maw[:, :, :evict],
+                        m if self.authors else self.w)
         return out
 
     append = prefill  # a later turn's prompt: the same path onto a non-empty layer
@@ -384,6 +416,8 @@ class Hgca(Strategy):
         a zero MAW: a saved request carries KV only (CXL KV-storage paper section 2). The
         append that follows attends all of KV_cpu and re-selects KV_ctx from its queries
         (Alg. 1 lines 19-21), and gives the window its MAW (line 8)."""
+        import torch
+
         from kvbench.strategies._hgca_kv import host_dtype
 
         hd = host_dtype(self.ctx.dtype)
@@ -399,12 +433,13 @@ class Hgca(Strategy):
             if evict:
                 self.ctx.counters.moved("d2h", 2 * k[:, :, :evict].numel() * k.element_size())
                 hk, hv = (x[:, :, :evict].to("cpu", hd) for x in (k, v))
-                L.keep(hk, hv, L.maw.new_zeros(k.shape[0], L.maw.shape[1], evict).cpu(), None,
-                       L.add_host(hk, hv))
+                every = torch.ones(k.shape[0], L.lens.numel() // k.shape[0], evict,
+                                   dtype=torch.bool)
+                L.keep(hk, hv, every, L.add_host(hk, hv))
 
     def attended(self, layer: int) -> torch.Tensor:
         """The last decode step's positions, bool [B, Hq, n]: the resident window (the
-        newest entries) and, per KV head's query heads, the KV_ctx entries it selected then
+        newest entries) and, per query head, the KV_ctx entries of its row then
         (the step's own eviction, still being selected, adds only newer positions)."""
         import torch
 
@@ -419,8 +454,8 @@ class Hgca(Strategy):
         valid = (torch.arange(n) < L.lens[:, None]) & (pos < nh)
         mask[valid.nonzero(as_tuple=True)[0], pos[valid]] = True
         b, hq = self.ctx.batch, self.ctx.spec.n_heads
-        hkv = rows // b
-        return mask.view(b, hkv, 1, -1).expand(b, hkv, hq // hkv, -1).reshape(b, hq, -1).to(
+        r = rows // b
+        return mask.view(b, r, 1, -1).expand(b, r, hq // r, -1).reshape(b, hq, -1).to(
             self.ctx.accel)
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor,
@@ -455,7 +490,7 @@ class Hgca(Strategy):
                     L.merged = torch.cuda.Event()
                     L.merged.record(torch.cuda.current_stream())
         full = L.n == self.w  # line 10: full after the append, evict the oldest block
-        self._manage(L, q, lse_w, L.tail if full else None)
+        self._manage(L, q, lse_w, slot, L.tail if full else None)
         if full:
             L.tail = (L.tail + self.p.block) % self.w
             L.n -= self.p.block
