@@ -18,6 +18,14 @@ results and HTML apart, `results/<name>/` holds data and the rendered table, no 
     keep_traces = ["trace.topk_recall"]                  # decode traces kept in it
     aliases = { budget = ["budget_tokens", "gpu_tokens"] }
 
+    [[projection]]   # `kvbench project` over a sweep, rewritten whole by `run`
+    source = "results/hgca-fig12/source.jsonl"   # runs with traces
+    hardware = ["a6000-pcie4"]
+    model = ["opt-6.7b", "opt-13b"]   # lists sweep; absent: each run's own shape
+    batch = [1, 8]
+    bookkeeping = ["measured", "none"]
+    out = "results/hgca-fig12/projected.jsonl"
+
     [[table]]   # kvbench.present.pivot.Pivot's fields; [[table.extra]], [[table.paper]]
 
 Bad input (unknown suite, strategy, parameter or metric; two runs in one cell) is refused
@@ -38,6 +46,26 @@ from kvbench.suite_spec import tomllib  # tomli on Python 3.10
 
 EXPERIMENTS = REPO_ROOT / "experiments"
 _HEAD = {"name", "title", "setup", "suites", "records", "keep_traces", "aliases"}
+_SWEPT = ("model", "batch", "prompt_len", "gen_len", "bookkeeping")
+
+
+@dataclass(frozen=True)
+class Projection:
+    """`kvbench project SOURCE --hardware H...` at every point of the swept settings."""
+
+    source: Path
+    out: Path
+    hardware: tuple[str, ...]
+    sweep: dict[str, tuple[Any, ...]]  # _SWEPT names -> values
+    dtype: str = "float16"
+    memory: str = "pinned"
+
+    def points(self) -> list[dict[str, Any]]:
+        import itertools
+
+        keys = list(self.sweep)
+        return [dict(zip(keys, p, strict=True))
+                for p in itertools.product(*(self.sweep[k] for k in keys))]
 # parameters the run adds to every record beside its config's fields (runtime.run_params)
 _RUN_LABELS = {"layers_total", "accel", "depth", "steps_completed", "prefix_chunk"}
 
@@ -53,6 +81,7 @@ class Experiment:
     keep_traces: tuple[str, ...]
     aliases: dict[str, tuple[str, ...]]
     tables: tuple[Pivot, ...]
+    projections: tuple[Projection, ...] = ()
 
     @property
     def out(self) -> Path:
@@ -92,9 +121,29 @@ def _pivot(raw: dict[str, Any], i: int, path: Path) -> Pivot:
         kw = {k: v for k, v in raw.items() if k not in ("extra", "paper")}
         kw["rows"] = tuple(kw["rows"]) if isinstance(kw["rows"], list) else (kw["rows"],)
         kw["order"] = tuple(kw.get("order", ()))
+        kw["ratios"] = tuple(tuple(r) for r in kw.get("ratios", ()))
         return Pivot(**kw, extras=extras, paper=paper)
     except (TypeError, KeyError) as e:
         raise KvbenchError(f"{where}: {e}") from None
+
+
+def _projection(raw: dict[str, Any], i: int, path: Path) -> Projection:
+    where = f"{path.name}: projection {i + 1}"
+    allowed = {"source", "out", "hardware", "dtype", "memory", *_SWEPT}
+    unknown = sorted(set(raw) - allowed)
+    require(not unknown, f"{where}: unknown key '{unknown[0] if unknown else ''}'")
+    for key in ("source", "out", "hardware"):
+        require(key in raw, f"{where}: '{key}' is required")
+    source = REPO_ROOT / raw["source"]
+    require(source.exists(), f"{where}: source '{raw['source']}' does not exist")
+    sweep = {k: tuple(v) if isinstance(v, list) else (v,) for k, v in raw.items()
+             if k in _SWEPT}
+    for b in sweep.get("bookkeeping", ()):
+        require(b in ("measured", "none"), f"{where}: bookkeeping '{b}': measured or none")
+    hw = raw["hardware"]
+    return Projection(source, REPO_ROOT / raw["out"], tuple(hw if isinstance(hw, list)
+                                                            else [hw]), sweep,
+                      raw.get("dtype", "float16"), raw.get("memory", "pinned"))
 
 
 def load_experiment(name_or_path: str | Path) -> Experiment:
@@ -111,7 +160,8 @@ def load_experiment(name_or_path: str | Path) -> Experiment:
     except tomllib.TOMLDecodeError as e:
         raise KvbenchError(f"{path}: not valid TOML: {e}") from None
     head = doc.get("experiment", {})
-    unknown = sorted(set(head) - _HEAD) + sorted(set(doc) - {"experiment", "table"})
+    unknown = sorted(set(head) - _HEAD) + sorted(set(doc) - {"experiment", "table",
+                                                              "projection"})
     require(not unknown, f"{path.name}: unknown key '{unknown[0] if unknown else ''}'")
     require("name" in head and head.get("records"), f"{path.name}: [experiment] needs a "
             "name and records")
@@ -123,7 +173,9 @@ def load_experiment(name_or_path: str | Path) -> Experiment:
                      head.get("setup", ""), suites,
                      tuple(REPO_ROOT / r for r in head["records"]),
                      tuple(head.get("keep_traces", ())), aliases,
-                     tuple(_pivot(t, i, path) for i, t in enumerate(doc.get("table", []))))
+                     tuple(_pivot(t, i, path) for i, t in enumerate(doc.get("table", []))),
+                     tuple(_projection(p, i, path)
+                           for i, p in enumerate(doc.get("projection", []))))
     _check_names(exp)
     return exp
 
@@ -132,7 +184,8 @@ def _check_names(exp: Experiment) -> None:
     """Every strategy and parameter a table names is one kvbench knows."""
     from kvbench.strategies import STRATEGIES
 
-    known = _known_params() | set(exp.aliases)
+    known = _known_params() | set(exp.aliases) | {"hardware", "bookkeeping", "gpus", "pnms",
+                                                  "provenance"}
     for t in exp.tables:
         filters = [t.where, t.reference or {}]
         for key in [*t.rows, t.columns, *(k for f in filters for k in f)]:
@@ -179,6 +232,27 @@ def render(exp: Experiment) -> str:
     return "\n".join(md)
 
 
+def project(proj: Projection) -> int:
+    """Re-time the source's runs at every point; `proj.out` rewritten whole (projections
+    are cheap). Every point is projected before anything is written."""
+    from kvbench.envinfo import collect_env
+    from kvbench.hwmodel.cli import projected, target_shape
+    from kvbench.store import ResultWriter, load
+
+    src = load(proj.source).records
+    recs = []
+    for point in proj.points():
+        target = target_shape(point.get("model"), point.get("batch", 1),
+                              point.get("prompt_len", 1920), point.get("gen_len", 128),
+                              proj.dtype) if "model" in point else None
+        recs += projected(src, _rel(proj.source), list(proj.hardware), [], proj.memory,
+                          target, point.get("bookkeeping", "measured") == "measured")[0]
+    proj.out.unlink(missing_ok=True)
+    with ResultWriter(proj.out, collect_env()) as w:
+        w.write_all(recs)
+    return len(recs)
+
+
 def _rel(path: Path) -> str:
     """`path` as records and messages name it: relative to the repository when inside."""
     return str(path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path)
@@ -209,6 +283,9 @@ def run(exp: Experiment, resume: bool, only: str | None = None) -> int:
         return unit_key(r), r.get("name"), r.get("version")
 
     outputs = [o for o in outputs if o.exists()]
+    if only is None:
+        for proj in exp.projections:
+            project(proj)
     fresh = {case(json.loads(ln)) for o in outputs for ln in read_lines(o)}
     target = exp.records[0]
     kept = [ln for ln in read_lines(target) if case(json.loads(ln)) not in fresh] \

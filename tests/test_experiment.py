@@ -188,3 +188,29 @@ def test_run_folds_the_suites_outputs_into_the_records(tmp_path: Path,
     # c1 (not re-run), c9 (another suite) and c2 at version 0 stay; c2 at version 1 is new
     assert got == [("full", 10.0, "1"), ("h2o", 20.0, "1"), ("quest", 12.5, "0"),
                    ("quest", 12.5, "1")]
+
+
+def test_a_declared_projection_sweeps_and_labels_its_records(tmp_path: Path) -> None:
+    """Every point of the sweep is projected from the source's runs, labelled by its
+    bookkeeping setting and provenance 'projected'; the table pivots them."""
+    import dataclasses
+
+    from kvbench.store import load
+
+    exp = load_experiment("hgca-fig12")
+    proj = dataclasses.replace(exp.projections[0], out=tmp_path / "p.jsonl",
+                               sweep={"model": ("opt-6.7b",), "batch": (1, 4),
+                                      "prompt_len": (1920,), "gen_len": (128,),
+                                      "bookkeeping": ("none", "measured")})
+    n = experiment.project(proj)
+    recs = load(tmp_path / "p.jsonl").records
+    assert n == len(recs) > 0 and {r["provenance"] for r in recs} == {"projected"}
+    tps = [r for r in recs if r["metric"] == "decode_tokens_per_s"]
+    assert {(r["name"], r["params"]["batch"], r["params"]["bookkeeping"]) for r in tps} == {
+        (s, b, k) for s in ("offload", "h2o", "hgca") for b in (1, 4)
+        for k in ("none", "measured")}
+    t = Table(exp.tables[0], recs, exp.aliases)
+    row = t.cells[("opt-6.7b (batch 4)", "hgca")]
+    assert row["params"]["bookkeeping"] == "none"
+    ratio = row["value"] / t.cells[("opt-6.7b (batch 4)", "offload")]["value"]
+    assert f"| {ratio:.2f}x |" in "\n".join(t.markdown())

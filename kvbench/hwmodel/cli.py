@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvbench.errors import require
 from kvbench.hwmodel.profile import Profile, load, names, rows
 from kvbench.hwmodel.scale import Shape
 from kvbench.models import ModelSpec
+
+if TYPE_CHECKING:
+    from kvbench.schema import Record
 
 THIS_PROBES = ("roofline", "attention", "bandwidth", "timer")
 
@@ -91,22 +95,18 @@ def target_shape(model: str | None, batch: int, prompt_len: int, gen_len: int,
     return Shape(get_spec(model), batch, prompt_len, gen_len, elem)
 
 
-def project(results: Path, hardware: list[str], probe_files: list[Path], memory: str,
-            out: Path | None, target: Shape | None = None, carried: bool = True,
-            gpus: int | None = None, pnms: int | None = None, skip: int = 0) -> None:
-    from kvbench.console import wrote
-    from kvbench.envinfo import collect_env
+def projected(src: list[dict], label: str, hardware: list[str], probe_files: list[Path],
+              memory: str, target: Shape | None = None, carried: bool = True,
+              gpus: int | None = None, pnms: int | None = None, skip: int = 0
+              ) -> tuple[list[Record], int]:
+    """The projected records of every run in `src` (records of the file `label`) on every
+    profile of `hardware`, and the number of runs; every profile is resolved before the
+    first run is re-timed, so bad input raises before any work (KvbenchError)."""
     from kvbench.hwmodel.project import records, runs
-    from kvbench.store import ResultWriter, default_out_path
-    from kvbench.store import load as load_results
 
     require(memory in ("pinned", "pageable"), f"--memory '{memory}': pinned or pageable")
     require(skip >= 0, f"--skip-steps {skip}: must be >= 0")
-    from kvbench.paths import check_results_out
-
-    check_results_out(out)
-    src = load_results(results).records
-    groups = runs(src, str(results))
+    groups = runs(src, label)
     specs = {key: target.spec if target else _spec(recs[0]["params"])
              for key, recs in groups.items()}
     this = this_records(probe_files, src, sorted({s.name for s in specs.values() if s})) \
@@ -116,7 +116,7 @@ def project(results: Path, hardware: list[str], probe_files: list[Path], memory:
         return h, spec.name if spec is not None and h == "this" else ""
 
     profiles: dict[tuple[str, str], Profile] = {}
-    for h in hardware:  # every profile before the first record: a bad one writes nothing
+    for h in hardware:
         for spec in specs.values():
             if at(h, spec) not in profiles:
                 p = resolve(h, probe_files, src, spec, this)
@@ -125,19 +125,30 @@ def project(results: Path, hardware: list[str], probe_files: list[Path], memory:
 
                     p = replicate(p, 1 if gpus is None else gpus, 1 if pnms is None else pnms)
                 profiles[at(h, spec)] = p
-    path = out or default_out_path("project")
-    n = 0
-    with ResultWriter(path, collect_env()) as w:
-        for h in hardware:
-            for key, recs in groups.items():
-                for rec in records(recs, profiles[at(h, specs[key])], memory, target,
-                                   carried, skip):
-                    w.write(rec)
-                    n += 1
-    wrote(path)
-    from kvbench.console import err_console
+    out = [rec for h in hardware for key, recs in groups.items()
+           for rec in records(recs, profiles[at(h, specs[key])], memory, target, carried,
+                              skip)]
+    return out, len(groups)
 
-    err_console.print(f"{n} projected records: {len(groups)} run(s) x {len(hardware)} "
+
+def project(results: Path, hardware: list[str], probe_files: list[Path], memory: str,
+            out: Path | None, target: Shape | None = None, carried: bool = True,
+            gpus: int | None = None, pnms: int | None = None, skip: int = 0) -> None:
+    """`kvbench project`: the projected records of RESULTS written to `out`."""
+    from kvbench.console import err_console, wrote
+    from kvbench.envinfo import collect_env
+    from kvbench.paths import check_results_out
+    from kvbench.store import ResultWriter, default_out_path
+    from kvbench.store import load as load_results
+
+    check_results_out(out)
+    recs, n_runs = projected(load_results(results).records, str(results), hardware,
+                             probe_files, memory, target, carried, gpus, pnms, skip)
+    path = out or default_out_path("project")
+    with ResultWriter(path, collect_env()) as w:
+        w.write_all(recs)
+    wrote(path)
+    err_console.print(f"{len(recs)} projected records: {n_runs} run(s) x {len(hardware)} "
                       "profile(s)")
 
 

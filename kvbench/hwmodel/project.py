@@ -102,6 +102,7 @@ def records(recs: list[dict[str, Any]], prof: Profile, memory: str,
     name = first["name"]
     params = {k: v for k, v in first["params"].items() if k not in ("step", "phase")}
     params["hardware"] = prof.name
+    params["bookkeeping"] = "measured" if carried else "none"  # --bookkeeping
     reps = prof.tables.get("replicas")
     if reps:
         params.update(gpus=reps["gpus"], pnms=reps["pnms"])

@@ -66,12 +66,14 @@ class Pivot:
     # of each record's mean over steps; None: one record per run
     reduce: str | None = None
     order: tuple[str, ...] = ()  # row labels first, in this order
+    ratios: tuple[tuple[Any, Any], ...] = ()  # extra columns: column a's value / column b's
     paper: tuple[PaperTable, ...] = ()
 
 
 def value_of(r: dict[str, Any], key: str, aliases: dict[str, tuple[str, ...]]) -> Any:
-    """A record's field: `name`/`metric`/`status`, else a parameter (through `aliases`)."""
-    if key in ("name", "metric", "status"):
+    """A record's field (`name`, `metric`, `status`, `provenance`), else a parameter
+    (through `aliases`)."""
+    if key in ("name", "metric", "status", "provenance"):
         return r[key]
     p = r.get("params") or {}
     for k in aliases.get(key, (key,)):
@@ -215,11 +217,16 @@ class Table:
         if self.ref is not None:
             out += [f"Reference ({', '.join(f'{k} {v}' for k, v in p.reference.items())}): "
                     f"{format(self.ref['value'], p.fmt)}", ""]
-        out += [f"| {' / '.join(p.rows)} | " + " | ".join(f"{p.columns} {c}" for c in cols)
-                + " |", "|---|" + "---|" * len(cols)]
+        heads = [f"{p.columns} {c}" for c in cols] + [f"{a} / {b}" for a, b in p.ratios]
+        out += [f"| {' / '.join(p.rows)} | " + " | ".join(heads) + " |",
+                "|---|" + "---|" * len(heads)]
         for row in self.row_labels():
-            out.append(f"| {row} | " + " | ".join(self.cell(self.cells.get((row, c)), c)
-                                                  for c in cols) + " |")
+            cells = [self.cell(self.cells.get((row, c)), c) for c in cols]
+            for a, b in p.ratios:
+                ra, rb = self.cells.get((row, a)), self.cells.get((row, b))
+                cells.append(f"{ra['value'] / rb['value']:.2f}x" if ra and rb and rb["value"]
+                             else "-")
+            out.append(f"| {row} | " + " | ".join(cells) + " |")
         if p.rank:
             out += ["", f"Ranking at each {p.columns} ({p.rank} is better):", ""]
             for c in cols:
