@@ -188,14 +188,32 @@ def run(params: HgcaParams, plan: list[tuple[int, int]], *, b: int = 2, max_len:
 def test_authors_selects_what_the_artifact_selects(keep_min: int, block: int,
                                                    window: int) -> None:
     """Beta 1, a 37-token prompt (not a multiple of the block: the prefill evicts whole
-    blocks), decode steps that evict blocks, an append that evicts (re-selection) and one
-    that does not: the same KV_ctx per query head after every call, outputs equal to the
+    blocks), decode steps that evict blocks, an append that evicts (re-selection) and a
+    2-token one that does not: the same KV_ctx per query head after every call, outputs equal to the
     transcription's within fp32 tolerance, and the selection is partial."""
     params = HgcaParams(gpu_tokens=window, block=block, beta=1.0, alpha=0.2,
                         keep_min=keep_min)
-    _, ref, worst, partial = run(params, [(37, 30), (20, 6), (3, 12)])
+    _, ref, worst, partial = run(params, [(37, 30), (20, 6), (2, 12)])
     assert ref.host[0] and partial > 0
     assert worst < 2e-5
+
+
+def test_selection_rule_at_ties_and_the_floor() -> None:
+    """The rule alone on weights built to sit exactly at the threshold (1/16: counted, the
+    artifact compares with >=) and to tie (the earlier position first), groups of 2
+    adjacent heads, a floor above and below the counts, a floor above the entries."""
+    from kvbench.strategies._hgca_kv import topk_keep
+
+    gen = torch.Generator().manual_seed(5)
+    w = (torch.randint(0, 5, (2, HQ, 12), generator=gen) / 32).float()  # 0 .. 1/8, ties
+    w[0, 4, :5] = 1 / 16
+    for floor in (0, 3, 10, 20):
+        ref = Beyond(2, 16, 8, 1.0, 0.1, keep_min=floor)
+        got = topk_keep(w, 1 / 16, 4, floor)
+        for i in range(2):
+            want = ref.pick(w[i].double(), 1 / 16)
+            assert [sorted(got[i, h].nonzero().flatten().tolist()) for h in range(HQ)] == \
+                [sorted(c) for c in want]
 
 
 def test_beta0_selects_every_host_entry_and_is_dense() -> None:
