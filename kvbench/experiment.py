@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.errors import KvbenchError, require
-from kvbench.present.pivot import PER_RECORD, Extra, PaperTable, Pivot, Table
+from kvbench.present.pivot import PER_RECORD, TOP_LEVEL, Extra, PaperTable, Pivot, Table
 from kvbench.store import REPO_ROOT
 from kvbench.suite_spec import tomllib  # tomli on Python 3.10
 
@@ -103,7 +103,7 @@ def _known_params() -> set[str]:
         known |= {f.name for f in dataclasses.fields(cls.params)}
     for probe in PROBES.all():
         known |= {f.name for f in dataclasses.fields(probe.config)}
-    return known | {"name", "metric", "status"}
+    return known | set(TOP_LEVEL)
 
 
 def _pivot(raw: dict[str, Any], i: int, path: Path) -> Pivot:
@@ -121,6 +121,8 @@ def _pivot(raw: dict[str, Any], i: int, path: Path) -> Pivot:
         kw = {k: v for k, v in raw.items() if k not in ("extra", "paper")}
         kw["rows"] = tuple(kw["rows"]) if isinstance(kw["rows"], list) else (kw["rows"],)
         kw["order"] = tuple(kw.get("order", ()))
+        if isinstance(kw["metric"], list):
+            kw["metric"] = tuple(kw["metric"])
         kw["ratios"] = tuple(tuple(r) for r in kw.get("ratios", ()))
         return Pivot(**kw, extras=extras, paper=paper)
     except (TypeError, KeyError) as e:
@@ -181,11 +183,12 @@ def load_experiment(name_or_path: str | Path) -> Experiment:
 
 
 def _check_names(exp: Experiment) -> None:
-    """Every strategy and parameter a table names is one kvbench knows."""
+    """Every strategy, probe and parameter a table names is one kvbench knows."""
+    from kvbench.probes import PROBES
     from kvbench.strategies import STRATEGIES
 
-    known = _known_params() | set(exp.aliases) | {"hardware", "bookkeeping", "gpus", "pnms",
-                                                  "provenance"}
+    registered = set(STRATEGIES.names()) | set(PROBES.names())
+    known = _known_params() | set(exp.aliases) | {"hardware", "bookkeeping", "gpus", "pnms"}
     for t in exp.tables:
         filters = [t.where, t.reference or {}]
         for key in [*t.rows, t.columns, *(k for f in filters for k in f)]:
@@ -194,7 +197,8 @@ def _check_names(exp: Experiment) -> None:
         for f in filters:
             wanted = f.get("name", [])
             for name in wanted if isinstance(wanted, list) else [wanted]:
-                STRATEGIES.get(name)  # unknown: one line naming the known ones
+                require(name in registered, f"{exp.path.name}: table '{t.title}': unknown "
+                        f"strategy or probe '{name}' (known: {', '.join(sorted(registered))})")
 
 
 def load_records(exp: Experiment) -> list[dict[str, Any]]:
@@ -215,7 +219,8 @@ def render(exp: Experiment) -> str:
             f"`kvbench experiment run {exp.name}`)")
     metrics = {r["metric"] for r in records}
     for t in exp.tables:
-        for m in [t.metric, *(e.metric for e in t.extras)]:
+        main = [t.metric] if isinstance(t.metric, str) else list(t.metric)
+        for m in [*main, *(e.metric for e in t.extras)]:
             require(m in metrics, f"{exp.path.name}: table '{t.title}': unknown metric "
                     f"'{m}' (none in the records)")
     tables = [Table(t, records, exp.aliases) for t in exp.tables]

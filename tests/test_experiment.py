@@ -112,7 +112,7 @@ BAD = [
     ("[[table]]\ntitle = \"t\"\nmetric = \"perplexity\"\nrows = \"name\"\ncolumns = \"bugdet\"",
      "table 't': unknown parameter 'bugdet'"),
     ("[[table]]\ntitle = \"t\"\nmetric = \"perplexity\"\nrows = \"name\"\ncolumns = \"batch\"\n"
-     "where = { name = \"qeust\" }", "unknown strategy 'qeust'"),
+     "where = { name = \"qeust\" }", "unknown strategy or probe 'qeust'"),
     ("[[table]]\ntitle = \"t\"\nmetric = \"perplexity\"\nrows = \"name\"", "'columns' is "
      "required"),
     ("[[table]]\ntitle = \"t\"\nmetric = \"perplexity\"\nrows = \"name\"\ncolumns = \"batch\"\n"

@@ -25,6 +25,7 @@ from typing import Any
 from kvbench.errors import KvbenchError
 
 PER_RECORD = ("where", "layer", "phase")  # parameters that split one run into records
+TOP_LEVEL = ("name", "metric", "status", "provenance", "git_commit", "version")
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class Pivot:
     """One table of an experiment (module docstring)."""
 
     title: str
-    metric: str
+    metric: str | tuple[str, ...]  # several: e.g. `columns = "metric"`
     rows: tuple[str, ...]
     columns: str
     where: dict[str, Any] = field(default_factory=dict)
@@ -65,16 +66,18 @@ class Pivot:
     # per-layer metrics (trace.*): a run's records reduced to one value, "sum" or "mean"
     # of each record's mean over steps; None: one record per run
     reduce: str | None = None
+    spread: bool = False  # each value with its p10-p90 over samples
+    every_key: bool = False  # row labels give every row key's value ("8 / 8 / 64"), not only
+    # the first and the keys that vary under it
     order: tuple[str, ...] = ()  # row labels first, in this order
     ratios: tuple[tuple[Any, Any], ...] = ()  # extra columns: column a's value / column b's
     paper: tuple[PaperTable, ...] = ()
 
 
 def value_of(r: dict[str, Any], key: str, aliases: dict[str, tuple[str, ...]]) -> Any:
-    """A record's field (`name`, `metric`, `status`, `provenance`), else a parameter
-    (through `aliases`)."""
-    if key in ("name", "metric", "status", "provenance"):
-        return r[key]
+    """A record's top-level field (TOP_LEVEL), else a parameter (through `aliases`)."""
+    if key in TOP_LEVEL:
+        return r.get(key)
     p = r.get("params") or {}
     for k in aliases.get(key, (key,)):
         if k in p:
@@ -96,14 +99,21 @@ def run_key(r: dict[str, Any]) -> tuple:
     return r["name"], tuple(sorted((k, repr(v)) for k, v in p.items() if k not in PER_RECORD))
 
 
+def _shown(key: str, value: Any) -> str:
+    return str(value)[:7] if key == "git_commit" else str(value)
+
+
 def _label(r: dict[str, Any], keys: tuple[str, ...], aliases: dict,
-           varying: set[tuple[Any, str]]) -> str:
+           varying: set[tuple[Any, str]] | None) -> str:
     """The row label: the first key's value, then the other keys that vary among the rows
-    of that first value (`varying`: (first value, key) pairs)."""
+    of that first value (`varying`: (first value, key) pairs; None: every key)."""
+    if varying is None:
+        return " / ".join(_shown(k, value_of(r, k, aliases)) for k in keys)
     head = value_of(r, keys[0], aliases)
     rest = [(k, v) for k in keys[1:] if (head, k) in varying
             and (v := value_of(r, k, aliases)) is not None]
-    return str(head) + (" (" + ", ".join(f"{k} {v}" for k, v in rest) + ")" if rest else "")
+    return _shown(keys[0], head) + (" (" + ", ".join(f"{k} {_shown(k, v)}" for k, v in rest)
+                                    + ")" if rest else "")
 
 
 def _natural(text: str) -> list[Any]:
@@ -117,16 +127,17 @@ class Table:
     def __init__(self, pivot: Pivot, records: list[dict[str, Any]],
                  aliases: dict[str, tuple[str, ...]]) -> None:
         self.p, self.aliases = pivot, aliases
+        self.metrics = (pivot.metric,) if isinstance(pivot.metric, str) else pivot.metric
         chosen = [r for r in records if _matches(r, pivot.where, aliases)]
         self.errors = [r for r in chosen if r["status"] == "error" and r["metric"] in
-                       (pivot.metric, "case")]
+                       (*self.metrics, "case")]
         ok = [r for r in chosen if r["status"] == "ok"]
         self.by_run: dict[tuple, dict[str, list[dict[str, Any]]]] = defaultdict(
             lambda: defaultdict(list))
         for r in ok:
             self.by_run[run_key(r)][r["metric"]].append(r)
         ref = pivot.reference
-        mains = [r for r in ok if r["metric"] == pivot.metric]
+        mains = [r for r in ok if r["metric"] in self.metrics]
         # the reference per column (a reference run without the column: one for all)
         self.refs: dict[Any, dict[str, Any]] = {}
         for r in (r for r in mains if ref and _matches(r, ref, aliases)):
@@ -149,7 +160,7 @@ class Table:
         for r in mains:
             if r is self.ref:
                 continue
-            key = (_label(r, pivot.rows, aliases, varying),
+            key = (_label(r, pivot.rows, aliases, None if pivot.every_key else varying),
                    value_of(r, pivot.columns, aliases))
             if key in self.cells and run_key(self.cells[key]) != run_key(r):
                 raise KvbenchError(f"table '{pivot.title}': two runs for one cell (row "
@@ -189,6 +200,9 @@ class Table:
             return "-"
         v = r["value"]
         text = format(v, self.p.fmt)
+        st = r.get("stats") or {}
+        if self.p.spread and st.get("p10") is not None and st["p10"] != st.get("p90"):
+            text += f" ({format(st['p10'], self.p.fmt)}-{format(st['p90'], self.p.fmt)})"
         ref = self.refs.get(col, self.ref)
         if self.p.change and ref is not None and ref is not r and ref["value"]:
             text += f" ({v / ref['value'] - 1:+.1%})"
@@ -207,7 +221,11 @@ class Table:
                                                 _natural(label)))
 
     def columns(self) -> list[Any]:
-        return sorted({k[1] for k in self.cells}, key=lambda c: (c is None, str(type(c)), c))
+        """Sorted, or in the order of the metric list for `columns = "metric"`."""
+        found = {k[1] for k in self.cells}
+        if self.p.columns == "metric":
+            return [m for m in self.metrics if m in found]
+        return sorted(found, key=lambda c: (c is None, str(type(c)), c))
 
     def markdown(self) -> list[str]:
         p, cols = self.p, self.columns()

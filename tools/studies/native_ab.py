@@ -4,7 +4,8 @@ On the 2-core VM a run's speed drifts +-25% within seconds, so two builds timed 
 after run, cannot show a 10% change. This loads both libraries into one process and times
 kvb_attn of A and of B alternately (order swapped every round) on the same tensors; it
 prints each build's median KV-read GB/s and the median per-round speed ratio B/A.
-Usage (repository root): python ab.py A.so B.so HQ HKV D TOKENS fp32|bf16 [SECONDS]
+Usage (repository root):
+  python tools/studies/native_ab.py A.so B.so HQ HKV D TOKENS fp32|bf16 [SECONDS]
 Build a variant with the flags of setup.py, e.g.
   gcc -DNDEBUG -fwrapv -O2 -std=c11 -pthread -fno-strict-aliasing -fopenmp -fPIC -shared \
       probes/*.c -o /tmp/b.so
