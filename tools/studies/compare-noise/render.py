@@ -1,8 +1,8 @@
 """Issue 11 item 17: false alarms of `kvbench compare` between unchanged runs.
 
-Usage: .venv/bin/python results/compare-noise/render.py RUN_DIR LABEL [CAL_DIR]
+Usage: .venv/bin/python tools/studies/compare-noise/render.py RUN_DIR LABEL [CAL_DIR]
 RUN_DIR holds PROBE-i.jsonl, runs i = 0..N-1 of each probe's default (pairs.sh writes
-them; the raw files, ~5 MB, stay local). Writes LABEL.md beside this file: per probe, the
+them; the raw files, ~5 MB, stay local). Writes results/compare-noise/LABEL.md: per probe, the
 verdicts of the N-1 consecutive single-run pairs and of run groups four a side (runs
 0-3 vs 4-7 and 4-7 vs 8-10+0, and the odd vs even runs 1-7 / 2-8), all at the default
 threshold, how many of the single-run pairs that exit 1 compare names a shift of the
@@ -26,7 +26,7 @@ from kvbench.compare import common_shift, compare_sets, regressed
 from kvbench.noise import load_calibration
 from kvbench.store import ResultSet, load
 
-HERE = Path(__file__).parent
+OUT = Path(__file__).resolve().parents[3] / "results" / "compare-noise"  # the write-ups
 GROUPS = (((0, 1, 2, 3), (4, 5, 6, 7)), ((4, 5, 6, 7), (8, 9, 10, 0)),
           ((1, 3, 5, 7), (2, 4, 6, 8)))
 
@@ -122,7 +122,7 @@ def main(run_dir: Path, label: str, cal_dir: Path | None = None) -> None:
             cal = merged(probe_runs(cal_dir, probe))
             lines.append(f"| {probe} | " + calibrated_row(probe_runs(run_dir, probe), cal)
                          + " |")
-    (HERE / f"{label}.md").write_text("\n".join(lines) + "\n")
+    (OUT / f"{label}.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -9,10 +9,10 @@
 # The cluster lives in its own temp dir and port, and each node is a `ray start --block`
 # process: stopping it (SIGTERM to that process) stops that node only, where `ray stop`
 # would stop every Ray node on the machine (other sessions' test clusters too).
-# A quick check of the script itself: ONLY='timer*' results/fleet-smoke/run.sh /tmp/f.jsonl
+# A quick check of the script itself: ONLY='timer*' tools/fleet-smoke.sh /tmp/f.jsonl
 # (only the units matching ONLY, into that file, not rendered).
 set -e
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 D=results/fleet-smoke
 OUT=${1:-$D/smoke.jsonl}
 T=/tmp/kvb-ray                       # the cluster's temp dir (session logs)
@@ -46,4 +46,10 @@ nice -n 19 $KVB suite run suites/smoke.toml --ray "$HEAD" --on small --out "$OUT
     ${ONLY:+--only "$ONLY"}
 nice -n 19 $KVB suite run suites/smoke.toml --ray "$HEAD" --on big --out "$OUT" --resume \
     ${ONLY:+--only "$ONLY"}
-[ "$OUT" != $D/smoke.jsonl ] || .venv/bin/python $D/render.py
+# the committed summary: every env line and record but the per-layer traces (~3.5 MB a
+# machine), and the report with both machines side by side
+[ "$OUT" != $D/smoke.jsonl ] || {
+  .venv/bin/python -c "from pathlib import Path; from kvbench.store import slim; \
+slim([Path('$D/smoke.jsonl')], Path('$D/summary.jsonl'), ())"
+  $KVB report $D/summary.jsonl --format markdown > $D/report.md
+}

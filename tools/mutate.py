@@ -1,0 +1,260 @@
+"""Mutation testing of the code that turns measurements into numbers (issue 30; `make mutate`).
+
+    python tools/mutate.py run [MODULE ...]   # mutmut 3 over each module, resumable
+    python tools/mutate.py summary            # results/mutation/summary.{md,json}
+
+Each module runs in its own workspace, build/mutate/<module>/ (a copy of kvbench/, tests/
+and the files its tests read, with a [tool.mutmut] table naming that one source file and
+that module's test files), so mutmut's stats run maps each mutated function to the tests
+of those files that call it, and each mutant runs only those tests. mutmut keeps its
+verdicts there: a second `run` of a module skips the mutants already decided and reruns the
+survivors (the tests may have changed since). After each module, its verdicts are exported
+to results/mutation/<module>.json (mutant -> status, and the diff of every survivor), which
+`summary` reads with results/mutation/triage.toml (survivor -> why it is equivalent, or the
+test that now kills it) to write the committed summary. Workers: MUTATE_JOBS (default 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / "build" / "mutate"
+OUT = ROOT / "results" / "mutation"
+TRIAGE = OUT / "triage.toml"
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One module: its source file, the test files that cover it, the repository files
+    those tests read, and (for large modules) the functions in scope (mutmut name globs)."""
+
+    source: str
+    tests: tuple[str, ...]
+    target: float  # the share of non-equivalent mutants that must be killed
+    extra: tuple[str, ...] = ()
+    functions: tuple[str, ...] = ()
+    group: str = "core"
+
+
+CORE, OTHER = 0.9, 0.8
+MODULES: dict[str, Spec] = {
+    "units": Spec("kvbench/units.py", ("tests/test_units.py",), CORE),
+    "timing": Spec("kvbench/timing.py", ("tests/test_timing.py",), CORE),
+    "schema": Spec("kvbench/schema.py", ("tests/test_records.py", "tests/test_store.py"), CORE),
+    "store": Spec("kvbench/store.py", ("tests/test_store.py", "tests/test_records.py"), CORE,
+                  extra=("results/baselines",)),
+    "compare": Spec("kvbench/compare.py", ("tests/test_compare.py", "tests/test_noise.py"), CORE),
+    "noise": Spec("kvbench/noise.py", ("tests/test_noise.py",), CORE),
+    "context": Spec("kvbench/runtime/context.py", ("tests/test_context.py",
+                                                  "tests/test_trace.py"), CORE),
+    "copy": Spec("kvbench/probes/_copy.py", ("tests/test_bandwidth.py",
+                                             "tests/test_memory_probes.py"), OTHER,
+                 group="probes"),
+    "latency": Spec("kvbench/probes/latency.py", ("tests/test_memory_probes.py",), OTHER,
+                    group="probes"),
+    "attention": Spec("kvbench/probes/attention.py", ("tests/test_probe_attention.py",), OTHER,
+                      group="probes"),
+    "roofline": Spec("kvbench/probes/roofline.py", ("tests/test_probe_attention.py",), OTHER,
+                     group="probes"),
+    "hwmodel": Spec("kvbench/hwmodel/project.py", ("tests/test_hwmodel.py",), OTHER,
+                    group="hwmodel"),
+    "breakdown": Spec("kvbench/runtime/breakdown.py", ("tests/test_trace.py",), OTHER,
+                      group="runtime"),
+    "shadow": Spec("kvbench/runtime/shadow.py", ("tests/test_shadow.py",), OTHER,
+                   group="runtime"),
+    "energy": Spec("kvbench/runtime/energy.py", ("tests/test_energy.py",), OTHER,
+                   group="runtime"),
+    "pages": Spec("kvbench/strategies/_pages.py", ("tests/test_pages_arith.py",), OTHER,
+                  group="strategies"),
+}
+# the order of a full pass: core first, the strategies last
+ORDER = list(MODULES)
+
+
+def _sync(src: Path, dst: Path) -> None:
+    """Copy src to dst where their bytes differ (keeping the time stamp, which mutmut reads
+    to see whether a source changed since it made its mutants)."""
+    if src.is_dir():
+        for p in src.rglob("*"):
+            if "__pycache__" in p.parts or p.is_dir():
+                continue
+            _sync(p, dst / p.relative_to(src))
+        return
+    if dst.exists() and dst.read_bytes() == src.read_bytes():
+        return
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(src, dst)
+
+
+def _workspace(name: str, spec: Spec) -> Path:
+    ws = WORK / name
+    for rel in ("kvbench", "tests", *spec.extra):
+        _sync(ROOT / rel, ws / rel)
+    project = (ROOT / "pyproject.toml").read_text()
+    table = {
+        "source_paths": ["kvbench"],
+        "only_mutate": [spec.source],
+        "also_copy": list(spec.extra),
+        "pytest_add_cli_args_test_selection": list(spec.tests),
+        "pytest_add_cli_args": ["-m", "not bench and not gpu", "-p", "no:cacheprovider"],
+        "process_isolation": "forkserver",
+        "use_git_change_detection": False,
+        "timeout_multiplier": 10.0,
+    }
+    lines = ["", "[tool.mutmut]"] + [f"{k} = {json.dumps(v)}" for k, v in table.items()]
+    text = project + "\n".join(lines) + "\n"
+    if not (ws / "pyproject.toml").exists() or (ws / "pyproject.toml").read_text() != text:
+        (ws / "pyproject.toml").write_text(text)
+    return ws
+
+
+def _in_scope(spec: Spec, mutant: str) -> bool:
+    return not spec.functions or any(fnmatch.fnmatch(mutant, g) for g in spec.functions)
+
+
+def _commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return out.stdout.strip()
+
+
+def run(names: list[str], jobs: int) -> None:
+    mutmut = str(Path(sys.executable).with_name("mutmut"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", COLUMNS="160",
+               KVBENCH_CACHE="off")
+    for name in names:
+        spec = MODULES[name]
+        ws = _workspace(name, spec)
+        t0 = time.monotonic()
+        # the survivors of an earlier run are rerun: a test written since may kill them
+        before = _verdicts(ws, spec) if (ws / "mutants" / (spec.source + ".meta")).exists() else {}
+        survivors = [k for k, v in before.items() if v in ("survived", "no tests")]
+        subprocess.run([mutmut, "run", "--max-children", str(jobs), *spec.functions], cwd=ws,
+                       env=env, check=True, stdout=subprocess.DEVNULL)
+        if survivors:
+            subprocess.run([mutmut, "run", "--max-children", str(jobs), *survivors], cwd=ws,
+                           env=env, check=True, stdout=subprocess.DEVNULL)
+        _export(name, spec, ws, time.monotonic() - t0)
+
+
+STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests",
+          36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout",
+          -11: "segfault", -9: "segfault", None: "not checked"}
+
+
+def _verdicts(ws: Path, spec: Spec) -> dict[str, str]:
+    meta = json.loads((ws / "mutants" / (spec.source + ".meta")).read_text())
+    return {k: STATUS.get(v, "suspicious") for k, v in sorted(meta["exit_code_by_key"].items())
+            if _in_scope(spec, k)}
+
+
+def _diff(ws: Path, mutant: str) -> str:
+    mutmut = str(Path(sys.executable).with_name("mutmut"))
+    out = subprocess.run([mutmut, "show", mutant], cwd=ws, capture_output=True, text=True)
+    return "\n".join(line for line in out.stdout.splitlines()[1:]
+                     if line.startswith(("+", "-", "@@")) and not line.startswith(("+++", "---")))
+
+
+def _export(name: str, spec: Spec, ws: Path, seconds: float) -> None:
+    verdicts = _verdicts(ws, spec)
+    survivors = {k: _diff(ws, k) for k, v in verdicts.items() if v in ("survived", "no tests")}
+    OUT.mkdir(parents=True, exist_ok=True)
+    record = {
+        "module": name, "source": spec.source, "tests": list(spec.tests),
+        "commit": _commit(),
+        "source_sha256": hashlib.sha256((ROOT / spec.source).read_bytes()).hexdigest(),
+        "seconds": round(seconds, 1), "target": spec.target, "group": spec.group,
+        "verdicts": verdicts, "survivor_diffs": survivors,
+    }
+    (OUT / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
+    counts = {s: sum(v == s for v in verdicts.values()) for s in set(verdicts.values())}
+    print(f"{name}: {counts} in {seconds:.0f} s", flush=True)
+
+
+def _score(record: dict, triage: dict[str, str]) -> dict:
+    verdicts = record["verdicts"]
+    killed = sum(v in ("killed", "segfault") for v in verdicts.values())
+    timeout = sum(v == "timeout" for v in verdicts.values())
+    alive = [k for k, v in verdicts.items() if v in ("survived", "no tests", "suspicious",
+                                                     "not checked")]
+    equivalent = [k for k in alive if triage.get(k, "").startswith("equivalent")]
+    survived = [k for k in alive if k not in equivalent]
+    counted = killed + timeout + len(survived)
+    score = (killed + timeout) / counted if counted else 1.0
+    return {"killed": killed, "timeout": timeout, "equivalent": len(equivalent),
+            "survived": len(survived), "total": len(verdicts), "score": round(score, 4),
+            "meets_target": score >= record["target"], "untriaged":
+                [k for k in survived if k not in triage]}
+
+
+def summary() -> None:
+    triage = tomllib.loads(TRIAGE.read_text()) if TRIAGE.exists() else {}
+    reasons: dict[str, str] = {k: v for table in triage.values() for k, v in table.items()}
+    rows, records = {}, {}
+    for name in ORDER:
+        path = OUT / f"{name}.json"
+        if path.exists():
+            records[name] = json.loads(path.read_text())
+            rows[name] = _score(records[name], reasons)
+    (OUT / "summary.json").write_text(json.dumps(
+        {"modules": {n: {**rows[n], "commit": records[n]["commit"],
+                         "seconds": records[n]["seconds"], "target": records[n]["target"]}
+                     for n in rows},
+         "not_run": [n for n in ORDER if n not in rows]}, indent=1) + "\n")
+    md = ["# Mutation testing (issue 30)", "",
+          "Written by `python tools/mutate.py summary` from results/mutation/<module>.json "
+          "(`make mutate`) and results/mutation/triage.toml. Score = (killed + timeout) / "
+          "(killed + timeout + survived); equivalent mutants are left out of it.", "",
+          "| module | source | commit | killed | timeout | survived | equivalent | score | "
+          "target | run (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for n, r in rows.items():
+        rec = records[n]
+        md.append(f"| {n} | {rec['source']} | {rec['commit'][:7]} | {r['killed']} | "
+                  f"{r['timeout']} | {r['survived']} | {r['equivalent']} | "
+                  f"{100 * r['score']:.1f}% | {100 * rec['target']:.0f}% | {rec['seconds']} |")
+    missing = [n for n in ORDER if n not in rows]
+    if missing:
+        md += ["", "Not run yet: " + ", ".join(missing) + "."]
+    md += ["", "## Surviving mutants", ""]
+    for n, rec in records.items():
+        for k, diff in rec["survivor_diffs"].items():
+            why = reasons.get(k, "UNTRIAGED")
+            md += [f"- `{k}`: {why}", "", "  ```diff",
+                   *("  " + line for line in diff.splitlines()), "  ```", ""]
+    (OUT / "summary.md").write_text("\n".join(md) + "\n")
+    for n, r in rows.items():
+        print(f"{n}: {100 * r['score']:.1f}% (target {100 * records[n]['target']:.0f}%), "
+              f"{len(r['untriaged'])} untriaged")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("modules", nargs="*", help=f"any of: {' '.join(ORDER)} (default: all)")
+    r.add_argument("--jobs", type=int, default=int(os.environ.get("MUTATE_JOBS", "2")))
+    sub.add_parser("summary")
+    args = ap.parse_args()
+    if args.cmd == "summary":
+        summary()
+        return
+    unknown = [m for m in args.modules if m not in MODULES]
+    if unknown:
+        sys.exit(f"unknown module(s) {' '.join(unknown)}; known: {' '.join(ORDER)}")
+    run(args.modules or ORDER, args.jobs)
+    summary()
+
+
+if __name__ == "__main__":
+    main()
