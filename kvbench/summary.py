@@ -5,11 +5,13 @@ loaded records into
 - one line per environment (CPU, memory, NUMA nodes, GPUs or "accelerator role on the CPU");
 - headline rows per probe and strategy: peak copy GB/s per memory pair, CPU dense
   attention's KV-read GB/s against the host copy measured in the same run, decode
-  tokens/s and perplexity against full attention per run;
+  tokens/s (with the share of its bytes bound it reached) and perplexity against full
+  attention per run;
 - one comparison table with the runs side by side (one row per strategy and setting): TTFT,
   TBT p50/p90, tokens/s, peak memory, perplexity and its change against full attention at
   the same run settings, tokens attended per step and layer, bytes per step per link, and
-  the accelerator role's idle share;
+  the accelerator role's idle share, the step's bytes bound and the share of it reached
+  (kvbench.runtime.bound), torch ops and syncs per decode step (kvbench.runtime.opcount);
 - a figure of the per-layer work traces (mean per decode step, one line per run and place).
 Where the accelerator role ran on the CPU, every label says `accel (cpu)`.
 """
@@ -29,7 +31,7 @@ RUN_OPTIONS = ("model", "weights", "layers", "layers_total", "batch", "prompt_le
                "turns", "mode", "dtype", "accel", "threads", "text")
 COLUMNS = ["strategy", "settings", "ttft", "tbt p50", "tbt p90", "tokens/s", "peak memory",
            "perplexity", "vs full", "tokens attended / step / layer", "bytes / step",
-           "accel idle"]
+           "accel idle", "step bound", "of bound", "ops / step", "syncs / step"]
 TRACES = ("tokens", "bytes_moved", "time", "rel_error")  # per-layer figure panels
 
 
@@ -142,7 +144,9 @@ def compare_runs(ok: list[dict[str, Any]]) -> tuple[str, list[list[str]]]:
                      "-" if ppl is None else f"{ppl['value']:.4g}", change,
                      _per_place(m, "tokens_attended_per_step", p),
                      _per_place(m, "bytes_moved_per_step", p),
-                     _one(m, "accel_idle_share", mark)])
+                     _one(m, "accel_idle_share", mark),
+                     *(_one(m, x, False) for x in ("step_bound_s", "step_efficiency",
+                                                   "ops_per_step", "syncs_per_step"))])
     shared = " ".join(f"{k}={v}" for k, v in common.items()
                       if k in RUN_OPTIONS and k != "accel")
     if common.get("mode") == "eval":
@@ -185,6 +189,11 @@ def headlines(ok: list[dict[str, Any]]) -> list[list[str]]:
             rows.append([what, f"{r['value']:.3g} tokens/s{_eval_mark(r)}",
                          f"batch {p.get('batch')}, prompt {p.get('prompt_len')}, "
                          f"{p.get('gen_len')} generated"])
+        elif r["metric"] == "step_efficiency":
+            m = r.get("method") or {}
+            rows.append([what, f"{r['value']:.0%} of its bytes bound{_eval_mark(r)}",
+                         f"step bound {_fmt(m.get('step_bound_s'), 's')} at the "
+                         f"{m.get('bandwidth_source')}'s bandwidth"])
         elif r["metric"] == "perplexity":
             base = reference_value(refs, p)
             vs = "" if base is None or r["name"] == REFERENCE else \

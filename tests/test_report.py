@@ -204,7 +204,7 @@ def test_html_opens_with_a_summary_and_folds_raw_rows(runs, tmp_path):
     assert cells[1:8] == ["500 ms", "66.7 ms", "73.3 ms", "15", "host 2 GiB", "12.3", "+2.50%"]
     assert "mode=eval" in head and "(times in eval mode)" in head
     assert head.count("<b>machine</b>") == 1
-    assert cells[8:] == ["accel (cpu) 64, host 5.5", "h2d 32 KiB", "2.0%"]
+    assert cells[8:] == ["accel (cpu) 64, host 5.5", "h2d 32 KiB", "2.0%", *["-"] * 4]
     assert "gpu" not in re.sub(r"gpu_share=[\d.]+|no GPU", "", head).lower()
     assert "runs: per-layer work traces" in detail
     assert "trace.tokens" not in re.sub(r"<details>.*?</details>", "", detail, flags=re.S)

@@ -18,7 +18,7 @@ from typing import Any
 
 import typer
 
-from kvbench.errors import require
+from kvbench.errors import KvbenchError, require
 from kvbench.runtime.run import RunConfig
 from kvbench.schema import Record, measured, not_measured
 from kvbench.strategies import Strategy, supports_append
@@ -52,6 +52,9 @@ _HELP = {
                        "least-recently-used entries are evicted.",
     "prefix_chunk": "Tokens per prefix-cache chunk (hashed over its prefix, as vLLM's blocks).",
     "prefix_reps": "Timed repetitions of each prefix-cache path per turn (after one warm-up).",
+    "bandwidth": "Bandwidth the step's bytes bound (step_bound_s, step_efficiency) divides "
+                 "by: probe (measured in this run, after its decode steps) or calibration "
+                 "(this machine's `kvbench calibrate`).",
 }
 
 
@@ -101,6 +104,9 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     cuda = device.type == "cuda"
+    from kvbench.runtime import bound, opcount
+
+    bw = bound.stored(cuda) if cfg.bandwidth == "calibration" else None
     sparams, warnings = cls.for_run(sparams, cfg.seq_len)
     fit = check_fit(spec, layers, cfg, cls, sparams, device, dtype)
     text = read_text(cfg.text)
@@ -182,6 +188,17 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
     accuracy = "random weights: accuracy metrics are off" if weights == "random" else ""
     recs = list(records(cls.name, params, outcome, cfg.batch, accuracy, model.counters,
                         peak_memory(), shadowed))
+    # after the records above (peak memory read): one untimed step counted, then the
+    # bandwidth probe
+    counted = "interrupted: no step after the timed ones" if stop.signum is not None else \
+        opcount.count_step(model, strategy, outcome.tokens, sync)
+    recs += opcount.records(cls.name, params, counted, model.counters.step)
+    if bw is None:
+        try:
+            bw = bound.probe(cuda, torch.get_num_threads())
+        except KvbenchError as e:
+            bw = f"bandwidth probe: {e}"
+    recs += bound.records(cls.name, params, outcome.steps, model.counters.graph, bw)
     recs += [measured("run", cls.name, "kv_alloc_bytes", "B", "lower", [fit[f"{w}_bytes"]],
                       {**params, "where": w}, {"statistic": "exact", "per": "run", "source":
                       "Strategy.placement: the KV and state the strategy allocates per "
@@ -334,6 +351,10 @@ def summary(recs: list[Record], params: dict, fit: dict, accuracy: str) -> None:
         else:
             t.add_row(r.metric, where, value_text(r.value, r.unit, r.stats))
     console.print(t)
+    from kvbench.runtime.bound import describe
+
+    if line := describe(recs):
+        console.print(line)
     console.print(f"estimated: weights {format_bytes(fit['weight_bytes'])}, KV "
                   f"{format_bytes(fit['kv_bytes'])}" + (f"; {accuracy}" if accuracy else ""))
 

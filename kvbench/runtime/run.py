@@ -63,6 +63,7 @@ class RunConfig:
     prefix_capacity: str = "0"  # bytes of the tier (0: twice the run's largest save)
     prefix_chunk: int = 16  # tokens per hashed chunk (vLLM's block size)
     prefix_reps: int = 3  # timed repetitions of each path per turn
+    bandwidth: str = "probe"  # of the step bound: kvbench.runtime.bound.SOURCES
 
     @property
     def seq_len(self) -> int:
@@ -108,6 +109,9 @@ def resolve(cfg: RunConfig) -> tuple[ModelSpec, int, Any, Any, str]:
     require(cfg.mode != "passkey" or (cfg.turns == 1 and not cfg.compare_hf),
             "--mode passkey is single-turn, without --compare-hf")
     require(0 <= cfg.depth <= 1, f"--depth {cfg.depth}: must be in [0, 1]")
+    from kvbench.runtime.bound import SOURCES
+
+    require(cfg.bandwidth in SOURCES, f"--bandwidth '{cfg.bandwidth}': {' or '.join(SOURCES)}")
     require(cfg.device in ("auto", "cpu", "cuda"), f"--device '{cfg.device}': auto, cpu, cuda")
     if cfg.device == "cuda":
         require(torch.cuda.is_available(), "--device cuda: no CUDA GPU on this machine")
