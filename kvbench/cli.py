@@ -49,7 +49,7 @@ def list_cmd(as_json: bool = typer.Option(False, "--json", help="Print as JSON."
     if as_json and markdown:
         raise KvbenchError("give --json or --markdown, not both")
     if markdown:
-        from kvbench.registry import markdown_tables
+        from kvbench.render import markdown_tables
 
         print(markdown_tables())
         return
@@ -344,9 +344,9 @@ def roi_cmd(
     from kvbench.prefix import roi
 
     if out is not None:
-        from kvbench.paths import check_out
+        from kvbench.store import check_results_out
 
-        check_out(out, results=True)
+        check_results_out(out)
     c0 = prefill_tflop * 1e12
     if model:
         from kvbench.models import get_spec

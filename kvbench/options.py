@@ -128,7 +128,8 @@ def config_command(configs: Iterable[tuple[type, dict[str, str] | None]],
     configs = list(configs)
 
     def command(**kw: Any) -> None:
-        from kvbench.paths import check_out, check_results_out
+        from kvbench.paths import check_out
+        from kvbench.store import check_results_out
 
         out = kw.pop("out")
         built = [collect(cls, kw) for cls, _ in configs]

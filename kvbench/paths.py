@@ -16,6 +16,7 @@ from pathlib import Path
 from kvbench.errors import KvbenchError
 
 _SHOWN = 80  # characters of a path an error line shows
+RESULTS_DIR = Path("results")  # where a command stores its records without --out
 
 
 def shown(path: Path | str) -> str:
@@ -35,24 +36,14 @@ def stat(path: Path | str, what: str) -> os.stat_result | None:
         raise KvbenchError(f"{what} '{shown(path)}': {e.strerror or e}") from None
 
 
-def check_results_out(out: Path | str | None) -> None:
-    """check_out for the file a command stores its records in: `out` (appended to) or,
-    without one, a new file in results/ (store.default_out_path)."""
-    from kvbench.store import RESULTS_DIR
-
-    if out is not None:
-        check_out(out, results=True)
-    else:
-        check_out(RESULTS_DIR, "the results folder", folder=True)
-
-
 def check_out(path: Path | str, what: str = "--out", folder: bool = False,
-              parents: bool = True, results: bool = False) -> None:
+              parents: bool = True) -> os.stat_result | None:
     """KvbenchError unless `path` can be written: a file (appended to or created) or, with
     `folder`, a folder (created if need be) written into. A path not there yet needs its
     nearest existing folder to take a new file (tried: a nameless temporary file), and with
-    `parents` False its own folder must exist (the writer creates none). `results`: a
-    kvbench result file, appended to: one already there must be one (store.load)."""
+    `parents` False its own folder must exist (the writer creates none). Returns the stat
+    of what is there (None: nothing yet); store.check_results_out checks a result file's
+    content."""
     kind = "folder" if folder else "file"
     found = stat(path, what)
     if found is not None:
@@ -61,14 +52,7 @@ def check_out(path: Path | str, what: str = "--out", folder: bool = False,
                                f"{'not a folder' if folder else 'a folder'}: give a {kind} path")
         if not os.access(path, os.W_OK):
             raise KvbenchError(f"{what} '{shown(path)}': {kind} is not writable")
-        if results and found.st_size:  # appended to: it must be a result file already
-            from kvbench.store import load
-
-            try:
-                load(path)
-            except KvbenchError as e:
-                raise KvbenchError(f"{what}: {e} (results are appended to it)") from None
-        return
+        return found
     parent = Path(os.path.abspath(path)).parent
     while (up := stat(parent, what)) is None:
         if not parents:

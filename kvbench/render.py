@@ -54,6 +54,20 @@ def env_tables(env: dict[str, Any]) -> None:
         console.print(f"[yellow]note:[/] {note}")
 
 
+def markdown_tables() -> str:
+    """The probes and the strategies as two Markdown tables (name, what it measures or does),
+    from the registries: what `kvbench list --markdown` prints and README.md embeds."""
+    from kvbench.probes import PROBES
+    from kvbench.strategies import STRATEGIES
+
+    out = []
+    for reg, what in ((PROBES, "what it measures"), (STRATEGIES, "what it does")):
+        out += [f"| {reg.kind} | {what} |", "|---|---|"]
+        out += [f"| `{c.name}` | {c.summary()} |" for c in reg.all()]
+        out.append("")
+    return "\n".join(out[:-1])
+
+
 def listing(as_json: bool) -> None:
     from kvbench.models import MODELS
     from kvbench.probes import PROBES

@@ -26,7 +26,7 @@ from kvbench.errors import KvbenchError
 from kvbench.schema import KNOWN_SCHEMA_VERSIONS, SCHEMA_VERSION, Record, now_iso
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULTS_DIR = Path("results")
+RESULTS_DIR = paths.RESULTS_DIR
 
 
 def git_state(root: Path = REPO_ROOT) -> tuple[str, bool]:
@@ -167,6 +167,59 @@ def _drop_superseded(rs: ResultSet) -> None:
         rs.records = keep
 
 
+class _NotJson(Exception):
+    """A line that is not a JSON object (a torn last line, or not JSON Lines at all)."""
+
+
+def _parse(path: Path, i: int, line: str) -> dict[str, Any]:
+    """Line i (0-based) of a result file as a record or env dict; _NotJson when it is not
+    a JSON object, KvbenchError when it is not a kvbench line this version reads."""
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        raise _NotJson from None
+    if not isinstance(obj, dict):
+        raise _NotJson
+    version = obj.get("schema_version")
+    if version is None or "kind" not in obj:
+        raise KvbenchError(f"'{path}' line {i + 1} is not a kvbench record")
+    if version not in KNOWN_SCHEMA_VERSIONS:
+        raise KvbenchError(f"'{path}' line {i + 1}: schema version {version} is not known "
+                           f"to kvbench {__version__} (knows {sorted(KNOWN_SCHEMA_VERSIONS)})")
+    if obj["kind"] in ("probe", "run"):
+        missing = [k for k in _REQUIRED if k not in obj]
+        if missing:
+            raise KvbenchError(f"'{path}' line {i + 1}: record lacks {', '.join(missing)}")
+    elif obj["kind"] != "env":
+        raise KvbenchError(f"'{path}' line {i + 1}: unknown record kind '{obj['kind']}'")
+    return obj
+
+
+def check_results_out(out: Path | str | None, what: str = "--out") -> None:
+    """Before any work: `out` can take appended records (paths.check_out) and, when it holds
+    something, is a kvbench result file (its first line read, not the whole file); without
+    `out`, a new file in results/ (default_out_path) can be made."""
+    if out is None:
+        paths.check_out(RESULTS_DIR, "the results folder", folder=True)
+        return
+    found = paths.check_out(out, what)
+    if found is None or not found.st_size:
+        return
+    try:
+        with open_text(out) as f:
+            i, line = next(((i, ln) for i, ln in enumerate(f) if ln.strip()), (0, ""))
+        if line:
+            _parse(Path(out), i, line)
+    except _NotJson:
+        raise KvbenchError(f"{what}: '{out}' line {i + 1} is not kvbench JSON Lines (results "
+                           "are appended to it)") from None
+    except KvbenchError as e:
+        raise KvbenchError(f"{what}: {e} (results are appended to it)") from None
+    except (OSError, EOFError, UnicodeDecodeError) as e:
+        raise KvbenchError(f"{what}: cannot read '{out}': {e} (results are appended to "
+                           "it)") from None
+
+
 def load(path: Path | str) -> ResultSet:
     """Read a kvbench JSONL file; a torn last line is reported in warnings and skipped.
 
@@ -189,29 +242,16 @@ def load(path: Path | str) -> ResultSet:
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
-            if not isinstance(obj, dict):
-                raise ValueError("not an object")
-        except ValueError:
+            obj = _parse(path, i, line)
+        except _NotJson:
             if i == last:
                 rs.warnings.append(f"{path}:{i + 1}: torn last line skipped (interrupted write)")
                 continue
             raise KvbenchError(f"'{path}' line {i + 1} is not kvbench JSON Lines") from None
-        version = obj.get("schema_version")
-        if version is None or "kind" not in obj:
-            raise KvbenchError(f"'{path}' line {i + 1} is not a kvbench record")
-        if version not in KNOWN_SCHEMA_VERSIONS:
-            raise KvbenchError(f"'{path}' line {i + 1}: schema version {version} is not known "
-                               f"to kvbench {__version__} (knows {sorted(KNOWN_SCHEMA_VERSIONS)})")
         if obj["kind"] == "env":
             rs.envs[obj["env_id"]] = obj.get("env", {})
-        elif obj["kind"] in ("probe", "run"):
-            missing = [k for k in _REQUIRED if k not in obj]
-            if missing:
-                raise KvbenchError(f"'{path}' line {i + 1}: record lacks {', '.join(missing)}")
-            rs.records.append(obj)
         else:
-            raise KvbenchError(f"'{path}' line {i + 1}: unknown record kind '{obj['kind']}'")
+            rs.records.append(obj)
     if not rs.envs and not rs.records:
         raise KvbenchError(f"'{path}' holds no kvbench records")
     _drop_superseded(rs)

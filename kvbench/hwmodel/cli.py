@@ -137,8 +137,7 @@ def project(results: Path, hardware: list[str], probe_files: list[Path], memory:
     """`kvbench project`: the projected records of RESULTS written to `out`."""
     from kvbench.console import err_console, wrote
     from kvbench.envinfo import collect_env
-    from kvbench.paths import check_results_out
-    from kvbench.store import ResultWriter, default_out_path
+    from kvbench.store import ResultWriter, check_results_out, default_out_path
     from kvbench.store import load as load_results
 
     check_results_out(out)
