@@ -1,19 +1,29 @@
-"""ArkVale-style page recall: a page budget on the accelerator, every page backed up on the host.
+"""ArkVale page recall: a page budget on the accelerator, every page backed up on the host.
 
 Chen et al., "ArkVale: Efficient Generative LLM Inference with Recallable Key-Value
-Eviction" (NeurIPS 2024), the baseline of CXL-PNM (its Algorithm 1 lines 1-6 and 10-11;
-spec sheet section 4). KV is cut into pages of S tokens (default 32). A page that fills is
-backed up to host memory (one d2h copy of S tokens) and summarised by a cuboid-mean digest
-(the public code's `_summarize_keys`). The accelerator holds `--budget-tokens` worth of
-pages (default 4096 = 128 pages of 32): the current partial page plus a pool of full pages.
-At each decode step every full page is scored with the query (digest bound, summed over a
-GQA group: one resident set per KV head), the top `--pages` pages (sinks and window pages
-always among them) are made resident by recalling the missing ones from the host into the
-slots of the lowest-scoring resident pages outside the top set (Alg. 1 lines 2-6, 11),
-then attention runs over *all* resident pages (ArkVale attends the whole budget, not only
-the top-k). Prefill and appends attend densely, then cut the pool down to the budget by
-the last query's scores (ArkVale's prefill). The first `--dense-layers` layers keep every
-page (`n_unlimited_layers` 2).
+Eviction" (NeurIPS 2024, sections 4-5), the baseline of CXL-PNM (its Algorithm 1 lines 1-6
+and 10-11; spec sheet section 4). KV is cut into pages of S tokens (default 32). The
+accelerator holds `--budget-tokens` worth of pages (default 4096 = 128 pages): the current
+page (1..S tokens) plus a pool of C full pages. A page is completed, as in the authors'
+code, when the token after its last arrives: it is backed up to the host (one d2h copy) and
+summarised by a cuboid-mean digest (`_summarize_keys`); with the pool full it takes the
+slot of the page leaving the window, which is evicted (`KvCache._decode_alloc_1_page`).
+Whenever the context has more pages than the budget, every full page is scored with the
+query after RoPE (`estimate.cu`: sum_i max(q_i hi_i, q_i lo_i)); the top set holds the
+sinks, the window and k - sinks - (window - 1) pages by score, k + 1 pages in all (k =
+`--pages`, ArkVale's `page_topks`); its missing pages are recalled from the host into the
+slots of the lowest-scoring resident pages outside it (`select.cu`, Alg. 1 lines 2-6, 11);
+attention runs over *all* resident pages (the budget, not only the top set). Prefill (and
+a multi-turn append, kvbench's) attends densely, then cuts the pool to the budget by the
+last query's scores over every head, with at least 2 sinks (`prefill_evict_extra_pages`).
+The first `--dense-layers` layers keep every page (`n_unlimited_layers` 2).
+
+Fidelity (pku-liang/ArkVale 0c3b45e; docs/fidelity/arkvale.md, tests/test_fidelity_arkvale.py):
+variant `authors` shares one page set per layer, ranked by the mean over all query heads
+(the code's default n_groups=1); `per-kv-head` keeps one set per KV head (n_groups = Hkv).
+Not followed: scores and digests in fp32 (the code: the model dtype), ties, the optional
+layer-ahead prefetch; window 1 (the code asserts window >= 2) leaves a completed page out
+of the pool unless it is selected.
 
 Recalled and evicted pages are counted per layer and step ("pages", "recalled"/"evicted",
 summed over batch rows and KV heads), with the bytes they move (h2d) and the backups (d2h).
@@ -26,7 +36,8 @@ read of pages 0..nf-1 are one contiguous copy each, and one recall staging pair 
 C, S, D] shared by the layers: exactly sized and pinned when the accelerator is CUDA
 (strategies._hostcopy; GPU audit findings 3 and 6). A recall gathers its pages on the host
 into the staging (after the layer's last backup D2H has landed, and after the H2D that last
-read the staging), then one async H2D and a scatter into the pool slots.
+read the staging), then one async H2D and a scatter into the pool slots: the page ids are
+read on the host (the authors' `recall` reads them too), the step's one sync on CUDA.
 """
 
 from __future__ import annotations
@@ -35,7 +46,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvbench.errors import require
-from kvbench.strategies import STRATEGIES, Strategy, position_mask
+from kvbench.strategies import (
+    STRATEGIES,
+    Strategy,
+    Variant,
+    check_variant,
+    position_mask,
+    variant_field,
+)
 from kvbench.strategies._hostcopy import HostKV, transfer
 from kvbench.strategies._pages import (
     Digests,
@@ -53,34 +71,51 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ArkValeParams:
-    """ArkVale's page size, accelerator page budget, top-k pages, sinks and window."""
+    """ArkVale's variant, page size, accelerator page budget, top-k, sinks and window."""
 
+    variant: str = variant_field(
+        Variant("authors", "one page set per layer shared by every head, ranked by the mean "
+                "score over all query heads (pku-liang/ArkVale's default, n_groups 1)"),
+        Variant("per-kv-head", "one page set per KV head, ranked by its query heads' scores "
+                "(ArkVale's n_groups = the KV heads; prefill still per layer)"))
     budget_tokens: int = field(default=4096, metadata={
         "help": "Accelerator page budget in tokens (whole pages, the current page included): "
                 "all resident pages are attended; a budget covering the context is exact."})
     page_size: int = field(default=32, metadata={"help": "Tokens per page (S)."})
     pages: int = field(default=0, metadata={
-        "help": "Top pages made resident each step, sinks and window included (0: ArkVale's "
-                "rule min(1280, budget / 2) / S)."})
+        "help": "ArkVale's page_topks k: the sinks, the window and k - sinks - (window - 1) "
+                "top pages are made resident each step, k + 1 pages in all (0: the paper's "
+                "rule min(1280, budget / 2) / S, section 5.1)."})
     sinks: int = field(default=2, metadata={"help": "First pages always resident."})
     window_pages: int = field(default=2, metadata={
-        "help": "Last pages always resident, the current (partial) page included."})
+        "help": "Last pages always resident, the current page included."})
     dense_layers: int = field(default=2, metadata={
         "help": "Leading layers that keep every page (by real layer index)."})
 
     def __post_init__(self) -> None:
+        check_variant(self)
         check_pages(self.page_size, self.budget_tokens, self.sinks, self.window_pages,
                     self.dense_layers)
         c = self.budget_tokens // self.page_size
-        require(0 <= self.pages <= c, f"--pages {self.pages}: in [0, {c}] (the budget's pages)")
+        require(0 <= self.pages < max(c, 1), f"--pages {self.pages}: in [0, {c - 1}] "
+                f"(below the budget's {c} pages, as ArkVale's page_topks)")
         require(self.pages == 0 or self.pages >= self.sinks + self.window_pages,
                 f"--pages {self.pages}: fewer than --sinks + --window-pages")
 
     @property
     def topk(self) -> int:
-        """Top pages per step (the rule when --pages is 0), at least sinks + window."""
+        """k: full pages in the top set, the current page besides (the rule when --pages is
+        0), at least sinks + window (ArkVale asserts it) and at most the pool's C."""
+        c = self.budget_tokens // self.page_size - 1
         rule = min(1280, self.budget_tokens // 2) // self.page_size
-        return self.pages or max(rule, self.sinks + self.window_pages)
+        return min(self.pages or max(rule, self.sinks + self.window_pages), c)
+
+    @property
+    def prefill_sinks(self) -> int:
+        """Sinks of the prefill's cut: at least 2 (`prefill_evict_extra_pages`), within the
+        budget beside the window."""
+        c = self.budget_tokens // self.page_size
+        return min(max(2, self.sinks), c - self.window_pages)
 
 
 @STRATEGIES.register
@@ -88,7 +123,7 @@ class ArkVale(Strategy):
     """ArkVale: page budget on the accelerator, pages recalled from host by digest score."""
 
     name = "arkvale"
-    version = "2"
+    version = "3"
     params = ArkValeParams
     exact = (("budget_tokens", 1 << 20),)  # no page leaves the accelerator
 
@@ -155,12 +190,18 @@ class ArkVale(Strategy):
         self.stored: dict[int, torch.cuda.Event] = {}  # layer -> its last backup's D2H
         self.staged: torch.cuda.Event | None = None  # the last recall's H2D out of stage
 
+    def _split(self, n: int) -> tuple[int, int]:
+        """(completed pages, tokens of the current page) of n cached tokens: the current
+        page holds 1..S tokens once any is cached (ArkVale completes a page on the next)."""
+        nf = max(n - 1, 0) // self.p.page_size
+        return nf, n - nf * self.p.page_size
+
     def attended(self, layer: int) -> torch.Tensor | None:
         """Every resident page and the current one (all tokens while the pool holds all)."""
         import torch
 
         n, hq, size = self.length[layer], self.ctx.spec.n_heads, self.p.page_size
-        nf = n // size
+        nf = self._split(n)[0]
         if layer < self.p.dense_layers or nf <= self.c:
             return torch.ones(self.ctx.batch, hq, n, dtype=torch.bool, device=self.ctx.accel)
         sp = self.slot_page[layer]
@@ -172,12 +213,27 @@ class ArkVale(Strategy):
 
     # --- pages of one sparse layer ---------------------------------------------------
 
-    def _target(self, scores: torch.Tensor, n_full: int, k: int) -> torch.Tensor:
-        """Pages kept [B, Hkv, n_full] (bool): sinks, the window's full pages (the current
-        page is the window's last, outside the pool), top of the rest by score (Alg. 1 line
-        2, S[:K]); k pages in all, or every page when k >= n_full (`select_pages`)."""
-        keep = select_pages(scores, n_full, k, self.p.sinks, self.p.window_pages - 1)
-        return scores.new_zeros(scores.shape).bool().scatter_(2, keep, True)
+    def _enter(self, layer: int, page: int, cur_k: torch.Tensor, cur_v: torch.Tensor) -> None:
+        """Completed page `page` (k/v [B, Hkv, 1, S, D], the current slot) into the pool: an
+        empty slot while there is one (pages fill slots in order), else the slot of the page
+        leaving the window, evicted (`_decode_alloc_1_page`, ArkVale's window ring). With one
+        window page the completed page leaves it itself: it enters only if selected."""
+        import torch
+
+        sp = self.slot_page[layer]
+        leave = page - (self.p.window_pages - 1)
+        if page < self.c:
+            slot = sp.new_full(sp.shape[:2], page)
+        elif leave < page:  # the window's oldest full page is resident (always in the top set)
+            slot = (sp == leave).to(torch.int8).argmax(-1)  # [B, Hkv]
+            self.ctx.counters.add("pages", "evicted", float(slot.numel()))
+        else:
+            return
+        bi = torch.arange(sp.shape[0], device=sp.device)[:, None]
+        hi = torch.arange(sp.shape[1], device=sp.device)[None, :]
+        self.pool_k[layer][bi, hi, slot] = cur_k[:, :, 0]
+        self.pool_v[layer][bi, hi, slot] = cur_v[:, :, 0]
+        sp[bi, hi, slot] = page
 
     def _place(self, layer: int, scores: torch.Tensor, target: torch.Tensor, fresh_first: int,
                fresh_k: torch.Tensor, fresh_v: torch.Tensor) -> None:
@@ -204,7 +260,7 @@ class ArkVale(Strategy):
             order = slot_score.masked_fill(keep, float("inf")).argsort(dim=-1, stable=True)
             rank = need.cumsum(-1) - 1
             slot = order[b, h, rank[b, h, pg]]
-            counters.add("pages", "evicted", float(valid[b, h, slot].sum()))
+            counters.add("pages", "evicted", valid[b, h, slot].sum())
             old = pg < fresh_first
             bo, ho, po, so = b[old], h[old], pg[old], slot[old]
             if po.numel():
@@ -256,13 +312,20 @@ class ArkVale(Strategy):
         self.dig[layer].put(first, k)
         self.ctx.counters.moved("d2h", 2.0 * k.numel() * self.ctx.elem_bytes)
 
-    def _select(self, layer: int, q: torch.Tensor, n_full: int, k: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scores [B, Hkv, n_full] of q [B, Hq, 1, D] and the target pages (`_target`)."""
+    def _select(self, layer: int, q: torch.Tensor, n_full: int, k: int, sinks: int,
+                per_layer: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scores [B, Hkv, n_full] of q [B, Hq, 1, D] (summed over each KV head's query
+        heads, or over every head when `per_layer`: one set for the layer) and the target
+        pages [B, Hkv, n_full] (bool): `sinks`, the window's full pages (the current page is
+        the window's last, outside the pool), top of the rest; k in all, or every page when
+        k >= n_full (`select_pages`; Alg. 1 line 2, S[:K])."""
         dig = self.dig[layer]
         scores = page_scores(q, dig.lo[:, :, :n_full], dig.hi[:, :, :n_full], "kv")
+        if per_layer:
+            scores = scores.sum(1, keepdim=True).expand(scores.shape)
         self.ctx.counters.add("bytes_read", "accel", dig.nbytes(n_full * self.p.page_size))
-        return scores, self._target(scores, n_full, k)
+        keep = select_pages(scores, n_full, k, sinks, self.p.window_pages - 1)
+        return scores, scores.new_zeros(scores.shape).bool().scatter_(2, keep, True)
 
     def _all(self, layer: int, n_full: int) -> tuple[torch.Tensor, torch.Tensor]:
         """No selection (the pool holds every page): zero scores and every page targeted."""
@@ -285,8 +348,9 @@ class ArkVale(Strategy):
     def append(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
         """T new tokens: dense causal attention over every cached page (the evicted ones
-        read back from the host) and the new tokens, then back up the pages they fill and
-        cut the pool down to the budget by the last query's scores."""
+        read back from the host) and the new tokens, then back up the pages they complete
+        and cut the pool down to the budget by the last query's scores over every head
+        (ArkVale's prefill; a multi-turn append is kvbench's, by the same rule)."""
         import torch
 
         from kvbench.kernels.attention import dense_attention
@@ -295,12 +359,12 @@ class ArkVale(Strategy):
             return self._dense(layer, q, k, v)
         size, c = self.p.page_size, self.c
         n0 = self.length[layer]
-        nf, t = divmod(n0, size)
+        nf, t = self._split(n0)
         seg_k = torch.cat([self.pool_k[layer][:, :, c, :t], k], dim=2)  # from page nf on
         seg_v = torch.cat([self.pool_v[layer][:, :, c, :t], v], dim=2)
         keys, vals = seg_k, seg_v
         counters = self.ctx.counters
-        if nf:  # the cached full pages, read from the host backup (contiguous, page-major)
+        if nf:  # the completed pages, read from the host backup (contiguous, page-major)
             old = []
             for host in (self.host_k[layer], self.host_v[layer]):
                 dev = torch.empty(host[:nf].shape, dtype=host.dtype, device=k.device)
@@ -311,18 +375,20 @@ class ArkVale(Strategy):
                            * self.ctx.elem_bytes)
         out, _ = dense_attention(q, keys, vals)
         counters.attended("accel", q, keys.shape[2])
-        m, rem = divmod(seg_k.shape[2], size)
+        m = (seg_k.shape[2] - 1) // size  # pages completed: the last stays current
         b, hkv, _, d = k.shape
         fresh_k = seg_k[:, :, :m * size].reshape(b, hkv, m, size, d)
         fresh_v = seg_v[:, :, :m * size].reshape(b, hkv, m, size, d)
+        rem = seg_k.shape[2] - m * size
         self.pool_k[layer][:, :, c, :rem] = seg_k[:, :, m * size:]
         self.pool_v[layer][:, :, c, :rem] = seg_v[:, :, m * size:]
         self.length[layer] = n0 + k.shape[2]
         if m:
             self._complete(layer, nf, fresh_k, fresh_v)
             with counters.timed("bookkeeping.select"):
-                scores, target = (self._select(layer, q[:, :, -1:], nf + m, c)
-                                  if nf + m > c else self._all(layer, nf + m))
+                scores, target = (
+                    self._select(layer, q[:, :, -1:], nf + m, c, self.p.prefill_sinks, True)
+                    if nf + m > c else self._all(layer, nf + m))
                 self._place(layer, scores, target, nf, fresh_k, fresh_v)
         return out
 
@@ -330,31 +396,32 @@ class ArkVale(Strategy):
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
-        """One token into the current page; when the pool cannot hold every page, make the
-        top pages resident (recalls); attend every resident page and the current one."""
+        """One token: a full current page is completed first (backup, digest, into the
+        pool); when the context has more pages than the budget, the top set is made
+        resident (recalls); the token goes into the current page; attention over every
+        resident page and the current one."""
         from kvbench.kernels.attention import dense_attention, merge
 
         if layer < self.p.dense_layers:
             return self._dense(layer, q, k, v)
         size, c = self.p.page_size, self.c
         pk, pv = self.pool_k[layer], self.pool_v[layer]
-        nf, t = divmod(self.length[layer], size)
-        pk[:, :, c, t], pv[:, :, c, t] = k[:, :, 0], v[:, :, 0]
-        self.length[layer] += 1
-        t += 1
+        cur_k, cur_v = pk[:, :, c:c + 1], pv[:, :, c:c + 1]
+        nf, t = self._split(self.length[layer])
         counters = self.ctx.counters
         with counters.timed("bookkeeping.select"):
             fresh = t == size
-            if fresh:  # the current page is full: back it up, place it as page nf
-                self._complete(layer, nf, pk[:, :, c:c + 1], pv[:, :, c:c + 1])
+            if fresh:  # the token after a full page: complete it as page nf
+                self._complete(layer, nf, cur_k, cur_v)
+                self._enter(layer, nf, cur_k, cur_v)
                 nf, t = nf + 1, 0
             if nf > c:
-                scores, target = self._select(layer, q, nf, self.p.topk - 1)
-            elif fresh:
-                scores, target = self._all(layer, nf)
-            if nf > c or fresh:
-                self._place(layer, scores, target, nf - 1 if fresh else nf,
-                            pk[:, :, c:c + 1], pv[:, :, c:c + 1])
+                scores, target = self._select(layer, q, nf, self.p.topk, self.p.sinks,
+                                              self.p.variant == "authors")
+                self._place(layer, scores, target, nf - 1 if fresh else nf, cur_k, cur_v)
+        pk[:, :, c, t], pv[:, :, c, t] = k[:, :, 0], v[:, :, 0]  # after: cur_k was read
+        self.length[layer] += 1
+        t += 1
         b, hkv, _, d = k.shape
         flat_k, flat_v = pk.view(b, hkv, -1, d), pv.view(b, hkv, -1, d)
         n_res = min(nf, c)
