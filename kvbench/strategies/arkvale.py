@@ -36,8 +36,9 @@ read of pages 0..nf-1 are one contiguous copy each, and one recall staging pair 
 C, S, D] shared by the layers: exactly sized and pinned when the accelerator is CUDA
 (strategies._hostcopy; GPU audit findings 3 and 6). A recall gathers its pages on the host
 into the staging (after the layer's last backup D2H has landed, and after the H2D that last
-read the staging), then one async H2D and a scatter into the pool slots: the page ids are
-read on the host (the authors' `recall` reads them too), the step's one sync on CUDA.
+read the staging), then one async H2D and a scatter into the pool slots. The page ids to
+recall must reach the host (the authors' `recall` reads them too): on CUDA a layer step
+over the budget waits for its selection there; nothing else in a decode step syncs.
 """
 
 from __future__ import annotations
@@ -286,7 +287,7 @@ class ArkVale(Strategy):
             self.stored.pop(layer).synchronize()  # the layer's backups have landed
         hk = self.host_k[layer]
         bsz, hkv = hk.shape[1], hk.shape[2]
-        rows = ((page.cpu() * bsz + b.cpu()) * hkv + h.cpu())  # in [P_max * B * Hkv]
+        rows = ((page * bsz + b) * hkv + h).cpu()  # in [P_max * B * Hkv]: one D2H
         m = rows.numel()
         for host, stage, pool in ((hk, self.stage[0], self.pool_k[layer]),
                                   (self.host_v[layer], self.stage[1], self.pool_v[layer])):
