@@ -172,7 +172,7 @@ def collect_env(root: Path | str = "/") -> dict[str, Any]:
     gpus, notes = gpu_info(root)
     if libnuma() is None:
         notes.append("libnuma unavailable: topology read from sysfs, placement unverified")
-    from kvbench.kernels.attention import native_status
+    from kvbench.native import native_status
 
     commit, dirty = git_state()
     env: dict[str, Any] = {

@@ -41,6 +41,16 @@ def openmp_runtimes() -> list[str]:
     return sorted(x for x in libs if x.startswith("/") and runtime.match(x.rsplit("/", 1)[-1]))
 
 
+def native_status() -> str:
+    """'loaded (ABI n, OpenMP runtime)' or why the native CPU kernel library is unavailable."""
+    try:
+        lib()
+    except KvbenchError as e:
+        return f"not loaded: {e}"
+    omp = openmp_runtimes()
+    return f"loaded (ABI {ABI_VERSION}, OpenMP {' + '.join(omp) if omp else 'not found'})"
+
+
 @lru_cache(maxsize=1)
 def lib() -> ctypes.CDLL:
     """Load the native library; a one-line error if the package was installed without it."""

@@ -10,7 +10,8 @@ from kvbench.cli import main
 from kvbench.envinfo import collect_env
 from kvbench.errors import KvbenchError
 from kvbench.kernels import cpu
-from kvbench.kernels.attention import backend_use, dense_attention, native_status
+from kvbench.kernels.attention import backend_use, dense_attention
+from kvbench.native import native_status
 from kvbench.probes import Probe, measure, run_and_store
 from kvbench.schema import measured
 from kvbench.store import load

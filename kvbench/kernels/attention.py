@@ -18,8 +18,8 @@ that block, merged by lse). Everything else (CPU prefill, other dtypes, a fused 
 refuses the shapes) runs the torch path below, query-chunked so a prefill does not
 materialise all scores at once (`query_chunk`: a GPU-sized budget on CUDA). Every call
 counts the backend that ran (`backend_use`: "native", "sdpa-flash", "sdpa-efficient" or
-"torch"), which runs and probes store as `method.backend`, and `native_status` says why the
-native library did not load (`kvbench env` shows it).
+"torch"), which runs and probes store as `method.backend`; `kvbench.native.native_status`
+says why the native library did not load (`kvbench env` shows it).
 """
 
 from __future__ import annotations
@@ -67,19 +67,6 @@ def backend_use(reset: bool = False) -> dict[str, str]:
     if reset:
         _USE.clear()
     return {phase: "+".join(sorted(b)) for phase, b in sorted(out.items())}
-
-
-def native_status() -> str:
-    """'loaded (ABI n, OpenMP runtime)' or why the native CPU kernel library is unavailable."""
-    from kvbench.errors import KvbenchError
-    from kvbench.native import ABI_VERSION, lib, openmp_runtimes
-
-    try:
-        lib()
-    except KvbenchError as e:
-        return f"not loaded: {e}"
-    omp = openmp_runtimes()
-    return f"loaded (ABI {ABI_VERSION}, OpenMP {' + '.join(omp) if omp else 'not found'})"
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
