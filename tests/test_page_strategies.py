@@ -83,8 +83,8 @@ def _quest_reference(q, k, v, n, budget, page, per_query: bool):
 def test_quest_decode_matches_reference(per: str) -> None:
     g = torch.Generator().manual_seed(1)
     n0, page, budget = 70, 8, 32
-    s = Quest(QuestParams(budget_tokens=budget, page_size=page, dense_layers=1,
-                          topk_per=per), ctx(96))
+    s = Quest(QuestParams(variant="kernel", budget_tokens=budget, page_size=page,
+                          dense_layers=1, topk_per=per), ctx(96))
     k = torch.randn(2, 2, n0, 8, generator=g)
     v = torch.randn(2, 2, n0, 8, generator=g)
     s.prefill(1, torch.randn(2, 6, n0, 8, generator=g), k, v)
@@ -204,7 +204,8 @@ def test_attended_masks_count_what_was_attended() -> None:
     from kvbench.strategies.streaming import Streaming, StreamingParams
 
     g = torch.Generator().manual_seed(5)
-    made = [Quest(QuestParams(budget_tokens=32, page_size=8, dense_layers=0), ctx(96)),
+    made = [Quest(QuestParams(variant="kernel", budget_tokens=32, page_size=8,
+                              dense_layers=0), ctx(96)),
             ArkVale(ArkValeParams(budget_tokens=24, page_size=4, pages=4, sinks=1,
                                   window_pages=2, dense_layers=0), ctx(96)),
             H2O(H2OParams(gpu_tokens=20), ctx(96)),

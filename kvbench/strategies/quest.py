@@ -5,18 +5,35 @@ Tang et al., "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inferen
 of S tokens (default 16, every script of the public code) with a channel-wise min/max
 digest per page and KV head, updated as keys are written. At each decode step the query
 scores every page by the upper bound sum_i max(q_i * max_i, q_i * min_i) and attention
-runs over the top pages within `--budget-tokens` (default 2048, the paper's headline,
-capped by the context). Prefill and multi-turn appends are dense (Quest prefills dense;
-its LongBench runs feed the question token by token after a dense context).
+runs over the top pages within `--budget-tokens` (default 2048, the paper's headline).
+Prefill and multi-turn appends are dense (the authors' code attends densely whenever more
+than one query arrives). The first `--dense-layers` (default 2, section 4.1) layers run
+dense by their real index.
 
-Choices, recorded in the params: pages are picked per query head by default (`topk_per
-= query`, the accuracy code's `repeat_kv`; `kv` shares one set per GQA group); the current
-(last, partial) page is always attended and counts against the budget (the kernel path,
-`controller.py`), `--sinks` first pages likewise (default 0); the first `--dense-layers`
-(default 2) layers run dense by their real index (the public eval code counts layer ids
-from 32 down, so on a 30-layer model it skips none).
+Variants (`--variant`):
+- `authors` (default), the accuracy code behind the paper's perplexity and passkey figures
+  (mit-han-lab/Quest `evaluation/quest_attention.py`): each query head (the KV heads
+  repeated, `repeat_kv`) ranks every page, the current partial one like any other, and
+  attends its top K = min(max(3, min(n, budget) // S), ceil(n / S)) pages over n cached
+  tokens. The current token is attended only when its page is picked; the budget is capped
+  at the context before rounding down, so a budget covering a context that is not a
+  multiple of S still drops a page.
+- `kernel`, the authors' kernel path (`quest/utils/controller.py`): K = budget // S pages,
+  the current page always among them (`--window-pages`, default 1), plus `--sinks` first
+  pages (default 0), top-k per query head or per KV group (`--topk-per`); dense while the
+  context has at most K pages.
 
-Exact setting: a budget covering the context (every page selected, dense attention).
+Fidelity (docs/fidelity/quest.md has the table of every difference): followed at
+mit-han-lab/Quest commit 01c1623 (`evaluation/quest_attention.py`, `quest/utils/
+controller.py`, `quest/models/llama.py`, `quest/ops/csrc/estimate.cu`). Not selectable:
+the code's dense-layer count (ids from 32 down: `32 - L + i < 2`, the first two on its
+32-layer models, none on a 30-layer one: pass `--dense-layers` for that), its fp16 scores
+and attention (here the model dtype, digests scored in fp32), and budgets under one page
+(refused; the code gives them 3 pages, as a budget of one page does here).
+
+Exact setting: `authors` with pages of one token and a budget covering the context (every
+token its own page, all kept). With S > 1, `authors` drops a page whenever n is not a
+multiple of S; `kernel` with a budget covering the context is exact at any S.
 Layout per layer: k/v [B, Hkv, max_len, D] and digests lo/hi [B, Hkv, ceil(max_len/S), D]
 on the accelerator.
 """
@@ -26,7 +43,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvbench.strategies import STRATEGIES, Strategy, position_mask
+from kvbench.strategies import (
+    STRATEGIES,
+    Strategy,
+    Variant,
+    check_variant,
+    position_mask,
+    variant_field,
+)
 from kvbench.strategies._pages import (
     Digests,
     attend_selected,
@@ -42,26 +66,51 @@ if TYPE_CHECKING:
 
     from kvbench.runtime.context import RunContext
 
+FLOOR = 3  # the accuracy code's fewest pages (`max(3, budget // S)`)
+
 
 @dataclass(frozen=True)
 class QuestParams:
-    """Quest's page size, token budget and the layers it leaves dense."""
+    """Quest's semantics, page size, token budget and the layers it leaves dense."""
 
+    variant: str = variant_field(
+        Variant("authors", "mit-han-lab/Quest evaluation/quest_attention.py, the accuracy "
+                "code: per query head the top max(3, min(context, budget) // S) pages, the "
+                "current page ranked like any other", ignores=("sinks", "window_pages",
+                                                               "topk_per")),
+        Variant("kernel", "quest/utils/controller.py, the kernel path: budget // S pages, "
+                "the current (partial) page always among them"))
     budget_tokens: int = field(default=2048, metadata={
-        "help": "Tokens attended per decode step and layer (whole pages, the current page "
-                "included); a budget covering the context is exact."})
+        "help": "Tokens attended per decode step and layer, in whole pages (authors: "
+                "capped at the context, then at least 3 pages; kernel: the current page "
+                "included, a budget covering the context exact)."})
     page_size: int = field(default=16, metadata={"help": "Tokens per page (S)."})
     dense_layers: int = field(default=2, metadata={
         "help": "Leading layers that attend densely (by real layer index)."})
-    sinks: int = field(default=0, metadata={"help": "First pages always attended."})
+    sinks: int = field(default=0, metadata={"help": "kernel: first pages always attended."})
     window_pages: int = field(default=1, metadata={
-        "help": "Last pages always attended, the current (partial) page included."})
+        "help": "kernel: last pages always attended, the current (partial) page included."})
     topk_per: str = field(default="query", metadata={
-        "help": "Top-k per 'query' head (Quest's accuracy code) or per 'kv' head group."})
+        "help": "kernel: top-k per 'query' head (as the accuracy code) or per 'kv' head "
+                "group (kvbench's; the kernel path has no GQA)."})
 
     def __post_init__(self) -> None:
+        check_variant(self)
         check_pages(self.page_size, self.budget_tokens, self.sinks, self.window_pages,
                     self.dense_layers, self.topk_per)
+
+    def pages(self, n: int) -> int:
+        """Pages attended over n cached tokens (the cache has all of them: dense)."""
+        n_pages = -(-n // self.page_size)
+        if self.variant == "authors":
+            return min(max(FLOOR, min(n, self.budget_tokens) // self.page_size), n_pages)
+        return min(self.budget_tokens // self.page_size, n_pages)
+
+    def rule(self) -> tuple[str, int, int]:
+        """(top-k per 'query' or 'kv' head, sink pages, window pages) of the selection."""
+        if self.variant == "authors":
+            return "query", 0, 0
+        return self.topk_per, self.sinks, self.window_pages
 
 
 @STRATEGIES.register
@@ -69,9 +118,10 @@ class Quest(Strategy):
     """Quest: top pages by min/max key digests within a token budget, KV on the accelerator."""
 
     name = "quest"
-    version = "1"
+    version = "2"
     params = QuestParams
-    exact = (("budget_tokens", 1 << 20),)  # every page selected
+    # every token its own page, all kept (module docstring: pages of S > 1 drop one)
+    exact = (("budget_tokens", 1 << 20), ("page_size", 1))
 
     @classmethod
     def placement(cls, params: QuestParams, ctx: RunContext) -> dict[str, int]:
@@ -81,8 +131,8 @@ class Quest(Strategy):
         budget's pages, fewer than the cache's)."""
         s, page = ctx.spec, params.page_size
         kv = ctx.batch * ctx.max_len * s.kv_bytes_per_token(ctx.elem_bytes, ctx.n_layers)
-        heads = ctx.batch * (s.n_heads if params.topk_per == "query" else s.n_kv_heads)
-        k_pages = min(params.budget_tokens // page, -(-ctx.max_len // page) - 1)
+        heads = ctx.batch * (s.n_heads if params.rule()[0] == "query" else s.n_kv_heads)
+        k_pages = min(params.pages(1 << 62), -(-ctx.max_len // page) - 1)
         sparse = ctx.n_layers - min(params.dense_layers, ctx.n_layers)
         digests = (ctx.n_layers * 2 * ctx.batch * s.n_kv_heads * -(-ctx.max_len // page)
                    * s.head_dim * ctx.elem_bytes)
@@ -142,7 +192,7 @@ class Quest(Strategy):
         p = self.p
         n = self._write(layer, k, v)
         kc, vc = self.k[layer][:, :, :n], self.v[layer][:, :, :n]
-        n_pages, k_pages = -(-n // p.page_size), p.budget_tokens // p.page_size
+        n_pages, k_pages = -(-n // p.page_size), p.pages(n)
         counters = self.ctx.counters
         if layer < p.dense_layers or k_pages >= n_pages:
             self.last[layer] = None
@@ -150,10 +200,10 @@ class Quest(Strategy):
             counters.attended("accel", q, n)
             return out
         dig = self.dig[layer]
+        per, sinks, window = p.rule()
         with counters.timed("bookkeeping.select"):
-            scores = page_scores(q, dig.lo[:, :, :n_pages], dig.hi[:, :, :n_pages],
-                                 p.topk_per)
-            pages = select_pages(scores, n_pages, k_pages, p.sinks, p.window_pages)
+            scores = page_scores(q, dig.lo[:, :, :n_pages], dig.hi[:, :, :n_pages], per)
+            pages = select_pages(scores, n_pages, k_pages, sinks, window)
             pos, lens = page_tokens(pages, p.page_size, n)
         counters.add("bytes_read", "accel", dig.nbytes(n))
         self.last[layer] = pos, lens
