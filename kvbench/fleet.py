@@ -19,7 +19,7 @@
   unpinned unit lands on another node with the same resources); a second loss becomes the
   unit's error record naming the nodes and the reason. A fan-out unit whose node is gone
   is recorded as an error; `--resume` runs it again. An exception inside a case is the
-  case's own error record (suite._execute), as on one machine.
+  case's own error record (suite_units.execute), as on one machine.
 - Refusals (KvbenchError, exit 2): Ray not installed (install hint), an address that does
   not answer within 3 s, a node whose kvbench version differs from the driver's (both
   named), a fan-out class no node has.
@@ -38,7 +38,8 @@ from typing import Any
 from kvbench import __version__
 from kvbench.errors import KvbenchError
 from kvbench.schema import Record, not_measured
-from kvbench.suite import Suite, Unit, _execute, _has_gpu, machine_class
+from kvbench.suite import Suite, machine_class
+from kvbench.suite_units import Unit, execute, has_gpu
 
 INSTALL_HINT = "Ray is not installed here: pip install -e '.[cluster]' (or: pip install ray)"
 CLASS_PREFIX = "class:"
@@ -174,7 +175,7 @@ def _task(path: str, text: str, case_id: str, key: str, tracker: Any
     ray = _ray()
     with contextlib.suppress(ray.exceptions.RayError):  # best effort: it names lost nodes
         ray.get(tracker.started.remote(key, env["node"]["name"]))  # delivered before the case
-    return env, _execute(unit_in(path, text, case_id), _has_gpu())
+    return env, execute(unit_in(path, text, case_id), has_gpu())
 
 
 class _Tracker:

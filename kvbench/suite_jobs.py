@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.schema import Record
-from kvbench.suite import CaseInterrupted, Suite, Unit, _execute, _has_gpu, load_suite, units
+from kvbench.suite_spec import Suite, load_suite
+from kvbench.suite_units import CaseInterrupted, Unit, execute, has_gpu, units
 
 Result = tuple[Unit, list[Record], dict[str, Any] | None, bool]  # unit, records, env, shared
 
@@ -33,17 +34,17 @@ def unit_in(path: str, text: str, key: str) -> Unit:
 
 def _work(path: str, text: str, key: str, gpu: bool) -> list[Record]:
     try:
-        return _execute(unit_in(path, text, key), gpu)
+        return execute(unit_in(path, text, key), gpu)
     except CaseInterrupted as e:  # its unit does not pickle: the interrupt goes back alone
         raise e.cause from None
 
 
 def run_local(suite: Suite, pending: list[Unit], jobs: int) -> Iterator[Result]:
     """Yield (unit, records, None, ran beside others) as each unit finishes."""
-    gpu = any(u.case.requires == "gpu" for u in pending) and _has_gpu()
+    gpu = any(u.case.requires == "gpu" for u in pending) and has_gpu()
     if jobs <= 1 or sum(not u.case.exclusive for u in pending) < 2:
         for unit in pending:
-            yield unit, _execute(unit, gpu), None, False
+            yield unit, execute(unit, gpu), None, False
         return
     pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
     running: dict[Future, Unit] = {}
@@ -56,7 +57,7 @@ def run_local(suite: Suite, pending: list[Unit], jobs: int) -> Iterator[Result]:
                                     gpu)] = unit
             if queue and queue[0].case.exclusive and not running:
                 unit = queue.pop(0)
-                yield unit, _execute(unit, gpu), None, False
+                yield unit, execute(unit, gpu), None, False
                 continue
             done, _ = wait(running, return_when=FIRST_COMPLETED)
             for fut in done:

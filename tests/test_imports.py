@@ -22,6 +22,7 @@ LAYERS = (
     ("parts", ("kvbench.kernels", "kvbench.models", "kvbench.probes", "kvbench.strategies",
                "kvbench.runtime.context", "kvbench.runtime.trace", "kvbench.hwmodel")),
     ("engine", ("kvbench.runtime", "kvbench.suite", "kvbench.suite_spec", "kvbench.suite_jobs",
+                "kvbench.suite_units",
                 "kvbench.fleet", "kvbench.prefix", "kvbench.plan", "kvbench.compare",
                 "kvbench.noise")),
     ("presentation", ("kvbench.render", "kvbench.report", "kvbench.summary",
@@ -29,7 +30,6 @@ LAYERS = (
     ("commands", ("kvbench.cli", "kvbench.experiment")),
 )
 KNOWN_CIRCLES = {
-    ("kvbench.suite", "kvbench.suite_jobs"),
     ("kvbench.html_report", "kvbench.plots.budget", "kvbench.report", "kvbench.summary"),
 }
 KNOWN_UPWARD = {("kvbench.compare", "kvbench.summary")}

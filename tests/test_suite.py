@@ -81,7 +81,7 @@ def test_failing_case_is_recorded_and_suite_goes_on(tmp_path, monkeypatch, capsy
 
     monkeypatch.setattr(TimerProbe, "run", flaky)
     path = write(tmp_path, TIMER + "sweep = { reps = [3, 4] }\n\n" + TIMER + 'requires = "gpu"\n')
-    monkeypatch.setattr("kvbench.suite._has_gpu", lambda: False)
+    monkeypatch.setattr("kvbench.suite_jobs.has_gpu", lambda: False)
     assert run_cli(["suite", "run", str(path)]) == 1
     recs = load(tmp_path / "out.jsonl").records
     assert calls == [3, 4]
@@ -203,7 +203,7 @@ def test_resume_reruns_errored_and_partial_units_only(tmp_path, monkeypatch):
 
     path = write(tmp_path, TIMER + "sweep = { reps = [3, 4, 5] }\n\n" + TIMER
                  + 'requires = "gpu"\n')
-    monkeypatch.setattr("kvbench.suite._has_gpu", lambda: False)
+    monkeypatch.setattr("kvbench.suite_jobs.has_gpu", lambda: False)
     suite = load_suite(path)
     out = tmp_path / "out.jsonl"
     ran = []
@@ -314,7 +314,7 @@ def test_bad_parameter_values_are_refused_up_front(tmp_path, capsys, monkeypatch
                                                    message):
     """Each point's config is built (its dataclasses' own checks) before anything runs: a
     bad value used to run, write an error record and exit 1."""
-    monkeypatch.setattr("kvbench.suite._execute", lambda *a: pytest.fail("a case ran"))
+    monkeypatch.setattr("kvbench.suite_jobs.execute", lambda *a: pytest.fail("a case ran"))
     path = write(tmp_path, TIMER + "\n" + case)
     assert run_cli(["suite", "run", str(path)]) == 2
     assert message in one_line_error(capsys)
