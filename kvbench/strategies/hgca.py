@@ -6,11 +6,14 @@ resident entry and query head (factor alpha, line 8). When the ring is full afte
 (line 10) its oldest block is evicted: copied with its MAW to host memory (line 13) on a
 side CUDA stream (a memcpy on a CPU-only machine, counted on the d2h link all the same).
 A single host worker thread, off the critical path (section 3.2.2), appends the block to
-KV_cpu and selects per KV head the entries whose MAW exceeds beta / W (lines 23-25; W =
-GPU-side entries, the paper's A_gpu.size) into the contextual cache KV_ctx. With
-grouped-query attention an entry is kept for a KV head when any of its query heads
-selects it; for multi-head models (the paper's OPT) that is exactly per head. beta = 0
-selects every host entry (no sparsification): the hybrid result is then exact.
+KV_cpu and selects entries at threshold beta / W (lines 23-25; W = GPU-side entries, the
+paper's A_gpu.size) into the contextual cache KV_ctx. `authors` (the default): per query
+head its own top-k entries by MAW, k the largest count at or above the threshold among
+its group of Hq // 4 adjacent heads (footnote 4's padding), at least 10 (`topk_keep`);
+`union-ema`: per KV head the entries any of its query heads rates above it, attended by
+the whole group (`union_keep`). For multi-head models (the paper's OPT) a union is per
+head. beta = 0 selects every host entry (no sparsification): the hybrid result is then
+exact, in both variants.
 
 A decode step (Algorithm 2, section 3.3): dense attention over the resident window on
 the accelerator, sparse attention of the query over each row's KV_ctx entries on the
@@ -23,12 +26,13 @@ for the host part is what `accel_idle` records.
 A prefill or a multi-turn append of T tokens (one method): dense causal attention of the
 new queries over the resident window and the new tokens on the accelerator; for an
 append, dense attention over all of KV_cpu on the host (exact), merged by lse. The window
-and the new tokens get their MAW from that attention: line 8 applied once per new query,
-in order (`_hgca_kv.ingest_maw`), as if the tokens had been decoded one by one. What no longer
-fits the ring leaves in whole blocks at once (line 11). After an append the worker
-re-evaluates KV_ctx from the host attention weights A_cpu (lines 19-21: every KV_cpu
-entry whose mean weight over the appended queries exceeds beta / |KV_cpu|), before it
-selects from the blocks this append evicted.
+and the new tokens get their MAW from that attention: `authors`, its column mean over the
+new queries (`_hgca_kv.column_mean`); `union-ema`, line 8 applied once per new query, in
+order (`_hgca_kv.ingest_maw`), as if the tokens had been decoded one by one. What no
+longer fits the ring leaves in whole blocks at once (line 11). After an append the worker
+re-evaluates KV_ctx from the host attention weights A_cpu (lines 19-21: the variant's
+selection over KV_cpu of the mean weight over the appended queries, threshold
+beta / |KV_cpu|), before it selects from the blocks this append evicted.
 
 Lines 8-13 run off the critical path on CUDA: the MAW update and the eviction copy on the
 side stream, the selection on the worker. On a CPU-only machine the accelerator role is
@@ -45,8 +49,26 @@ Counters: attended accel (window) and host (mean selected entries per row); move
 "bookkeeping.merge", "accel_idle"; off it, worker seconds filed when joined:
 "bookkeeping.select" and "bookkeeping.reselect"; prefill/append: "bookkeeping.scores"
 (initial weights) and "bookkeeping.evict" (the overflow); tokens "host_resident" and
-"host_selected.h{i}" (per KV head, summed over the batch) from which the selected
-fraction per head follows.
+"host_selected.h{i}" (per KV_ctx row: query head for `authors`, KV head for `union-ema`;
+summed over the batch) from which the selected fraction per row follows.
+
+Fidelity (docs/fidelity/hgca.md; tests/test_fidelity_hgca.py): the `authors` variant
+follows deng451e/beyond-ae at 55ec93174a4b17265178e0a967bdaa42802c0340,
+beyond/KVcache_manager.py (add_cache, decode_update, append_update, distill) and
+beyond/attention_methods.py (hybrid_decode, hybrid_append), the paper's Algorithms 1-2
+(sections 3.2-3.3). Differences, each selectable or not:
+
+| aspect | artifact | kvbench `authors` | selectable |
+|---|---|---|---|
+| GQA | none (multi-head only) | per query head, its KV head's entries | no |
+| host selection | per head top-k, k: group max, >= 10 | the same | union-ema: KV-head union |
+| prefill scores | column mean, beta / (n + T) | the same | union-ema: EMA, beta / W |
+| new entry's MAW | its first weight | the same | union-ema: from 0 |
+| re-selection | on an append that evicts | the same | union-ema: every append |
+| k over the entries | topk raises | clamped to the entries | no |
+| groups, batch > 1 | over (batch, head) rows | within a sequence | no (same at batch 1) |
+| alpha, beta | runs: 0.5-0.9, 0.5-1 | 0.003, 1.0 | --alpha, --beta |
+| dtype | fp16 MAW and KV | fp32 MAW, model-dtype KV | no |
 """
 
 from __future__ import annotations
