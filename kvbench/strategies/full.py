@@ -4,6 +4,7 @@ Every other strategy is judged against this one: no KV leaves the accelerator, a
 is dense over all cached tokens (HGCA Table 1 "full attention" reference; FlexGen's
 baseline when the cache fits). Prefill, decode and append are one path: write the new
 k/v after the cached ones, then causal attention of the new queries over the whole cache.
+Fidelity (to the model; no variants): docs/fidelity/full.md.
 """
 
 from __future__ import annotations

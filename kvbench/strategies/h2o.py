@@ -15,6 +15,10 @@ later turn's (append): causal attention over the kept tokens and the new ones, t
 queries' column sums added to the kept tokens' scores, then each row is cut back to the
 budget: the latest `recent` share by position, the highest-scoring of the others.
 
+Fidelity (docs/fidelity/h2o.md): FMInference/H2O ac75c2a's real-drop cache, GQA summed per
+KV head (the authors' code has none), fp32 scores; authors (hh, r) = --gpu-tokens hh+r
+--recent r/(hh+r).
+
 Layout per layer: k/v [B, Hkv, budget + 1, D] with scores [B, Hkv, budget + 1] and token
 positions, one free slot per row after each eviction. Positions are those the decoder
 applied (no re-indexing inside the cache).

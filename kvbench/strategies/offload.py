@@ -20,7 +20,8 @@ the prompt where it was computed (the accelerator) and writes it back to the hos
 append (a later turn's prompt, T tokens) runs the decode path with T new tokens: the
 layer's host KV is staged in, the new k/v join it there and on the host, and attention is
 causal over the new tokens. `accel_idle` records how long the accelerator role waits for
-a copy to finish.
+a copy to finish. Fidelity (FMInference/FlexLLMGen 004ffef, `load_cache` path 0, the
+overlapped loop; 100% of the KV on the host): docs/fidelity/offload.md.
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ heads, bytes on "h2d"), with the device's lse returned beside its output. In the
 graph the device's attention is a fork ("pnm") beside the accelerator's steady attention,
 which run concurrently (section 3.3); the layer's output waits for both.
 
+Fidelity (Algorithm 1 lines 7-11 line by line): docs/fidelity/png-kv.md.
+
 Exact setting: a budget covering the context. Layout per sparse layer: pool k/v [B, Hkv,
 C, S, D] and slot -> page ids [B, Hkv, C] (-1: empty) on the accelerator, C = T_Steady / S.
 """

@@ -16,7 +16,8 @@ per KV head. The paper states neither T_Budget nor the page size: ArkVale's defa
 the device. Prefill and multi-turn appends attend densely on the accelerator (the paper
 reports decode only) and write their KV to the device.
 
-Exact setting: a budget covering the context (every page selected).
+Exact setting: a budget covering the context (every page selected). Fidelity (no public code;
+one ranking per KV head where section 3.2 reads as one per request): docs/fidelity/pnm-kv.md.
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ real query selects and attends, i.e. --no-precompute's) and "pred_overlap" (shar
 real query's blocks that the predicted query selected), pages recalled/evicted and their bytes
 (link "h2d.recall"), `accel_idle`, worker seconds "host_attention".
 Exact setting: a budget covering the context (every block resident, nothing on the host).
+Fidelity (no public code; Algorithm 1 line by line, the open choices): docs/fidelity/scout.md.
 Layout per layer: host k/v token-major [max_len, B, Hkv, D] (sparse layers; a step's
 store is one contiguous D2H, the native kernel reads the view [B, Hkv, n, D]) and one
 recall staging pair [B * Hkv * min(C, blocks) * S, D] shared by the layers, exactly sized

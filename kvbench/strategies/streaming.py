@@ -11,6 +11,10 @@ evaluations apply static patterns to a model's original positions.
 A prompt, the first (prefill) or a later turn's (append), attends densely and causally
 to the cache and to itself; then only the sinks and the latest window stay.
 
+Fidelity (docs/fidelity/streaming.md): mit-han-lab/streaming-llm 2e50426 without its position
+shift; the budget counts the new token: authors (start s, recent r) = --sinks s
+--gpu-tokens s+r+1.
+
 Layout per layer: k/v [B, Hkv, budget, D]; slots [0, sinks) hold the sinks, the rest a ring
 where the token at position t lives in slot sinks + (t - sinks) mod (budget - sinks).
 """
