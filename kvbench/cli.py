@@ -389,12 +389,12 @@ def _serve_sim(cfg: object, out: Path | None) -> None:
 def _add_registered_commands() -> None:
     from kvbench import plan
     from kvbench.options import config_command
-    from kvbench.probes import PROBES
+    from kvbench.probes import PROBES, probe_command
     from kvbench.runtime.command import make_command
     from kvbench.strategies import STRATEGIES
 
     for cls in PROBES.all():
-        probe_app.command(cls.name, help=cls.summary())(cls.cli)
+        probe_app.command(cls.name, help=cls.summary())(probe_command(cls))
     for cls in STRATEGIES.all():
         run_app.command(cls.name, help=cls.summary())(make_command(cls))
     from kvbench.prefix.serve import ServeConfig

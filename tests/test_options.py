@@ -13,7 +13,7 @@ import pytest
 import typer
 
 from kvbench.options import collect, fields, to_argv
-from kvbench.probes import PROBES
+from kvbench.probes import PROBES, probe_command
 from kvbench.runtime.command import make_command
 from kvbench.runtime.run import RunConfig
 from kvbench.strategies import STRATEGIES
@@ -33,7 +33,7 @@ def parse(command, args: list[str]) -> dict:
 def test_probe_options_are_the_config_fields(name: str) -> None:
     """One option per config field, with the field's default: nothing written twice."""
     cls = PROBES.get(name)
-    sig = inspect.signature(cls.cli).parameters
+    sig = inspect.signature(probe_command(cls)).parameters
     for f in fields(cls.config):
         assert f.name in sig, f"--{f.name} missing from `kvbench probe {name}`"
         assert sig[f.name].default.default == f.default
@@ -57,7 +57,7 @@ def test_suite_commands_parse_into_the_case_config(suite: Path) -> None:
                             unit.case.name]
         if unit.case.kind == "probe":
             cls = PROBES.get(unit.case.name)
-            got = collect(cls.config, parse(cls.cli, args[3:]))
+            got = collect(cls.config, parse(probe_command(cls), args[3:]))
             assert got == unit.case.build(unit.params)
         else:
             cls = STRATEGIES.get(unit.case.name)
@@ -71,8 +71,8 @@ def test_suite_commands_parse_into_the_case_config(suite: Path) -> None:
 
 def test_hidden_flags_and_aliases_set_their_field() -> None:
     bw = PROBES.get("bandwidth")
-    assert collect(bw.config, parse(bw.cli, ["--pageable"])).memory == "pageable"
-    assert collect(bw.config, parse(bw.cli, ["--memory", "pinned"])).memory == "pinned"
+    assert collect(bw.config, parse(probe_command(bw), ["--pageable"])).memory == "pageable"
+    assert collect(bw.config, parse(probe_command(bw), ["--memory", "pinned"])).memory == "pinned"
     h2o = STRATEGIES.get("h2o")
     kw = parse(make_command(h2o), ["--budget", "0.3"])
     collect(RunConfig, kw)

@@ -1,12 +1,14 @@
 """Hardware probes: one module per probe, each a small class registered by name.
 
-A probe module defines a frozen config dataclass (the class attribute `config`), a `Probe`
-subclass whose `run` yields records for that config, and `cli`, the typer command that
-`kvbench.options.config_command` builds from the config's fields (help and checks in the
-field metadata) around a function that runs the probe on the config (`run_and_store`);
-suites build the same config from a TOML table, so every option is a config field of the
-same name. `kvbench probe NAME` is that command; `kvbench list` shows the first line of the
-class docstring.
+A probe module defines a frozen config dataclass (the class attribute `config`) and a
+`Probe` subclass whose `run` yields records for that config. `kvbench probe NAME` is the
+command `probe_command(cls)` builds from the registry, as `kvbench run NAME` is for
+strategies: one option per config field (help and checks in the field metadata, through
+`kvbench.options.config_command`) around `Probe.command`, which stores and shows each record
+as it is measured and writes the probe's figures (a probe with a live view overrides it).
+Suites build the same config from a TOML table, so every option is a config field of the
+same name; `kvbench list` shows the first line of the class docstring, `--help` the
+class's `description`.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class Probe(ABC):
     name: ClassVar[str]
     version: ClassVar[str] = "1"
     config: ClassVar[type]
-    cli: ClassVar[Callable[..., Any]]
+    description: ClassVar[str]  # `kvbench probe NAME --help`
 
     @classmethod
     def summary(cls) -> str:
@@ -46,8 +48,29 @@ class Probe(ABC):
         """Write this probe's PNG figures for loaded records (dicts); reports call this."""
         return []
 
+    @classmethod
+    def command(cls, config: Any, out: Path | None) -> None:
+        """`kvbench probe NAME`: each record stored and shown as it is measured, then the
+        figures (`plot`) next to the result file."""
+        from kvbench.console import show_record, wrote
+        from kvbench.store import load
+
+        path = run_and_store(cls(), config, out, show_record)
+        wrote(path)
+        if cls.plot is not Probe.plot:
+            for png in cls.plot(load(path).records, path.parent / f"{path.stem}-plots"):
+                wrote(png)
+
 
 PROBES: Registry[type[Probe]] = Registry("probe", __name__)
+
+
+def probe_command(cls: type[Probe]) -> Callable[..., None]:
+    """The typer command of `kvbench probe NAME`: the config's fields as options, then
+    --out (checked before anything is measured), calling `cls.command`."""
+    from kvbench.options import config_command
+
+    return config_command([(cls.config, None)], cls.command, cls.description)
 
 
 def in_passes(todo: Sequence[tuple[Measure, RecordOf]], policy: Policy,

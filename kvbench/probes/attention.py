@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.errors import KvbenchError, require
-from kvbench.options import check_ranges, config_command, opt
-from kvbench.probes import PROBES, Probe, run_and_store
+from kvbench.options import check_ranges, opt
+from kvbench.probes import PROBES, Probe
 from kvbench.schema import Record, from_timing, measured, not_measured
 from kvbench.timing import (
     PASSES,
@@ -144,6 +144,7 @@ class AttentionProbe(Probe):
     name = "attention"
     version = "3"
     config = AttentionConfig
+    description = "Time attention modes over a grid; plots Figs. 10 and 11 next to the result file."
 
     def run(self, config: AttentionConfig) -> Iterator[Record]:
         import torch
@@ -405,18 +406,3 @@ class AttentionProbe(Probe):
         from kvbench.probes._attention_plots import plot
 
         return plot([r for r in records if r.get("name") == cls.name], out_dir)
-
-
-def _cli(cfg: AttentionConfig, out: Path | None) -> None:
-    from kvbench.console import show_record, wrote
-    from kvbench.store import load
-
-    path = run_and_store(AttentionProbe(), cfg, out, show_record)
-    wrote(path)
-    for png in AttentionProbe.plot(load(path).records, path.parent / f"{path.stem}-plots"):
-        wrote(png)
-
-
-AttentionProbe.cli = config_command(
-    [(AttentionConfig, None)], _cli,
-    "Time attention modes over a grid; plots Figs. 10 and 11 next to the result file.")

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.errors import KvbenchError, require
-from kvbench.options import check_ranges, config_command, opt
+from kvbench.options import check_ranges, opt
 from kvbench.probes import PROBES, Probe
 from kvbench.probes._bandwidth_stats import STABLE_SIZE, cv_by_size, derived, stability
 from kvbench.probes._copy import (
@@ -96,6 +96,16 @@ class BandwidthProbe(Probe):
     name = "bandwidth"
     version = "3"
     config = BandwidthConfig
+    description = "Measure copy bandwidth between every pair of memories against size."
+
+    @classmethod
+    def command(cls, config: BandwidthConfig, out: Path | None) -> None:
+        """A live table of the sweep's GB/s while it runs (kvbench.probes._view)."""
+        from kvbench.probes._view import run_with_view
+
+        plan = make_plan(config.src, config.dst, config.sizes, config.memory, config.root)
+        run_with_view(cls(), config, out, "bandwidth (GB/s)", "bandwidth",
+                      plan.steps * config.repeat)
 
     def run(self, config: BandwidthConfig) -> Iterator[Record]:
         if config.threads < 1:
@@ -298,16 +308,3 @@ def series(records: list[dict[str, Any]], name: str, metric: str
             label += f" sweep {r['method']['repeat']}"
         out.setdefault(label, []).append((int(p["size"]), float(r["value"])))
     return {k: sorted(v) for k, v in out.items()}
-
-
-def _cli(config: BandwidthConfig, out: Path | None) -> None:
-    from kvbench.probes._view import run_with_view
-
-    plan = make_plan(config.src, config.dst, config.sizes, config.memory, config.root)
-    run_with_view(BandwidthProbe(), config, out, "bandwidth (GB/s)", "bandwidth",
-                  plan.steps * config.repeat)
-
-
-BandwidthProbe.cli = config_command(
-    [(BandwidthConfig, None)], _cli,
-    "Measure copy bandwidth between every pair of memories against size.")

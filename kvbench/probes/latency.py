@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.memory import Endpoint, HostBuffer, llc_bytes, runner_cpus, runner_node
-from kvbench.options import config_command, opt
+from kvbench.options import opt
 from kvbench.probes import PROBES, Measure, Probe, RecordOf, in_passes
 from kvbench.probes._copy import calibrated, make_plan, open_copier
 from kvbench.probes.bandwidth import CopyPairs, series
@@ -55,6 +55,16 @@ class LatencyProbe(Probe):
     name = "latency"
     version = "1"
     config = LatencyConfig
+    description = "Measure small-copy latency per memory pair and each node's load latency."
+
+    @classmethod
+    def command(cls, config: LatencyConfig, out: Path | None) -> None:
+        """A live table of the latencies while the sweep runs (kvbench.probes._view)."""
+        from kvbench.probes._view import run_with_view
+
+        plan = make_plan(config.src, config.dst, config.sizes, config.memory, config.root)
+        chase_bytes(config)  # a bad --chase-size fails before anything runs
+        run_with_view(cls(), config, out, "copy latency (us)", "copy_latency", plan.steps)
 
     def run(self, config: LatencyConfig) -> Iterator[Record]:
         """Each pair and memory kind's sizes timed together in passes (time_passes), the
@@ -153,16 +163,3 @@ class LatencyProbe(Probe):
         ax_l.bar([n for n, _ in chase], [v for _, v in chase], color="tab:gray")
         ax_l.set(ylabel="load-to-use latency (ns)", title="pointer chase")
         return [save(fig, out_dir / "latency.png")]
-
-
-def _cli(config: LatencyConfig, out: Path | None) -> None:
-    from kvbench.probes._view import run_with_view
-
-    plan = make_plan(config.src, config.dst, config.sizes, config.memory, config.root)
-    chase_bytes(config)  # a bad --chase-size fails before anything runs
-    run_with_view(LatencyProbe(), config, out, "copy latency (us)", "copy_latency", plan.steps)
-
-
-LatencyProbe.cli = config_command(
-    [(LatencyConfig, None)], _cli,
-    "Measure small-copy latency per memory pair and each node's load latency.")

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.errors import require
-from kvbench.options import check_ranges, config_command, opt
-from kvbench.probes import PROBES, Measure, Probe, RecordOf, in_passes, run_and_store
+from kvbench.options import check_ranges, opt
+from kvbench.probes import PROBES, Measure, Probe, RecordOf, in_passes
 from kvbench.schema import Record, measured
 from kvbench.timing import Policy, time_cuda, time_host
 from kvbench.units import gbps
@@ -96,6 +96,7 @@ class RooflineProbe(Probe):
     name = "roofline"
     version = "2"
     config = RooflineConfig
+    description = "Measure device roofs and attention points; plots Fig. 1 next to the result file."
 
     def run(self, config: RooflineConfig) -> Iterator[Record]:
         import torch
@@ -252,18 +253,3 @@ class RooflineProbe(Probe):
         ax.set_title("attention roofline (dotted: projected stage intensities)", fontsize=9)
         ax.legend(fontsize=8)
         return [save(fig, out_dir / "roofline-fig1.png")]
-
-
-def _cli(cfg: RooflineConfig, out: Path | None) -> None:
-    from kvbench.console import show_record, wrote
-    from kvbench.store import load
-
-    path = run_and_store(RooflineProbe(), cfg, out, show_record)
-    wrote(path)
-    for png in RooflineProbe.plot(load(path).records, path.parent / f"{path.stem}-plots"):
-        wrote(png)
-
-
-RooflineProbe.cli = config_command(
-    [(RooflineConfig, None)], _cli,
-    "Measure device roofs and attention points; plots Fig. 1 next to the result file.")

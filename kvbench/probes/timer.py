@@ -12,11 +12,10 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from kvbench.options import check_ranges, config_command, opt
-from kvbench.probes import PROBES, Measure, Probe, RecordOf, in_passes, run_and_store
+from kvbench.options import check_ranges, opt
+from kvbench.probes import PROBES, Measure, Probe, RecordOf, in_passes
 from kvbench.schema import Record, measured, not_measured
 from kvbench.timing import PASSES, Policy, time_cuda, time_host
 
@@ -40,6 +39,7 @@ class TimerProbe(Probe):
     name = "timer"
     version = "1"
     config = TimerConfig
+    description = "Measure the overhead of kvbench's timers."
 
     def run(self, config: TimerConfig) -> Iterator[Record]:
         """Every timer's quantity timed in passes (kvbench.timing.time_passes), config.reps
@@ -110,13 +110,3 @@ class TimerProbe(Probe):
             sync()
 
         return lambda policy: time_host(ops, policy)
-
-
-def _cli(config: TimerConfig, out: Path | None) -> None:
-    from kvbench.console import show_record, wrote
-
-    wrote(run_and_store(TimerProbe(), config, out, show_record))
-
-
-TimerProbe.cli = config_command([(TimerConfig, None)], _cli,
-                                "Measure the overhead of kvbench's timers.")
