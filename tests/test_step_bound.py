@@ -119,7 +119,8 @@ def test_step_bound_is_bytes_over_bandwidth_and_efficiency_bound_over_steps(
     assert eff["value"] == pytest.approx(want / statistics.median(tbt["samples"]), rel=1e-12)
     shown = capsys.readouterr().out
     assert "step_bound_s" in shown and "step_efficiency" in shown
-    assert f"bytes bound: accel {hand_bytes(2) / 1e6:.4g} MB per decode step" in shown
+    assert (f"bytes bound per decode step: accel {hand_bytes(2) / 1e6:.4g} MB at 10 GB/s "
+            "(probe, one memory)") in shown
 
 
 def test_ops_per_step_exact_and_syncs_found(tiny: None, tmp_path: Path) -> None:
@@ -233,3 +234,25 @@ def test_probe_measures_this_machine() -> None:
     assert bw.shared and bw.source == "probe"
     assert all(0.1 < v < 10_000 for v in bw.gbps.values())
     assert "native read loop" in bw.how["host"]
+
+
+@pytest.mark.gpu
+def test_cuda_run_probes_each_memory_and_counts_device_to_host_copies(
+        tiny: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU: the probe measures device memory and both links apart from the host's
+    (bound: the busiest of them), `.item()` and a blocking copy to the host sync, a
+    non-blocking one into pinned memory does not."""
+    monkeypatch.undo()  # the real probe, the tiny model again
+    monkeypatch.setitem(MODELS, TINY.name, TINY)
+    recs = run(tmp_path, FakeParams(item=True), device="cuda")
+    m = recs["step_bound_s"]["method"]
+    assert set(m["gbps"]) == {"host", "accel", "h2d", "d2h"} and not m["one_memory"]
+    assert m["gbps"]["accel"] > m["gbps"]["h2d"]
+    assert recs["syncs_per_step"]["value"] == TINY.n_layers
+    x = torch.ones(4, device="cuda")
+    pinned = torch.empty(4).pin_memory()
+    for fn, n in ((lambda: x.cpu(), 1), (lambda: x.to("cpu", non_blocking=True), 0),
+                  (lambda: pinned.copy_(x, non_blocking=True), 0), (lambda: pinned.copy_(x), 1)):
+        with Counting() as c:
+            fn()
+        assert c.syncs == n

@@ -130,7 +130,8 @@ def records(name: str, params: dict[str, ParamValue], steps: list[float], graph:
 
 def describe(recs: list[Record]) -> str:
     """One line on the step bound of a run's records ('' when it was not measured): bytes
-    per step per resource and link, the bandwidths and their source, bound and efficiency."""
+    per step per resource and link at the GB/s they were bounded by, the bandwidth's source,
+    the bound and the efficiency."""
     from kvbench.units import format_seconds
 
     got = {r.metric: r for r in recs if r.metric in ("step_bound_s", "step_efficiency")
@@ -138,11 +139,15 @@ def describe(recs: list[Record]) -> str:
     if len(got) < 2:
         return ""
     m = got["step_bound_s"].method
-    nbytes = ", ".join(f"{k} {v / 1e6:.4g} MB" for k, v in m["bytes_per_step"].items())
-    rates = ", ".join(f"{k} {v:.3g}" for k, v in m["gbps"].items())
-    return (f"bytes bound: {nbytes} per decode step at {rates} GB/s "
-            f"({m['bandwidth_source']}) = {format_seconds(got['step_bound_s'].value or 0)}; "
-            f"step efficiency {got['step_efficiency'].value:.2f} of it")
+    rates = m["gbps"]
+    terms = ", ".join(
+        f"{k} {v / 1e6:.4g} MB at " + (f"{rates[x]:.3g} GB/s" if (x := MEMORY.get(
+            k, k.split(".")[0])) in rates else "(not bounded)")
+        for k, v in m["bytes_per_step"].items())
+    return (f"bytes bound per decode step: {terms} ({m['bandwidth_source']}"
+            f"{', one memory' if m['one_memory'] else ''}) = "
+            f"{format_seconds(got['step_bound_s'].value or 0)}; step efficiency "
+            f"{got['step_efficiency'].value:.2f} of it")
 
 
 def probe(cuda: bool, threads: int) -> Bandwidth:
