@@ -28,7 +28,8 @@ CPU = torch.device("cpu")
 SPARSE = {
     "offload": NoParams(),
     "hgca": HgcaParams(gpu_tokens=16, block=8, beta=1.0),
-    "infinigen": InfiniGenParams(alpha=1.0, budget_tokens=8, skew_tokens=8, dense_layers=1),
+    "infinigen": InfiniGenParams(variant="oracle", alpha=1.0, budget_tokens=8, skew_tokens=8,
+                                 dense_layers=1),
     "arkvale": ArkValeParams(budget_tokens=64, page_size=16, dense_layers=1),
     "scout": ScoutParams(budget_tokens=64, page_size=16, dense_layers=1, resident_blocks=2,
                          recall_interval=2),

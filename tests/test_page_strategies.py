@@ -120,8 +120,9 @@ def test_infinigen_speculation_matches_reference(max_per: str) -> None:
     c = ctx(64, layers=2)
     c.model = _Model()
     alpha = 1.0
-    s = InfiniGen(InfiniGenParams(alpha=alpha, partial_ratio=1.0, dense_layers=1,
-                                  max_per=max_per, budget_tokens=12, skew_tokens=40), c)
+    s = InfiniGen(InfiniGenParams(variant="oracle", alpha=alpha, partial_ratio=1.0,
+                                  dense_layers=1, max_per=max_per, budget_tokens=12,
+                                  skew_tokens=40), c)
     n0 = 40
     k = torch.randn(2, 2, n0, 8, generator=g)
     v = torch.randn(2, 2, n0, 8, generator=g)
@@ -280,7 +281,8 @@ def test_infinigen_attends_densely_until_its_skew_warm_up() -> None:
     g = torch.Generator().manual_seed(7)
     c = ctx(64, layers=2)
     c.model = _Model()
-    s = InfiniGen(InfiniGenParams(dense_layers=1, skew_tokens=22, budget_tokens=4), c)
+    s = InfiniGen(InfiniGenParams(variant="oracle", dense_layers=1, skew_tokens=22,
+                                  budget_tokens=4), c)
     k = torch.randn(2, 2, 20, 8, generator=g)
     s.prefill(1, torch.randn(2, 6, 20, 8, generator=g), k, k.clone())
     for step in (1, 2, 3):
@@ -313,7 +315,7 @@ def test_infinigen_default_partial_ratio_matches_a_float64_reference(spread: flo
     c = RunContext(spec, 2, 2, 64, torch.float32, CPU, CPU, Counters(spec.n_kv_heads, 4))
     c.model = _Model()
     p, d, b, hq, hkv = 40, 20, 2, 6, 2
-    s = InfiniGen(InfiniGenParams(dense_layers=1, skew_tokens=p), c)
+    s = InfiniGen(InfiniGenParams(variant="oracle", dense_layers=1, skew_tokens=p), c)
     assert s.dp == 4 and s.p.partial_ratio == 0.2 and s.p.alpha == 5.0
     g = torch.Generator().manual_seed(11)
     scales = torch.linspace(0.3, 3.0, d)

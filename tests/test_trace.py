@@ -89,7 +89,8 @@ def _tasks(path: Path) -> dict[int, list[list]]:
 def test_run_stores_task_graph(strategy: str, tmp_path: Path) -> None:
     out = tmp_path / "r.jsonl"
     extra = {"hgca": ["--gpu-share", "0.5", "--beta", "0"],
-             "infinigen": ["--skew-tokens", "8", "--dense-layers", "0"]}.get(strategy, [])
+             "infinigen": ["--variant", "oracle", "--skew-tokens", "8", "--dense-layers",
+                           "0"]}.get(strategy, [])
     with pytest.raises(SystemExit) as e:
         main(["run", strategy, "--model", "opt-125m", "--weights", "random", "--layers", "2",
               "--prompt-len", "24", "--gen-len", "3", "--out", str(out), *extra])

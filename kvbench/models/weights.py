@@ -67,8 +67,9 @@ def load(spec: ModelSpec, weights: str, n_layers: int, dtype: torch.dtype,
          device: torch.device, seed: int = 0) -> Loaded:
     """The decoder for `spec` with `weights` ("bundled", "random" or a checkpoint dir)."""
     if weights == "random":
-        return Loaded(_random(spec, n_layers, dtype, device, seed),
-                      lambda text: list(text.encode("utf-8")), None, "random")
+        model = _random(spec, n_layers, dtype, device, seed)
+        model.encode = lambda text: list(text.encode("utf-8"))  # for offline calibrations
+        return Loaded(model, model.encode, None, "random")
     if weights == "bundled":
         if spec.name != BUNDLED_MODEL:
             raise KvbenchError(f"bundled weights exist only for {BUNDLED_MODEL}; use "
@@ -93,7 +94,8 @@ def load(spec: ModelSpec, weights: str, n_layers: int, dtype: torch.dtype,
         raise KvbenchError(f"checkpoint does not match {spec.name}: {str(e).splitlines()[0]}") \
             from None
     _share(hf, model, parts)
-    return Loaded(model.to(device).eval(), lambda text: tok(text)["input_ids"], hf, source)
+    model.encode = lambda text: tok(text)["input_ids"]  # for offline calibrations
+    return Loaded(model.to(device).eval(), model.encode, hf, source)
 
 
 def weights_cache(gguf: Path) -> Path | None:

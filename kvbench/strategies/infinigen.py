@@ -1,44 +1,52 @@
 """InfiniGen: speculate layer i+1's attention with partial weights, prefetch only its tokens.
 
 Lee et al., "InfiniGen: Efficient Generative Inference of Large Language Models with
-Dynamic KV Cache Management" (OSDI 2024), as its public code does it (spec sheet section
-3): the full KV lives in host memory; the accelerator keeps a *partial* key cache of
-d' = floor(r * D) channels per KV head (r = `--partial-ratio`, default 0.2). While layer i
+Dynamic KV Cache Management" (OSDI 2024, section 4): the full KV lives in host memory; the
+accelerator keeps a *partial* key cache of a few skewed channels per KV head. While layer i
 runs, layer i+1's query is predicted from layer i's normed input with layer i+1's query
-weights (RoPE at the current position), its partial scores against the partial keys pick,
-per query head, the tokens whose score is within `--alpha` of the head's maximum (default
-5, the Llama setting; the public code uses 4 for OPT); n' = the mean count over batch and
-heads, capped at `--budget-tokens` (0: 0.2 of the context), the same n' for every head,
-and each head's top n' tokens are gathered on the host and copied to the accelerator, where
-layer i+1 attends them and the new token densely. The first `--dense-layers` (default 2)
-layers read their whole cache from the host each step.
+weights (RoPE at the current position), its partial scores against the partial keys pick
+the tokens whose score is within `--alpha` of a maximum (default 5, the Llama setting; 4
+for OPT); n' = the mean count over batch and heads, capped, the same n' for every head,
+and each head's top n' tokens are gathered on the host and copied to the accelerator,
+where layer i+1 attends them. The first `--dense-layers` (default 2) layers read their
+whole cache from the host each step.
 
-Skewing (section "offline skewing"): per layer and KV head, an orthogonal A from the SVD of
-the prompt's queries (after RoPE, the group's query heads stacked; A = right singular
-vectors, largest first) is applied to q and k, so q.k is unchanged while the score mass
-concentrates in few channels; d' channels with the largest sum |q A| are kept. InfiniGen
-computes A once per model on a warm-up text (pg19); kvbench computes it per run from the
-first `--skew-tokens` (default 256) queries each layer sees, prompt first, then decode
-steps: until a layer has them it attends densely (as InfiniGen's accuracy harness runs its
-first rows dense), then its partial keys are built for every cached token. Per-head
-maxima by default; `--max-per head0`
-reproduces the public Llama accuracy code, which thresholds every head with head 0's max.
+Fidelity (docs/fidelity/infinigen.md; snu-comparch/InfiniGen at 3754f52, files
+accuracy/setup/gen_llama_skewing_matrix.py, gen_partial_weight.py,
+accuracy/src/modeling_llama_ours.py, accuracy/perplexity/llama.py). `--variant`:
+- `authors` (default), the Llama accuracy code: per layer and KV head an orthogonal A (SVD
+  of the post-RoPE queries) and the partial channels (the union of the int(r * D) top
+  query and top key channels of sum |x A|) calibrated offline, once per (weights, text,
+  ratio) and cached (kvbench.strategies._infinigen_calib), on a fixed text shipped with
+  kvbench or `--calib-text`, never the scored prompt (a run whose scored text begins with
+  it is refused); every head thresholded at head 0's maximum; the current token ranked
+  with the cached ones (its partial score counted in the mean and the maximum, attended
+  only if in the top n'); cap n' <= 0.2 of the window (`--budget-tokens`, default 0.2 x
+  the run's sequence length), and steps before the cap is reached attend densely.
+- `oracle`: A and d' = floor(r * D) query channels from the first `--skew-tokens` queries
+  of the scored prompt itself (dense until a layer has them): an in-distribution
+  calibration no deployment has; per-head maxima (`--max-per head0`: head 0's); the
+  current token always attended besides n' <= 0.2 of the cached tokens.
+GQA (the authors' code has none): one A and channel set per KV head from its group's
+queries, the selection per query head. The rest of the table: the fidelity page.
 
-Exact setting: `--alpha inf` and a budget covering the context (every token prefetched).
-The per-layer skew warm-up is then irrelevant (dense or speculated, every token is read).
+Exact setting: `--alpha inf` and a budget covering the context (every token attended; for
+`authors` the steps then attend densely, as the authors' rows below the cap do).
 Multi-turn appends are not defined by InfiniGen: `--turns` > 1 is refused.
 Layout per layer: host k/v token-major [max_len, B, Hkv, D] (a prefix is one contiguous
 block: stores and whole-cache reads are single DMA copies), partial keys [B, Hkv, max_len,
-d'], A [Hkv, D, D] and channel ids [Hkv, d'] on the accelerator. Two gather staging
-buffers [B * Hq * n'_max, D] (k and v each) and the speculation's token ids [B, Hq, n'_max]
-and count are host DMA buffers; all host buffers are exactly sized and pinned on CUDA
-(strategies._hostcopy, GPU audit findings 3 and 6).
+w] (w = d', or the widest channel union), A [Hkv, D, D] and channel ids [Hkv, w] on the
+accelerator. Two gather staging buffers [B * Hq * n'_max, D] (k and v each) and the
+speculation's token ids [B, Hq, n'_max] and count are host DMA buffers; all host buffers
+are exactly sized and pinned on CUDA (strategies._hostcopy, GPU audit findings 3 and 6).
 
 Schedule of a decode step on CUDA (GPU audit finding 10): at layer i's input the
 speculation for layer i+1 is queued (partial scores, top n'_max ids, their D2H into the
 pinned id buffer and an event); layer i's attention is queued next, and only then does the
 host wait for the ids, gather the tokens into a staging buffer and queue their H2D on a
-side stream, while the GPU runs layer i. The gather reads host KV that earlier steps' D2H
+side stream, while the GPU runs layer i. `authors` gathers one token more per head than
+the cached mean allows (the current token's key, which may push one out, is not known
+yet) and masks on the accelerator. The gather reads host KV that earlier steps' D2H
 stores wrote: it waits for the layer's last store event first (finding 15), and a staging
 buffer is rewritten only after the H2D that last read it is done.
 """
@@ -49,9 +57,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvbench.errors import require
-from kvbench.strategies import STRATEGIES, Strategy, position_mask
+from kvbench.strategies import (
+    STRATEGIES,
+    Strategy,
+    Variant,
+    check_variant,
+    position_mask,
+    variant_field,
+)
 from kvbench.strategies._hostcopy import HostKV, heads_first, tokens_first, transfer
-from kvbench.strategies._pages import check_layers
+from kvbench.strategies._pages import attend_selected, check_layers
 
 if TYPE_CHECKING:
     import torch
@@ -61,10 +76,19 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class InfiniGenParams:
-    """InfiniGen's logit margin, partial ratio, token cap and dense layers."""
+    """InfiniGen's semantics, logit margin, partial ratio, token cap and dense layers."""
 
+    variant: str = variant_field(
+        Variant("authors", "the authors' Llama accuracy code: skew and channels calibrated "
+                "offline on a fixed text (--calib-text), head 0's maximum, the current "
+                "token ranked with the cached ones, cap 0.2 of the window",
+                ignores=("max_per", "skew_tokens")),
+        Variant("oracle", "skew and channels from the scored prompt itself (an oracle no "
+                "deployment has), per-head maxima, the current token always attended, cap "
+                "0.2 of the cached tokens", ignores=("calib_text",)))
     budget_tokens: int = field(default=0, metadata={
-        "help": "Most tokens prefetched per head and step (0: 0.2 of the context)."})
+        "help": "Most tokens prefetched per head and step (0: 0.2 of the run's sequence "
+                "length (authors) or of the cached tokens (oracle))."})
     alpha: float = field(default=5.0, metadata={
         "help": "Logit margin: a token is fetched when its partial score is within alpha of "
                 "its head's maximum (inf: every token)."})
@@ -73,10 +97,13 @@ class InfiniGenParams:
     dense_layers: int = field(default=2, metadata={
         "help": "Leading layers that read their whole cache (by real layer index)."})
     max_per: str = field(default="head", metadata={
-        "help": "Threshold against each 'head''s max or 'head0''s (public Llama code)."})
+        "help": "oracle: threshold against each 'head''s max or 'head0''s."})
     skew_tokens: int = field(default=256, metadata={
-        "help": "Queries per layer (the run's first: prompt, then decode steps) the skewing "
-                "matrices come from; the layer attends densely until it has them."})
+        "help": "oracle: queries per layer (the run's first: prompt, then decode steps) the "
+                "skewing matrices come from; the layer attends densely until it has them."})
+    calib_text: str = field(default="", metadata={
+        "help": "authors: text whose first 2048 tokens calibrate the skew (default: the "
+                "one shipped in kvbench/data); never the scored text."})
 
     def __post_init__(self) -> None:
         require(self.budget_tokens >= 0, f"--budget-tokens {self.budget_tokens}: must be >= 0")
@@ -86,6 +113,7 @@ class InfiniGenParams:
         require(self.dense_layers >= 0, f"--dense-layers {self.dense_layers}: must be >= 0")
         require(self.max_per in ("head", "head0"), f"--max-per '{self.max_per}': head, head0")
         require(self.skew_tokens >= 1, f"--skew-tokens {self.skew_tokens}: must be >= 1")
+        check_variant(self)
 
 
 def skew(q: torch.Tensor, hkv: int, ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,16 +139,17 @@ class InfiniGen(Strategy):
     """InfiniGen: layer-ahead speculation with partial weights, prefetch of selected tokens."""
 
     name = "infinigen"
-    version = "2"
+    version = "3"
     params = InfiniGenParams
-    # every token fetched, skewed from the prompt on (so the speculation path runs)
-    exact = (("alpha", float("inf")), ("budget_tokens", 1 << 20), ("skew_tokens", 1))
+    # every token attended (authors: densely, a cap covering the context)
+    exact = (("alpha", float("inf")), ("budget_tokens", 1 << 20))
 
     @classmethod
     def kv_placement(cls, params: InfiniGenParams, kv_bytes: int) -> dict[str, int]:
-        # host: all K+V; accelerator: partial keys (r of K = r/2 of K+V) + prefetched tokens
-        # (at most every token of one layer, bounded here by the partial share again)
-        return {"accel": int(kv_bytes * params.partial_ratio), "host": kv_bytes}
+        # host: all K+V; accelerator: partial keys (r of K = r/2 of K+V; authors: a union of
+        # up to 2r of K) + prefetched tokens (bounded here by r/2 of K+V again)
+        share = 1.5 if params.variant == "authors" else 1.0
+        return {"accel": int(kv_bytes * params.partial_ratio * share), "host": kv_bytes}
 
     @staticmethod
     def most(params: InfiniGenParams, max_len: int) -> int:
@@ -162,9 +191,22 @@ class InfiniGen(Strategy):
         # the speculation queued at layer i's input: (layer i+1, ids on the accelerator
         # [B, Hq, n'_max] best first, cap, tokens cached, D2H event of ids and count)
         self.queued: tuple[int, torch.Tensor, int, int, torch.cuda.Event | None] | None = None
-        self.part = [torch.empty(b, hkv, ctx.max_len, self.dp, dtype=ctx.dtype,
-                                 device=ctx.accel) for _ in range(ctx.n_layers)]
-        self.skew: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * ctx.n_layers
+        # per layer (A [Hkv, D, D], channel ids [Hkv, w], their use [Hkv, w]: 0 = padding)
+        self.skew: list[tuple[torch.Tensor, ...] | None] = [None] * ctx.n_layers
+        self.same: torch.Tensor | None = None  # authors: the prompt is the skew text (0-dim)
+        self.k0: torch.Tensor | None = None
+        if params.variant == "authors":
+            from kvbench.strategies._infinigen_calib import calibrate, read_text
+
+            cal = calibrate(ctx, read_text(params.calib_text)[0], params.partial_ratio)
+            self.skew = list(zip(cal.a, cal.ch, cal.on, strict=True))
+            self.k0 = cal.k0
+        self.part = [torch.empty(b, hkv, ctx.max_len, self.dp if sk is None else
+                                 sk[1].shape[1], dtype=ctx.dtype, device=ctx.accel)
+                     for sk in self.skew]
+        # authors: the speculation's (partial query [B, Hq, 1, w], scores [B, Hq, n], top
+        # n'_max scores [B, Hq, n'_max], head 0's max [B, 1]) for the decode's final rule
+        self.scores: dict[int, tuple[torch.Tensor, ...]] = {}
         self.warm: dict[int, list[torch.Tensor]] = {}  # layer -> queries not yet skewed
         self.length = [0] * ctx.n_layers
         # layer -> prefetched (k, v) [B, Hq, n', D] on the accelerator, and its CUDA event
@@ -173,6 +215,9 @@ class InfiniGen(Strategy):
         self.stream = torch.cuda.Stream(ctx.accel) if pin else None
         # layer -> token ids [B, Hq, n'] speculated for it (None once a dense step ran)
         self.chosen: dict[int, torch.Tensor | None] = {}
+        # authors: layer -> positions [B, Hq, n' + 1] its last decode step attended, the
+        # first lens [B, Hq] of each row (kvbench.strategies.position_mask)
+        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def attended(self, layer: int) -> torch.Tensor | None:
         import torch
@@ -181,18 +226,38 @@ class InfiniGen(Strategy):
         idx = self.chosen.get(layer)
         if idx is None:
             return torch.ones(b, hq, n, dtype=torch.bool, device=self.ctx.accel)
+        if self.p.variant == "authors":
+            pos, lens = self.kept[layer]
+            return position_mask(pos, n, hq, lens)
         new = torch.full((b, hq, 1), n - 1, dtype=idx.dtype, device=idx.device)
         return position_mask(torch.cat([idx, new], dim=2), n, hq)
 
-    def _partial(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """Skewed partial channels of x [B, H, T, D] (H = Hkv, or Hq mapped to its group)."""
+    def begin_step(self, step: int) -> None:
+        """authors: after the prefill (outside the timed steps), refuse a scored prompt whose
+        layer-0 keys are the calibration text's (the skew would be an oracle)."""
+        if step >= 1 and self.same is not None:
+            same, self.same = bool(self.same), None
+            require(not same, "infinigen --variant authors: the scored text begins with the "
+                    "calibration text; pass another --calib-text (or --variant oracle)")
+
+    def cap(self, n: int) -> int:
+        """Most tokens a speculation at n cached tokens fetches per head: --budget-tokens,
+        else 0.2 of the window (authors: the run's sequence length) or of the n tokens."""
+        if self.p.variant == "authors":
+            return self.most(self.p, self.ctx.max_len)
+        return self.p.budget_tokens or max(1, int(0.2 * n))
+
+    def _partial(self, layer: int, x: torch.Tensor, query: bool = False) -> torch.Tensor:
+        """Skewed partial channels [B, H, T, w] of x [B, H, T, D] (H = Hkv, or Hq mapped to
+        its group); `query`: a padding channel zeroed."""
         import torch
 
-        a, ch = self.skew[layer]
+        a, ch, on = self.skew[layer]
         g = x.shape[1] // a.shape[0]
         a, ch = a.repeat_interleave(g, 0), ch.repeat_interleave(g, 0)
         xa = torch.matmul(x.float(), a.unsqueeze(0))  # [B, H, T, D]
-        return xa.gather(-1, ch[None, :, None, :].expand(*xa.shape[:3], -1))
+        part = xa.gather(-1, ch[None, :, None, :].expand(*xa.shape[:3], -1))
+        return part * on.repeat_interleave(g, 0)[None, :, None] if query else part
 
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
         """Write T tokens' k/v [B, Hkv, T, D] to the host (token-major rows n0..n1, one
@@ -226,7 +291,8 @@ class InfiniGen(Strategy):
         if sum(t.shape[2] for t in seen) < self.p.skew_tokens:
             return
         first = torch.cat(seen, dim=2)[:, :, :self.p.skew_tokens]
-        self.skew[layer] = skew(first, self.ctx.spec.n_kv_heads, self.p.partial_ratio)
+        a, ch = skew(first, self.ctx.spec.n_kv_heads, self.p.partial_ratio)
+        self.skew[layer] = (a, ch, torch.ones(ch.shape, device=ch.device))
         del self.warm[layer]
         n = self.length[layer]
         keys = k
@@ -242,6 +308,10 @@ class InfiniGen(Strategy):
 
         out, _ = dense_attention(q, k, v)
         self.ctx.counters.attended("accel", q, k.shape[2])
+        if layer == 0 and self.k0 is not None:  # read at begin_step, not here (no sync)
+            m = min(self.k0.shape[1], k.shape[2])
+            ref = self.k0[:, :m]
+            self.same = (k[0, :, :m].float() - ref).abs().amax() <= 0.02 * ref.abs().amax()
         self._store(layer, k, v)
         self._warm(layer, q, k)
         return out
@@ -265,35 +335,40 @@ class InfiniGen(Strategy):
             return
         p, counters = self.p, self.ctx.counters
         n = self.length[nxt]  # the current token's position (not yet cached at layer i+1)
+        cap = self.cap(n)
+        authors = p.variant == "authors"
+        if authors and n < cap:  # the authors' rows below the cap attend every token
+            return
         with counters.timed("bookkeeping.speculate"):
             q = self.ctx.model.query(nxt, x, n)  # [B, Hq, 1, D]
             b, hq, _, d = q.shape
-            hkv = self.part[nxt].shape[1]
+            hkv, w = self.part[nxt].shape[1], self.part[nxt].shape[3]
             g = hq // hkv
-            pq = self._partial(nxt, q)  # [B, Hq, 1, d']
-            pk = self.part[nxt][:, :, :n].float().repeat_interleave(g, 1)  # [B, Hq, n, d']
+            pq = self._partial(nxt, q, query=True)  # [B, Hq, 1, w]
+            pk = self.part[nxt][:, :, :n].float().repeat_interleave(g, 1)  # [B, Hq, n, w]
             logits = torch.matmul(pq, pk.transpose(-1, -2)).squeeze(2) * d ** -0.5
             top = logits.amax(-1, keepdim=True)
-            if p.max_per == "head0":
+            if authors or p.max_per == "head0":
                 top = top[:, :1].expand_as(top)
             count = (logits >= top - p.alpha).sum(-1).float().mean()
-            cap = p.budget_tokens or max(1, int(0.2 * n))
-            idx = logits.topk(min(cap, n), dim=-1).indices  # [B, Hq, n'_max], best first
+            vals, idx = logits.topk(min(cap, n), dim=-1)  # [B, Hq, n'_max], best first
+            if authors:
+                self.scores[nxt] = (pq, logits, vals, top[:, :1, 0])
             transfer(self.ids[:idx.numel()], idx.flatten())
             transfer(self.count, count.reshape(1))
             ev = None
             if self.stream is not None:
                 ev = torch.cuda.Event()
                 ev.record(torch.cuda.current_stream())
-            counters.add("flops", "accel", 2.0 * b * hq * n * self.dp)
-            counters.add("bytes_read", "accel", 1.0 * b * hkv * n * self.dp
-                         * self.ctx.elem_bytes)
+            counters.add("flops", "accel", 2.0 * b * hq * n * w)
+            counters.add("bytes_read", "accel", 1.0 * b * hkv * n * w * self.ctx.elem_bytes)
         self.queued = (nxt, idx, cap, n, ev)
 
     def _prefetch(self, layer: int) -> None:
         """After layer i's attention is queued: gather the tokens speculated for layer
-        i + 1 on the host (top n' = max(1, min(count, cap, n)) per head) into a staging
-        buffer and queue their H2D (a side stream and an event on CUDA)."""
+        i + 1 on the host (top n' = max(1, min(count, cap, n)) per head; authors: count + 1,
+        the current token may take one place or none) into a staging buffer and queue
+        their H2D (a side stream and an event on CUDA)."""
         import torch
 
         if self.queued is None or self.queued[0] != layer + 1:
@@ -305,7 +380,8 @@ class InfiniGen(Strategy):
             if ev is not None:
                 ev.synchronize()  # ids and count on the host
             b, hq, most = idx.shape
-            n_sel = max(1, min(int(self.count[0]), cap, n))
+            more = 1 if self.p.variant == "authors" else 0
+            n_sel = max(1, min(int(self.count[0]) + more, cap, n))
             self.chosen[nxt] = idx[:, :, :n_sel]
             hi = self.ids[:idx.numel()].view(b, hq, most)[:, :, :n_sel]
             hkv = self.ctx.spec.n_kv_heads
@@ -367,8 +443,37 @@ class InfiniGen(Strategy):
         kc = torch.cat([fetched[0], k.repeat_interleave(g, 1)], dim=2)  # [B, Hq, n' + 1, D]
         vc = torch.cat([fetched[1], v.repeat_interleave(g, 1)], dim=2)
         b, hq, m, d = kc.shape
-        counters.attention("accel", 1.0 * b * m, 4.0 * b * hq * m * d,
-                           2.0 * kc.numel() * self.ctx.elem_bytes, q.numel() * self.ctx.elem_bytes)
-        out = dense_attention(q, kc, vc, causal=False)[0]
+        if self.p.variant == "authors":
+            pos, lens = self._ranked(layer, n, m - 1)
+            ids = self.chosen[layer]
+            ids = torch.cat([ids, torch.full_like(ids[:, :, :1], n - 1)], dim=2)
+            self.kept[layer] = (ids.gather(2, pos), lens)
+            out = attend_selected(q, kc, vc, pos, lens, counters)[0]
+        else:
+            counters.attention("accel", 1.0 * b * m, 4.0 * b * hq * m * d,
+                               2.0 * kc.numel() * self.ctx.elem_bytes,
+                               q.numel() * self.ctx.elem_bytes)
+            out = dense_attention(q, kc, vc, causal=False)[0]
         self._prefetch(layer)
         return out
+
+    def _ranked(self, layer: int, n: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """authors: the current token (position n - 1, just stored) ranked with the n - 1
+        cached ones as the accuracy code ranks row n - 1: its partial score joins head 0's
+        maximum and the mean count, n' = max(1, min(mean, cap)), and each head keeps its
+        top n' of the n. Returns slots [B, Hq, m + 1] into (the m fetched tokens, best
+        first, then the current one) and how many are kept [B, Hq]; on the device."""
+        import torch
+
+        pq, logits, vals, top0 = self.scores.pop(layer)
+        d = self.ctx.spec.head_dim
+        g = pq.shape[1] // self.part[layer].shape[1]
+        pk = self.part[layer][:, :, n - 1:n].float().repeat_interleave(g, 1)  # [B, Hq, 1, w]
+        cur = (pq * pk).sum(-1).squeeze(2) * d ** -0.5  # [B, Hq]
+        thr = torch.maximum(top0, cur[:, :1]) - self.p.alpha  # [B, 1]
+        count = (logits >= thr[:, :, None]).sum(-1) + (cur >= thr)  # [B, Hq]
+        keep = count.float().mean().floor().clamp(1, self.cap(n - 1))
+        cur_in = (vals[:, :, :m] > cur[:, :, None]).sum(-1) < keep  # [B, Hq]
+        cached = (keep - cur_in.float()).long().clamp(max=m)[:, :, None]  # [B, Hq, 1]
+        j = torch.arange(m + 1, device=pq.device)
+        return torch.where(j == cached, m, j), cached[:, :, 0] + cur_in.long()
