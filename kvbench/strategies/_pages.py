@@ -125,14 +125,17 @@ def page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, per: str
     q+ . hi + q- . lo, and the group's sum sums q+ and q- first: every head and page in a
     fixed number of calls, the digests read once.
     """
+    import torch
+
     b, hq, _, d = q.shape
-    hkv = lo.shape[1]
-    qf = q.float().view(b, hkv, hq // hkv, d)  # [B, Hkv, G, D]
+    hkv, p = lo.shape[1], lo.shape[2]
+    qf = q.float().reshape(b * hkv, hq // hkv, d)  # [B * Hkv, G, D]
     qp, qn = qf.clamp(min=0), qf.clamp(max=0)
     if per != "query":
-        qp, qn = qp.sum(2, keepdim=True), qn.sum(2, keepdim=True)  # [B, Hkv, 1, D]
-    s = qp @ hi.float().transpose(-1, -2) + qn @ lo.float().transpose(-1, -2)  # [B,Hkv,G',P]
-    return s.view(b, -1, s.shape[-1])
+        qp, qn = qp.sum(1, keepdim=True), qn.sum(1, keepdim=True)  # [B * Hkv, 1, D]
+    hi_t = hi.float().reshape(b * hkv, p, d).transpose(1, 2)  # a view: B, Hkv merge
+    lo_t = lo.float().reshape(b * hkv, p, d).transpose(1, 2)
+    return torch.baddbmm(torch.bmm(qn, lo_t), qp, hi_t).view(b, -1, p)
 
 
 def select_pages(scores: torch.Tensor, n_pages: int, k: int, sinks: int,
@@ -147,8 +150,8 @@ def select_pages(scores: torch.Tensor, n_pages: int, k: int, sinks: int,
     if k >= n_pages:
         return torch.arange(n_pages, device=scores.device).expand(*scores.shape[:2], -1)
     s = scores[:, :, :n_pages].clone()
-    s[:, :, :sinks] = float("inf")
-    s[:, :, max(n_pages - window, 0):] = float("inf")
+    s[:, :, :sinks].fill_(float("inf"))
+    s[:, :, max(n_pages - window, 0):].fill_(float("inf"))
     return s.topk(k, dim=-1).indices.sort(dim=-1).values
 
 
