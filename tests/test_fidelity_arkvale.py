@@ -191,3 +191,31 @@ def test_the_pool_fills_during_decode() -> None:
     slots run out."""
     over, recalled = run(17, 6, 4, 4, 1, 2, "per-kv-head", 22, seed=7)
     assert 0 < over < 22 and recalled > 0
+
+
+def test_a_decode_step_reads_the_device_once_per_layer_over_the_budget() -> None:
+    """The recall's page ids must reach the host (the authors' `recall` reads them too):
+    one data-dependent op (nonzero) per sparse layer step over the budget, no scalar reads,
+    whether a page completes (the window ring) or not; none while the budget holds all."""
+    from kvbench.runtime.opcount import Counting
+
+    g = torch.Generator().manual_seed(8)
+    c = RunContext(SPEC, 2, 2, 80, torch.float32, CPU, CPU, Counters(2, 4))
+    s = ArkVale(ArkValeParams(budget_tokens=24, page_size=4, pages=4, sinks=1, window_pages=2,
+                              dense_layers=1), c)
+    k = torch.randn(2, 2, 30, 8, generator=g)
+    for layer in range(2):
+        s.prefill(layer, torch.randn(2, 6, 30, 8, generator=g), k, k.clone())
+    for step in range(1, 5):  # 30 -> 34 tokens: page 7 completes at the step of token 33
+        c.counters.step = step
+        with Counting() as n:
+            for layer in range(2):
+                kn = torch.randn(2, 2, 1, 8, generator=g)
+                s.decode(layer, torch.randn(2, 6, 1, 8, generator=g), kn, kn.clone())
+        assert dict(n.syncs_by_op) == {"aten.nonzero": 1}, (step, n.syncs_by_op)
+    wide = ArkVale(ArkValeParams(budget_tokens=256, page_size=4, dense_layers=0), c)
+    wide.prefill(0, torch.randn(2, 6, 30, 8, generator=g), k, k.clone())
+    with Counting() as n:
+        kn = torch.randn(2, 2, 1, 8, generator=g)
+        wide.decode(0, torch.randn(2, 6, 1, 8, generator=g), kn, kn.clone())
+    assert n.syncs == 0

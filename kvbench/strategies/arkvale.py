@@ -253,25 +253,29 @@ class ArkVale(Strategy):
         resident = torch.zeros(*sp.shape[:2], n_full + 1, dtype=torch.bool, device=sp.device)
         resident.scatter_(2, sp.masked_fill(~valid, n_full), True)  # empty: column n_full
         need = target & ~resident[:, :, :n_full]
+        slot_score = torch.where(valid, scores.gather(2, spc), float("-inf"))
+        keep = valid & target.gather(2, spc)
+        order = slot_score.masked_fill(keep, float("inf")).argsort(dim=-1, stable=True)
+        rank = need.cumsum(-1) - 1  # a row's i-th missing page takes its i-th slot in order
         counters = self.ctx.counters
-        b, h, pg = need.nonzero(as_tuple=True)
-        if pg.numel():
-            slot_score = torch.where(valid, scores.gather(2, spc), float("-inf"))
-            keep = valid & target.gather(2, spc)
-            order = slot_score.masked_fill(keep, float("inf")).argsort(dim=-1, stable=True)
-            rank = need.cumsum(-1) - 1
+        for old, first, last in ((True, 0, min(fresh_first, n_full)),
+                                 (False, fresh_first, n_full)):
+            if last <= first:
+                continue
+            b, h, pg = need[:, :, first:last].nonzero(as_tuple=True)  # CUDA: the one wait
+            if not pg.numel():
+                continue
+            pg = pg + first
             slot = order[b, h, rank[b, h, pg]]
             counters.add("pages", "evicted", valid[b, h, slot].sum())
-            old = pg < fresh_first
-            bo, ho, po, so = b[old], h[old], pg[old], slot[old]
-            if po.numel():
-                self._recall(layer, bo, ho, po, so)
+            if old:  # older pages: from the host backup
+                self._recall(layer, b, h, pg, slot)
                 page_elems = self.p.page_size * fresh_k.shape[-1]  # S * D per K or V
-                counters.moved("h2d", 2.0 * po.numel() * page_elems * self.ctx.elem_bytes)
-            counters.add("pages", "recalled", float(po.numel()))
-            bf, hf, pf, sf = b[~old], h[~old], pg[~old] - fresh_first, slot[~old]
-            self.pool_k[layer][bf, hf, sf] = fresh_k[bf, hf, pf]
-            self.pool_v[layer][bf, hf, sf] = fresh_v[bf, hf, pf]
+                counters.moved("h2d", 2.0 * pg.numel() * page_elems * self.ctx.elem_bytes)
+                counters.add("pages", "recalled", float(pg.numel()))
+            else:  # just written on the accelerator: copied there
+                self.pool_k[layer][b, h, slot] = fresh_k[b, h, pg - first]
+                self.pool_v[layer][b, h, slot] = fresh_v[b, h, pg - first]
             sp[b, h, slot] = pg
 
     def _recall(self, layer: int, b: torch.Tensor, h: torch.Tensor, page: torch.Tensor,
@@ -419,7 +423,9 @@ class ArkVale(Strategy):
             if nf > c:
                 scores, target = self._select(layer, q, nf, self.p.topk, self.p.sinks,
                                               self.p.variant == "authors")
-                self._place(layer, scores, target, nf - 1 if fresh else nf, cur_k, cur_v)
+                # with a window of 2+ the completed page is resident already (`_enter`)
+                first = nf - 1 if fresh and self.p.window_pages == 1 else nf
+                self._place(layer, scores, target, first, cur_k, cur_v)
         pk[:, :, c, t], pv[:, :, c, t] = k[:, :, 0], v[:, :, 0]  # after: cur_k was read
         self.length[layer] += 1
         t += 1
