@@ -7,7 +7,7 @@ STAMP := $(VENV)/.kvbench-installed
 STAMP_TIME := $(shell date +%Y%m%d-%H%M%S)
 DEMO_OUT ?= results/demo-$(STAMP_TIME).jsonl
 
-.PHONY: install demo test test-random lint clean bench-check gpu-smoke
+.PHONY: install demo test test-random lint clean bench-check gpu-smoke mutate
 
 $(STAMP): pyproject.toml setup.py $(wildcard probes/*.c)
 	test -x $(BIN)/python || $(PY) -m venv --system-site-packages $(VENV)
@@ -62,6 +62,14 @@ bench-check: install
 CHUNK ?= A
 gpu-smoke:
 	bash tools/gpu-smoke $(CHUNK)
+
+# Mutation testing (mutmut) of the modules that turn measurements into numbers, each in its
+# own workspace under build/mutate/ with only its own tests (tools/mutate.py; never part of
+# `make test`): `make mutate MODULES="units compare"` runs those chunks (resumable: decided
+# mutants are kept, survivors rerun), then writes results/mutation/summary.md. MUTATE_JOBS=2.
+MODULES ?=
+mutate: install
+	$(BIN)/python tools/mutate.py run $(MODULES)
 
 clean:
 	rm -rf build *.egg-info kvbench/_native*.so

@@ -7,11 +7,15 @@ from kvbench.timing import (
     Policy,
     Stats,
     Timing,
+    block_medians,
     each_pass,
     kernel,
     kernel_ns,
     time_host,
+    time_native,
     time_passes,
+    time_rounds,
+    time_stages,
 )
 
 
@@ -42,11 +46,17 @@ def test_policy_min_reps_and_cap() -> None:
     assert len(capped.seconds) == 12
 
 
-def test_policy_min_time_keeps_repeating() -> None:
-    t = time_host(lambda: sum(range(1000)), Policy(warmup=0, min_reps=1, min_time_s=0.05,
-                                                   max_reps=10**6))
-    assert sum(t.seconds) >= 0.04
-    assert all(s > 0 for s in t.seconds)
+def test_policy_min_time_keeps_repeating(monkeypatch) -> None:
+    """On a fake clock: each call takes 10 ms, so 50 ms of min_time_s takes 5 samples (the
+    clock is read before each sample, and the loop stops once 50 ms have passed), each of
+    exactly 10 ms."""
+    from fake_cuda import FakeCuda
+
+    fake = FakeCuda().install(monkeypatch)
+    t = time_host(lambda: fake.host(10_000_000), Policy(warmup=2, min_reps=1,
+                                                         min_time_s=0.05, max_reps=10**6))
+    assert t.seconds == (0.01,) * 5
+    assert fake.host_ns == 70_000_000  # two untimed warm-up calls too
 
 
 def test_gc_off_inside_the_timed_region_and_restored() -> None:
@@ -238,3 +248,118 @@ def test_time_cuda_counts_samples_whose_launches_outlast_the_wait(monkeypatch) -
     assert joined.exposed == 2 and joined.calls == 1 and joined.cover == t.cover
     with pytest.raises(ValueError):
         time_cuda(step, calls=0)
+
+
+# --- exact arithmetic of the policy, the statistics and the timers (issue 30) ---
+
+@pytest.mark.parametrize(("reps", "elapsed", "done"), [
+    (4, 1.0, False),   # time reached, too few samples
+    (5, 0.19, False),  # samples reached, too little time
+    (5, 0.2, True),    # both reached, exactly
+    (999, 0.1, False), (1000, 0.0, True),  # max_reps, exactly
+    (1, 10.0, True), (1, 0.19, False),  # max_time_s, exactly, once a sample is in
+    (0, 10.0, False),  # never done without a sample
+])
+def test_policy_done_at_each_bound(reps: int, elapsed: float, done: bool) -> None:
+    assert Policy().done(reps, elapsed) is done
+
+
+def test_policy_share_divides_times_and_rounds_reps_up() -> None:
+    p = Policy(warmup=3, min_reps=9, min_time_s=0.8, max_reps=100, max_time_s=4.0).share(4)
+    assert p == Policy(warmup=3, min_reps=3, min_time_s=0.2, max_reps=25, max_time_s=1.0)
+    assert Policy(min_reps=1, max_reps=2).share(8) == Policy(
+        warmup=2, min_reps=1, min_time_s=0.2 / 8, max_reps=1, max_time_s=10.0 / 8)
+
+
+def test_stats_percentiles_by_hand() -> None:
+    # numpy's linear percentiles of 1..11: p10 = 2, p25 = 3.5, p75 = 8.5, p90 = 10
+    st = Stats.of([float(x) for x in range(11, 0, -1)])
+    assert (st.p10, st.median, st.p90, st.iqr) == (2.0, 6.0, 10.0, 5.0)
+    assert st.to_dict()["p90"] == 10.0 and st.to_dict()["n"] == 11
+    neg = Stats.of([-1.0, -3.0])  # cv is |std / mean|
+    assert neg.cv == pytest.approx(2 ** 0.5 / 2, rel=1e-12)
+    assert Stats.of([1.0, -1.0]).cv == 0.0  # mean 0: no cv
+
+
+def test_block_medians() -> None:
+    s = [1.0, 9.0, 5.0, 2.0, 4.0, 100.0]
+    assert block_medians(s, [3, 3]) == [5.0, 4.0]
+    assert block_medians(s, [1, 5]) == [1.0, 5.0]
+    assert block_medians(s, [2, 2, 2]) == [5.0, 3.5, 52.0]
+    assert block_medians(s, [6]) == [4.5]  # one block: the median of all
+    assert block_medians(s, [3, 2]) == [4.5]  # blocks not covering the samples
+    assert block_medians(s, [6, 0]) == [4.5]  # an empty block
+    t = Timing(tuple(s), "perf_counter_ns", 0, (3, 3))
+    assert t.pass_medians() == [5.0, 4.0] and t.median == 4.5
+
+
+def test_time_native_keeps_the_returned_seconds(monkeypatch) -> None:
+    from fake_cuda import FakeCuda
+
+    fake = FakeCuda().install(monkeypatch)
+    values = iter([9.0, 8.0, 1.0, 2.0, 3.0, 4.0])
+
+    def fn() -> float:
+        fake.host(30_000_000)
+        return next(values)
+
+    t = time_native(fn, Policy(warmup=2, min_reps=2, min_time_s=0.1), timer="x")
+    assert t.seconds == (1.0, 2.0, 3.0, 4.0)  # 4 x 30 ms >= 100 ms; warm-up values dropped
+    assert (t.timer, t.warmup) == ("x", 2)
+
+
+def test_time_rounds_alternate_and_slice(monkeypatch) -> None:
+    """Two quantities of 10 ms each a sample: a round takes 20 ms, the policy's times are per
+    quantity (elapsed / 2), so 50 ms of min_time_s takes 5 rounds; 2 slices of 5 rounds are
+    blocks of 2 and 3."""
+    from fake_cuda import FakeCuda
+
+    fake = FakeCuda().install(monkeypatch)
+    order: list[str] = []
+
+    def quantity(name: str, value: float) -> Callable[[], float]:
+        def fn() -> float:
+            order.append(name)
+            fake.host(10_000_000)
+            return value
+        return fn
+
+    a, b = time_rounds([quantity("a", 1.0), quantity("b", 2.0)],
+                       Policy(warmup=1, min_reps=1, min_time_s=0.05), timer="t", slices=2)
+    assert order == ["a", "b"] + ["a", "b", "b", "a"] * 2 + ["a", "b"]
+    assert a.seconds == (1.0,) * 5 and b.seconds == (2.0,) * 5
+    assert a.blocks == b.blocks == (2, 3) and (a.timer, a.warmup) == ("t", 1)
+    (one,) = time_rounds([quantity("c", 3.0)], Policy(warmup=0, min_reps=3, min_time_s=0.0),
+                         slices=5)
+    assert one.blocks == (1, 1, 1)  # no more slices than rounds
+    (whole,) = time_rounds([quantity("d", 4.0)], Policy(warmup=0, min_reps=3, min_time_s=0.0))
+    assert whole.blocks == () and whole.timer == "CLOCK_MONOTONIC (native)"
+    assert time_rounds([]) == []
+
+
+def test_time_stages_time_each_stage_after_an_untimed_setup(monkeypatch) -> None:
+    from fake_cuda import FakeCuda
+
+    fake = FakeCuda().install(monkeypatch)
+    seen: list[object] = []
+    syncs: list[int] = []
+
+    def setup() -> int:
+        fake.host(1_000_000_000)  # untimed
+        return len(seen)
+
+    def fill(state: object) -> None:
+        seen.append(state)
+        fake.host(2_000_000)
+
+    def compute(state: object) -> None:
+        seen.append(state)
+        fake.host(3_000_000)
+
+    t_fill, t_compute = time_stages(setup, [fill, compute], Policy(warmup=1, min_reps=3,
+                                                                   min_time_s=0.0),
+                                    sync=lambda: syncs.append(1))
+    assert t_fill.seconds == (0.002,) * 3 and t_compute.seconds == (0.003,) * 3
+    assert seen == [0, 0, 2, 2, 4, 4, 6, 6]  # both stages get their repetition's state
+    assert len(syncs) == 1 + 3 * 3  # after the warm-up; after setup and each stage
+    assert t_fill.timer == "perf_counter_ns (device synchronised)" and t_fill.warmup == 1

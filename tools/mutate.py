@@ -25,9 +25,10 @@ import shutil
 import subprocess
 import sys
 import time
-import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "build" / "mutate"
@@ -137,14 +138,19 @@ def run(names: list[str], jobs: int) -> None:
         spec = MODULES[name]
         ws = _workspace(name, spec)
         t0 = time.monotonic()
-        # the survivors of an earlier run are rerun: a test written since may kill them
-        before = _verdicts(ws, spec) if (ws / "mutants" / (spec.source + ".meta")).exists() else {}
-        survivors = [k for k, v in before.items() if v in ("survived", "no tests")]
-        subprocess.run([mutmut, "run", "--max-children", str(jobs), *spec.functions], cwd=ws,
-                       env=env, check=True, stdout=subprocess.DEVNULL)
-        if survivors:
-            subprocess.run([mutmut, "run", "--max-children", str(jobs), *survivors], cwd=ws,
-                           env=env, check=True, stdout=subprocess.DEVNULL)
+        # A first run takes every mutant in scope; a later one the mutants not yet decided
+        # and the survivors (a test written since may kill them).
+        meta = ws / "mutants" / (spec.source + ".meta")
+        before = _verdicts(ws, spec) if meta.exists() else {}
+        runs = [list(spec.functions)] if not before else [] if spec.functions else [[]]
+        redo = [k for k, v in before.items() if v in ("survived", "no tests")
+                or (spec.functions and v == "not checked")]
+        for names_ in runs + ([redo] if redo else []):
+            done = subprocess.run([mutmut, "run", "--max-children", str(jobs), *names_],
+                                  cwd=ws, env=env, capture_output=True, text=True)
+            if done.returncode:  # e.g. a test that fails without any mutant
+                tail = done.stdout.replace("\r", "\n").splitlines()[-3:]
+                print(f"{name}: mutmut failed ({done.returncode}):", *tail, sep="\n  ")
         _export(name, spec, ws, time.monotonic() - t0)
 
 
@@ -227,7 +233,7 @@ def summary() -> None:
     if missing:
         md += ["", "Not run yet: " + ", ".join(missing) + "."]
     md += ["", "## Surviving mutants", ""]
-    for n, rec in records.items():
+    for rec in records.values():
         for k, diff in rec["survivor_diffs"].items():
             why = reasons.get(k, "UNTRIAGED")
             md += [f"- `{k}`: {why}", "", "  ```diff",
