@@ -1,8 +1,11 @@
-"""Shared fixtures: a fake sysfs/procfs tree with two sockets and one CXL memory-only node."""
+"""Shared fixtures: a fake sysfs/procfs tree with two sockets and one CXL memory-only node;
+the bundled model; the CLI run in-process and the bad-input check every exit 2 goes
+through; the devices the reference tests run on."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -118,3 +121,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> subprocess.CompletedProcess[str]:
+    """`kvbench argv` in this process (kvbench.cli.main): its exit code and what it printed,
+    as a finished `subprocess.run(..., text=True)` gives them (0 when main returns)."""
+    from kvbench.cli import main
+
+    code: int | str | None = 0
+    try:
+        main(argv)
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, out.out, out.err)
+
+
+def assert_usage_error(result: subprocess.CompletedProcess[str], *fragments: str) -> str:
+    """Bad input as the project promises it: exit code 2, exactly one non-empty line of
+    output (on stderr; nothing on stdout), no traceback, every fragment in that line.
+    `result`: `cli`'s or a `subprocess.run(..., text=True)`'s. Returns the line."""
+    text = (result.stdout or "") + (result.stderr or "")
+    lines = text.strip().splitlines()
+    assert result.returncode == 2, (result.returncode, text)
+    assert len(lines) == 1 and not (result.stdout or "").strip(), text
+    assert "Traceback" not in text, text
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]

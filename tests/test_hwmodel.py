@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import assert_usage_error, cli
 
 from kvbench.cli import main
 from kvbench.hwmodel.profile import Curve, load, names, parse, rows
@@ -233,12 +234,8 @@ def test_project_bad_input_exits_2(case: str, message: str, tmp_path: Path, caps
         hw, extra = "this", ["--probes", str(tmp_path / "p.jsonl")]
         (tmp_path / "p.jsonl").write_text("\n".join(_probe_file(tmp_path / "all.jsonl")
                                                     .read_text().splitlines()[1:]) + "\n")
-    with pytest.raises(SystemExit) as e:
-        main(["project", str(src), "--hardware", hw, "--out", str(tmp_path / "o.jsonl"),
-              *extra])
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert message in err and len(err.splitlines()) == 1
+    assert_usage_error(cli(["project", str(src), "--hardware", hw, "--out",
+                            str(tmp_path / "o.jsonl"), *extra], capsys), message)
 
 
 def test_hardware_list_and_show(capsys) -> None:
@@ -294,11 +291,7 @@ def test_bad_profile_field_is_refused_by_name(command: str, table: str, line: st
     src = _trace_file(tmp_path / "run.jsonl", [_row(0, "accel", "head", [], flops=1.0)])
     argv = (["hardware", "show", str(prof)] if command == "show" else
             ["project", str(src), "--hardware", str(prof), "--out", str(out)])
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    stdout, err = capsys.readouterr()
-    assert e.value.code == 2 and stdout == "" and "Traceback" not in err
-    assert err.count("\n") == 1 and f"hardware profile {prof}: {message}" in err, err
+    assert_usage_error(cli(argv, capsys), f"hardware profile {prof}: {message}")
     assert not out.exists()
 
 
@@ -309,17 +302,24 @@ def test_the_profile_those_tests_break_loads(tmp_path: Path) -> None:
 
 
 def test_hardware_show_bad_names(tmp_path: Path, capsys) -> None:
+    """An unknown name, a missing, unreadable or corrupt file, and `this` with probe files
+    that are missing or not kvbench records: one line, exit 2."""
     (tmp_path / "dir.toml").mkdir()
-    for name, message in [("nope", "unknown hardware profile 'nope' (known: a100-80gb-pcie4"),
-                          ("components/xeon-36c", "unknown hardware profile"),
-                          ("q" * 5000, "unknown hardware profile 'qqqq"),
-                          (str(tmp_path / ("q" * 300 + ".toml")), "File name too long"),
-                          (str(tmp_path / "dir.toml"), "cannot read hardware profile")]:
-        with pytest.raises(SystemExit) as e:
-            main(["hardware", "show", name])
-        stdout, err = capsys.readouterr()
-        assert e.value.code == 2 and stdout == "" and err.count("\n") == 1, (name[:20], err)
-        assert message in err and "Traceback" not in err and len(err) < 400, err
+    (tmp_path / "bad.toml").write_text("[accel\nmemory_gbps = 1\n")
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    for argv, message in [
+        (["nope"], "unknown hardware profile 'nope' (known: a100-80gb-pcie4"),
+        (["components/xeon-36c"], "unknown hardware profile"),
+        (["q" * 5000], "unknown hardware profile 'qqqq"),
+        ([str(tmp_path / ("q" * 300 + ".toml"))], "File name too long"),
+        ([str(tmp_path / "dir.toml")], "cannot read hardware profile"),
+        ([str(tmp_path / "missing.toml")], "unknown hardware profile"),
+        ([str(tmp_path / "bad.toml")], "bad.toml is not valid TOML"),
+        (["this", "--probes", str(tmp_path / "missing.jsonl")], "does not exist"),
+        (["this", "--probes", str(tmp_path / "bad.jsonl")], "holds no kvbench records"),
+    ]:
+        line = assert_usage_error(cli(["hardware", "show", *argv], capsys), message)
+        assert len(line) < 400, line
 
 
 def test_scale_to_a_larger_shape_recomputes_dense_and_scales_kv_not_activations() -> None:
