@@ -77,3 +77,155 @@ def test_cuda_counters_reuse_real_events() -> None:
         c.step_end(0.0)
         assert c.step_total("time", "attention", step) > 0
         assert len(c._pairs) == 1
+
+
+# --- the run counters' arithmetic, each figure computed by hand (issue 30) ---
+
+def _series(c: Counters) -> dict[tuple[str, str, int], dict[int, float]]:
+    return {(qn, w, layer): steps for qn, w, layer, steps in c.series()}
+
+
+def test_attended_counts_tokens_flops_and_kv_bytes_by_hand() -> None:
+    """q [B=2, Hq=6, Lq=3, D=8] over 10 keys, 2 KV heads of 2-byte elements: tokens
+    B * n_kv = 20; FLOPs 4 B Hq Lq n_kv D = 4*2*6*3*10*8 = 11520; KV bytes
+    2 B Hkv n_kv D elem = 2*2*2*10*8*2 = 1280; the query 2*6*3*8 * 2 bytes = 576."""
+    import torch
+
+    c = Counters(kv_heads=2, elem_bytes=2, n_layers=2)
+    c.step, c.layer = 3, 1
+    c.attended("accel", torch.zeros(2, 6, 3, 8), 10)
+    s = _series(c)
+    assert s[("tokens", "accel", 1)] == {3: 20.0}
+    assert s[("flops", "accel", 1)] == {3: 11520.0}
+    assert s[("bytes_read", "accel", 1)] == {3: 1280.0}
+    (t,) = c.graph.tasks
+    assert (t.step, t.layer, t.resource, t.op) == (3, 1, "accel", "attention")
+    assert t.work == {"flops": 11520.0, "bytes_read": 1280.0 + 576, "bytes_written": 576.0,
+                      "launches": 3}
+    c.attention("disk", 1.0, 2.0, 3.0)  # not a resource: counted, no task
+    assert len(c.graph.tasks) == 1 and _series(c)[("bytes_read", "disk", 1)] == {3: 3.0}
+
+
+def test_add_scales_accumulates_and_settles_tensors_at_the_end() -> None:
+    import torch
+
+    c = Counters(kv_heads=1, elem_bytes=4, n_layers=1)
+    c.step = 2
+    c.add("flops", "accel", 10, scale=3.0)
+    c.add("flops", "accel", 5)  # merges into the same compute task
+    c.add("pages", "recalled", torch.tensor([1.0, 2.0, 4.0]), scale=2.0)
+    c.add("bytes_read", "host", torch.tensor([[0.5, 0.5]]))
+    c.add("time", "bookkeeping.x", 0.25)
+    c.add("time", "attention", 9.0)  # a wait phase: no task
+    c.step = 3
+    c.add("flops", "accel", 1)
+    s = _series(c)
+    assert s[("flops", "accel", 0)] == {2: 35.0, 3: 1.0}
+    assert s[("pages", "recalled", 0)] == {2: 14.0}
+    assert s[("bytes_read", "host", 0)] == {2: 1.0}
+    assert c.step_total("time", "bookkeeping.x", 2) == 0.25
+    assert c.step_total("flops", "accel", 4) == 0.0
+    ops = [(t.resource, t.op, t.work) for t in c.graph.tasks]
+    assert ops == [("accel", "compute", {"flops": 35.0, "launches": 0.0}),
+                   ("host", "compute", {"bytes_read": 1.0, "launches": 0.0}),
+                   ("host", "bookkeeping.x", {"seconds": 0.25}),
+                   ("accel", "compute", {"flops": 1.0, "launches": 0.0})]
+    assert c.graph.tasks[2].background
+    lazy_time = Counters(kv_heads=1, elem_bytes=4)
+    lazy_time.add("time", "bookkeeping.y", torch.tensor([0.5, 0.25]), scale=2.0)
+    lazy_time.settle()
+    assert lazy_time.graph.tasks[0].work == {"seconds": 1.5}
+    assert lazy_time.step_total("time", "bookkeeping.y", 0) == 1.5
+
+
+def test_step_total_sums_layers_and_series_is_sorted() -> None:
+    c = Counters(kv_heads=1, elem_bytes=4, n_layers=3)
+    for layer, v in ((2, 1.0), (0, 2.0), (1, 4.0)):
+        c.layer = layer
+        c.add("tokens", "accel", v)
+        c.add("tokens", "host", 100 * v)
+    assert c.step_total("tokens", "accel", 0) == 7.0
+    assert c.step_total("tokens", "host", 0) == 700.0
+    keys = [(qn, w, layer) for qn, w, layer, _ in c.series()]
+    assert keys == sorted(keys) and len(keys) == 6
+
+
+def test_moved_counts_bytes_and_copies() -> None:
+    c = Counters(kv_heads=1, elem_bytes=4, n_layers=2)
+    c.step, c.layer = 1, 0
+    c.moved("h2d", 4096.0, copies=4)
+    c.moved("h2d", 1024.0)
+    assert _series(c)[("bytes_moved", "h2d", 0)] == {1: 5120.0}
+    a, b = c.graph.tasks
+    assert (a.resource, a.op, a.work) == ("h2d", "copy", {"bytes_moved": 4096.0,
+                                                          "copies": 4.0, "launches": 4.0})
+    assert b.work == {"bytes_moved": 1024.0, "copies": 1.0, "launches": 1.0}
+
+
+def test_dense_records_the_decoders_work_and_post_joins_forks() -> None:
+    from kvbench.models import MODELS
+    from kvbench.runtime.trace import dense_work
+
+    spec = next(iter(MODELS.values()))
+    c = Counters(kv_heads=1, elem_bytes=2, n_layers=1)
+    c.step = 1
+    with c.fork("side"):
+        c.moved("h2d", 8.0)
+    c.dense(spec, "post", 3)
+    side, post = c.graph.tasks
+    assert post.op == "post" and side.id in post.after
+    assert post.work == dense_work(spec, "post", 3, 2)
+    c.dense(spec, "pre", 1)
+    assert c.graph.tasks[-1].after == [post.id]
+
+
+def test_cpu_step_dispatch_is_wall_less_kernels_waits_and_carried(monkeypatch) -> None:
+    """On the fake clock: a 100 ms step holding a 30 ms kernel, a 10 ms wait (wait=True), a
+    15 ms carried block and a 5 ms attention block of a 4 ms kernel leaves 100 - 30 - 10
+    - 15 - 4 = 41 ms of dispatch; a step whose waits exceed its wall time dispatches 0."""
+    from kvbench.timing import kernel
+
+    fake = FakeCuda().install(monkeypatch, context)
+    ms = 1_000_000
+
+    @kernel
+    def matmul(ns: int) -> None:
+        fake.host(ns)
+
+    c = Counters(kv_heads=1, elem_bytes=4, n_layers=1)
+    c.step = 1
+    c.step_begin()
+    matmul(30 * ms)
+    with c.timed("bookkeeping.join", wait=True):
+        fake.host(10 * ms)
+    with c.timed("bookkeeping.y"):
+        fake.host(15 * ms)
+    with c.timed("attention"):
+        matmul(4 * ms)
+        fake.host(1 * ms)
+    c.step_end(0.1)
+    assert c.graph.tasks[-1].op == "dispatch"
+    assert c.graph.tasks[-1].work["seconds"] == pytest.approx(0.041, rel=1e-12)
+    assert c.step_total("time", "bookkeeping.join", 1) == pytest.approx(0.01, rel=1e-12)
+    assert c.step_total("time", "attention", 1) == pytest.approx(0.005, rel=1e-12)
+    carried = [t for t in c.graph.tasks if t.op == "bookkeeping.y"]
+    assert carried[0].work == {"seconds": pytest.approx(0.015, rel=1e-12)}
+    assert not [t for t in c.graph.tasks if t.op == "bookkeeping.join"]
+    c.step = 2
+    c.step_begin()
+    with c.timed("accel_idle"):
+        fake.host(50 * ms)
+    c.step_end(0.02)
+    assert c.graph.tasks[-1].work == {"seconds": 0.0}
+
+
+def test_elem_bytes_is_the_dtypes_itemsize() -> None:
+    import torch
+
+    from kvbench.models import MODELS
+    from kvbench.runtime.context import RunContext
+
+    ctx = RunContext(spec=next(iter(MODELS.values())), n_layers=1, batch=1, max_len=8,
+                     dtype=torch.bfloat16, accel=torch.device("cpu"),
+                     host=torch.device("cpu"), counters=Counters(1, 2))
+    assert ctx.elem_bytes == 2

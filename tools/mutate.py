@@ -53,9 +53,10 @@ CORE, OTHER = 0.9, 0.8
 MODULES: dict[str, Spec] = {
     "units": Spec("kvbench/units.py", ("tests/test_units.py",), CORE),
     "timing": Spec("kvbench/timing.py", ("tests/test_timing.py",), CORE),
-    "schema": Spec("kvbench/schema.py", ("tests/test_records.py", "tests/test_store.py"), CORE),
+    "schema": Spec("kvbench/schema.py", ("tests/test_records.py", "tests/test_store.py"), CORE,
+                   extra=("results/baselines", "suites")),
     "store": Spec("kvbench/store.py", ("tests/test_store.py", "tests/test_records.py"), CORE,
-                  extra=("results/baselines",)),
+                  extra=("results/baselines", "suites")),
     "compare": Spec("kvbench/compare.py", ("tests/test_compare.py", "tests/test_noise.py"), CORE),
     "noise": Spec("kvbench/noise.py", ("tests/test_noise.py",), CORE),
     "context": Spec("kvbench/runtime/context.py", ("tests/test_context.py",
