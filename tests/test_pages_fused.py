@@ -167,22 +167,23 @@ def test_decode_path_no_sync_and_bounded_ops(per: str, fused: bool,
 
 
 def test_counters_take_tensors_and_settle_once() -> None:
-    """Tensor adds are summed without a sync and become floats at step_end, in the series
-    and in the stage graph's tasks."""
+    """Tensor adds dispatch nothing in the step; their sums (times `scale`) become floats at
+    step_end, in the series and in the stage graph's tasks."""
     c = Counters(2, 4)
     c.step = 3
-    with Dispatched():
-        c.add("tokens", "accel", torch.tensor(5))
-        c.add("bytes_read", "accel", torch.tensor(100.0))
+    lens, nbytes, more = torch.tensor([[5, 1], [2, 0]]), torch.tensor(100.0), torch.tensor([1.5])
+    with Dispatched() as seen:
+        c.add("tokens", "accel", lens, 0.5)
+        c.add("bytes_read", "accel", nbytes)
         c.add("bytes_read", "accel", 7.0)
-        c.add("bytes_read", "accel", torch.tensor(1.5))
+        c.add("bytes_read", "accel", more, 2.0)
+    assert seen.ops == []
     c.step_end(0.0)
     series = {(qn, w): s for qn, w, _, s in c.series()}
-    assert series == {("tokens", "accel"): {3: 5.0}, ("bytes_read", "accel"): {3: 108.5}}
+    assert series == {("tokens", "accel"): {3: 4.0}, ("bytes_read", "accel"): {3: 110.0}}
     assert all(type(x) is float for s in series.values() for x in s.values())
     work = [t.work for t in c.graph.tasks if t.op == "compute"]
-    assert work == [{"bytes_read": 108.5, "launches": 0.0}]
-    assert type(work[0]["bytes_read"]) is float
+    assert work == [{"bytes_read": 110.0, "launches": 0.0}]
 
 
 @native

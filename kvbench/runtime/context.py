@@ -67,43 +67,46 @@ class Counters:
         self._pairs: list[tuple[Any, Any]] = []  # CUDA event pairs free for reuse
         self._k0 = 0  # kernel clock at the step's start (CPU runs' dispatch account)
         self._excluded = 0.0  # seconds of the step in waits and carried blocks
-        self._lazy: list[tuple[dict[Any, Any], Any]] = []  # (holder, key) of tensor sums
+        self._lazy: list[tuple[dict[Any, Any], Any, Any, float]] = []  # see `add`
 
-    def add(self, quantity: str, where: str, value: float | torch.Tensor) -> None:
-        """Add `value` (in UNITS[quantity]) to the current step and layer. A 0-dim tensor
-        value is summed on its device, without a sync, and read once at `settle`.
+    def add(self, quantity: str, where: str, value: float | torch.Tensor,
+            scale: float = 1.0) -> None:
+        """Add `value` x `scale` (in UNITS[quantity]) to the current step and layer. A tensor
+        value adds its sum, taken at `settle` (no op or sync here: the tensor must not be
+        written before the step ends).
 
         Graph: flops/bytes_read on a device become a "compute" task there (consecutive adds
         merge); time a background "host" task of that many measured seconds."""
+        lazy = not isinstance(value, (int, float))
+        x = 0.0 if lazy else value * scale
         steps = self._v[(quantity, where, self.layer)]
-        steps[self.step] += value
+        steps[self.step] += x
         task = None
         if quantity in ("flops", "bytes_read") and where in RESOURCES:
             task = self.graph.record(self.step, self.layer, where, "compute",
-                                     {quantity: value, "launches": 0.0}, merge=True)
+                                     {quantity: x, "launches": 0.0}, merge=True)
         elif quantity == "time" and where not in WAIT_PHASES:
             with self.graph.background():
-                task = self.graph.record(self.step, self.layer, "host", where,
-                                         {"seconds": value})
-        if not isinstance(value, (int, float)):
-            self._lazy.append((steps, self.step))
+                task = self.graph.record(self.step, self.layer, "host", where, {"seconds": x})
+        if lazy:
+            self._lazy.append((steps, self.step, value, scale))
             if task is not None:
-                self._lazy.append((task.work, "seconds" if quantity == "time" else quantity))
+                key = "seconds" if quantity == "time" else quantity
+                self._lazy.append((task.work, key, value, scale))
 
     def settle(self) -> None:
-        """Tensor-valued adds become floats: one read per device for all of them (at
-        `step_end` and `series`, never inside a step)."""
-        held: dict[Any, list[tuple[dict[Any, Any], Any]]] = defaultdict(list)
-        for h, k in {(id(h), k): (h, k) for h, k in self._lazy}.values():
-            if not isinstance(h[k], (int, float)):
-                held[h[k].device].append((h, k))
+        """Add the tensor values' sums (`add`): one read per device for all of them, at
+        `step_end` and `series`, after the step's clock stopped."""
+        held: dict[Any, list[tuple[dict[Any, Any], Any, Any, float]]] = defaultdict(list)
+        for item in self._lazy:
+            held[item[2].device].append(item)
         self._lazy.clear()
         for items in held.values():
             import torch
 
-            for (h, k), x in zip(items, torch.stack([h[k].double() for h, k in items]).tolist(),
-                                 strict=True):
-                h[k] = x
+            sums = torch.stack([t.sum(dtype=torch.float64) for _, _, t, _ in items]).tolist()
+            for (holder, key, _, scale), x in zip(items, sums, strict=True):
+                holder[key] += x * scale
 
     def task(self, resource: str, op: str, **work: float) -> None:
         """A task on `resource` with explicit work (kvbench.runtime.trace.WORK names), for

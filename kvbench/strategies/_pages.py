@@ -179,8 +179,8 @@ def attend_selected(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torc
 
     pos [B, H, n] (first lens[b, h] valid) per KV head (H = Hkv: the group shares the
     selection) or per query head (H = Hq). Returns (out [B, Hq, 1, D], lse [B, Hq, 1]) and
-    counts tokens (mean per head), FLOPs and the key/value bytes read, as tensors read at
-    the step's end (no sync here). Every head in one call: on the CPU the native kernel
+    counts tokens (mean per head), FLOPs and the key/value bytes read from lens, summed at
+    the step's end (no op or sync here). Every head in one call: on the CPU the native kernel
     (probes/attn.c, one selection per H row; backend "native-pages"), elsewhere one gather
     and the torch reference path (backend "torch-pages"); the record's method.backend says
     which ran.
@@ -192,10 +192,9 @@ def attend_selected(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torc
     hkv, h = k.shape[1], pos.shape[1]
     require(h % hkv == 0 and hq % h == 0, f"selection of {h} heads for {hq} query heads "
             f"over {hkv} KV heads")
-    total = lens.sum()
-    counters.add("tokens", where, total / h)
-    counters.add("flops", where, total * (4.0 * hq * d / h))
-    counters.add("bytes_read", where, total * (2.0 * d * counters.elem_bytes))
+    counters.add("tokens", where, lens, 1.0 / h)  # summed at the step's end
+    counters.add("flops", where, lens, 4.0 * hq * d / h)
+    counters.add("bytes_read", where, lens, 2.0 * d * counters.elem_bytes)
     if cpu.native_ok(q) and k.device.type == "cpu" and k.dtype == v.dtype == q.dtype:
         note_backend("native-pages", q)
         return _native_selected(q, k, v, pos, lens)
