@@ -138,14 +138,15 @@ def cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> subprocess.Compl
 
 
 def assert_usage_error(result: subprocess.CompletedProcess[str], *fragments: str) -> str:
-    """Bad input as the project promises it: exit code 2, exactly one non-empty line of
-    output (on stderr; nothing on stdout), no traceback, every fragment in that line.
-    `result`: `cli`'s or a `subprocess.run(..., text=True)`'s. Returns the line."""
+    """Bad input as the project promises it (kvbench.cli.main): exit code 2, exactly one
+    non-empty line of output, on stderr and starting "kvbench: error: " (nothing on
+    stdout), no traceback, every fragment in that line. `result`: `cli`'s or a
+    `subprocess.run(..., text=True)`'s. Returns the line."""
     text = (result.stdout or "") + (result.stderr or "")
     lines = text.strip().splitlines()
     assert result.returncode == 2, (result.returncode, text)
     assert len(lines) == 1 and not (result.stdout or "").strip(), text
-    assert "Traceback" not in text, text
+    assert "Traceback" not in text and lines[0].startswith("kvbench: error: "), text
     for fragment in fragments:
         assert fragment in lines[0], (fragment, lines[0])
     return lines[0]

@@ -12,6 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from conftest import assert_usage_error, cli
 
 from kvbench.cli import main
 from kvbench.compare import compare_sets
@@ -52,9 +53,7 @@ def test_every_problem_reported_with_its_line(tmp_path, capsys):
 
 def test_bad_toml_is_one_line(tmp_path, capsys):
     path = write(tmp_path, "[[case]\n")
-    assert run_cli(["suite", "run", str(path)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("kvbench: error:") and "not valid TOML" in err and "line" in err
+    assert_usage_error(cli(["suite", "run", str(path)], capsys), "not valid TOML", "line")
 
 
 def test_sweep_and_repetitions_expand_with_stable_ids(tmp_path):
@@ -91,7 +90,8 @@ def test_failing_case_is_recorded_and_suite_goes_on(tmp_path, monkeypatch, capsy
     assert "requires a CUDA GPU" in recs[2]["reason"]
     assert "error RuntimeError: boom" in capsys.readouterr().err
     # an existing output is never appended to silently
-    assert run_cli(["suite", "run", str(path)]) == 2
+    assert_usage_error(cli(["suite", "run", str(path)], capsys),
+                       "already holds results: pass --resume")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
@@ -271,8 +271,8 @@ def test_case_keys_exclusive_and_resources_validated(tmp_path, capsys):
 
 def test_without_ray_the_flag_exits_2_with_the_install_hint(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
-    assert run_cli(["suite", "run", str(write(tmp_path, TIMER)), "--ray"]) == 2
-    assert "pip install -e '.[cluster]'" in capsys.readouterr().err
+    assert_usage_error(cli(["suite", "run", str(write(tmp_path, TIMER)), "--ray"], capsys),
+                       "pip install -e '.[cluster]'")
 
 
 def test_workers_parse_the_suite_from_its_text(tmp_path):
@@ -285,19 +285,11 @@ def test_workers_parse_the_suite_from_its_text(tmp_path):
     assert unit_in("elsewhere/smoke.toml", suite.text, first.case_id).label == first.label
 
 
-def one_line_error(capsys) -> str:
-    out, err = capsys.readouterr()
-    assert out == "" and "Traceback" not in err and err.count("\n") == 1, err
-    assert err.startswith("kvbench: error: ")
-    return err
-
-
 def test_only_matching_no_case_is_an_error(tmp_path, capsys):
     """`--only 'zzz*'` ran nothing and exited 0 with `results: FILE` for a file never
     written."""
     path = write(tmp_path, TIMER)
-    assert run_cli(["suite", "run", str(path), "--only", "zzz*"]) == 2
-    err = one_line_error(capsys)
+    err = assert_usage_error(cli(["suite", "run", str(path), "--only", "zzz*"], capsys))
     assert f"--only 'zzz*' matches no case of {path}" in err
     assert "'timer[calls=200,reps=3]#0'" in err
     assert not (tmp_path / "out.jsonl").exists()
@@ -316,18 +308,34 @@ def test_bad_parameter_values_are_refused_up_front(tmp_path, capsys, monkeypatch
     bad value used to run, write an error record and exit 1."""
     monkeypatch.setattr("kvbench.suite_jobs.execute", lambda *a: pytest.fail("a case ran"))
     path = write(tmp_path, TIMER + "\n" + case)
-    assert run_cli(["suite", "run", str(path)]) == 2
-    assert message in one_line_error(capsys)
+    assert_usage_error(cli(["suite", "run", str(path)], capsys), message)
     assert not (tmp_path / "out.jsonl").exists()
 
 
 def test_check_bad_input_is_one_line(tmp_path, capsys):
+    """`suite check` with a suite or a result or baseline file that is missing, not a
+    file, corrupt or of an unknown schema, or an unknown format: one line, exit 2."""
     suite = write(tmp_path, TIMER)
     results = tmp_path / "r.jsonl"
     with ResultWriter(results, {"env_id": "e", "cpu": {"logical_cpus": 3, "arch": "z80"}},
                       command="x") as w:
         w.write(measured("probe", "timer", "x", "ns", "lower", [1.0, 2.0]))
+    corrupt = tmp_path / "corrupt.jsonl"
+    corrupt.write_text("{not json\n")
+    future = tmp_path / "future.jsonl"
+    future.write_text('{"schema_version": 42, "kind": "env", "env_id": "x"}\n')
+    bad_toml = write(tmp_path, "[[case]\n", "bad.toml")
+    bad_guard = write(tmp_path, '[suite.guard]\n"x" = "lots"\n\n' + TIMER, "guard.toml")
     for argv, message in [
+        ([str(bad_toml), str(results)], "bad.toml: not valid TOML"),
+        ([str(bad_guard), str(results)], "guard 'x': cannot parse threshold 'lots'"),
+        ([str(tmp_path), str(results)], "cannot read suite"),
+        ([str(suite), str(corrupt)], "holds no kvbench records"),
+        ([str(suite), str(future)], "schema version 42"),
+        ([str(suite), str(tmp_path)], "is not a file"),
+        ([str(suite), str(results), "--baseline", str(corrupt)], "holds no kvbench records"),
+        ([str(suite), str(results), "--baseline", str(tmp_path / "nob.jsonl")],
+         "does not exist"),
         ([str(suite), str(results), "--format", "nosuch"],
          "unknown format 'nosuch' (table, markdown, json)"),
         ([str(suite), str(tmp_path / "missing.jsonl")], "does not exist"),
@@ -336,8 +344,7 @@ def test_check_bad_input_is_one_line(tmp_path, capsys):
          "File name too long"),
         ([str(tmp_path / "nosuch.toml"), str(results)], "cannot read suite"),
     ]:
-        assert run_cli(["suite", "check", *argv]) == 2, argv
-        assert message in one_line_error(capsys), argv
+        assert_usage_error(cli(["suite", "check", *argv], capsys), message)
 
 
 def test_interrupted_case_keeps_its_finished_records_marked_partial(tmp_path, monkeypatch,
