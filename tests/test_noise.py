@@ -247,3 +247,71 @@ def test_bound_is_t_quantile_times_sd_times_sqrt_of_run_counts() -> None:
         (row,) = compare_sets(runs([100.0]), runs([new]), noise=spreads(runs(meds)))
         assert row.noise == pytest.approx(math.expm1(bound), rel=1e-9)
         assert (row.test, row.verdict) == ("mann-whitney + run noise", verdict), row
+
+
+# --- Student t in closed form, the spreads' filters, the messages (issue 30) ---
+
+def _closed_form(t: float, df: int) -> float:
+    """P(|T| <= t) written out per df (Abramowitz and Stegun 26.7.3-4 expanded by hand)."""
+    th = math.atan(t / math.sqrt(df))
+    s, c = math.sin(th), math.cos(th)
+    return {1: 2 / math.pi * th,
+            2: s,
+            3: 2 / math.pi * (th + s * c),
+            4: s * (1 + c**2 / 2),
+            5: 2 / math.pi * (th + s * c * (1 + 2 / 3 * c**2)),
+            6: s * (1 + c**2 / 2 + 3 / 8 * c**4),
+            7: 2 / math.pi * (th + s * c * (1 + 2 / 3 * c**2 + 8 / 15 * c**4))}[df]
+
+
+@pytest.mark.parametrize("df", range(1, 8))
+@pytest.mark.parametrize("t", [0.3, 1.0, 2.5])
+def test_t_within_closed_forms(t: float, df: int) -> None:
+    assert t_within(t, df) == pytest.approx(_closed_form(t, df), rel=1e-12)
+    assert t_within(t, 2) == pytest.approx(t / math.sqrt(2 + t * t), rel=1e-12)
+
+
+def test_t_quantile_to_a_billionth() -> None:
+    # df 1: t = tan(pi level / 2); df 2: t = level sqrt(2 / (1 - level^2))
+    assert t_quantile(0.9, 1) == pytest.approx(math.tan(0.45 * math.pi), rel=2e-9)
+    assert t_quantile(0.5, 2) == pytest.approx(0.5 * math.sqrt(2 / 0.75), rel=2e-9)
+    assert t_quantile(0.3, 3) < 1.0  # below the first bracket [0, 1]
+
+
+def test_spreads_skip_what_is_not_a_measured_positive_run() -> None:
+    base = runs([100.0, 110.0, 90.0]).records
+    skipped = [{**base[0], "status": "waived"}, {**base[0], "value": None},
+               {**base[0], "direction": "none"}, {**base[0], "samples": [0.0, -1.0, 0.0]}]
+    cal = ResultSet(Path("x"), envs={"e1": CPU2}, records=base[:2] + skipped)
+    assert spreads(cal) == {}  # two runs left: below MIN_RUNS
+    three = ResultSet(Path("x"), envs={"e1": CPU2}, records=base + skipped)
+    (s,) = spreads(three).values()
+    assert s.runs == 3
+    assert s.sd_log == pytest.approx(
+        math.sqrt(sum((math.log(x) - sum(map(math.log, (100, 110, 90))) / 3) ** 2
+                      for x in (100.0, 110.0, 90.0)) / 2), rel=1e-12)
+    value_only = [{**r, "samples": []} for r in base]  # no samples: the value is the run
+    assert spreads(ResultSet(Path("x"), envs={"e1": CPU2}, records=value_only))
+
+
+def test_calibration_messages_in_full() -> None:
+    with pytest.raises(KvbenchError) as e:
+        load_calibration([runs([1.0, 2.0, 3.0])], [ResultSet(Path("y"), envs={}, records=[])])
+    assert str(e.value) == ("a noise calibration is for runs of one machine class; the "
+                            "compared files hold none")
+    with pytest.raises(KvbenchError) as e:
+        load_calibration([runs([1.0, 2.0, 3.0])], [runs([1.0]), runs([1.0], envs={"e1": CPU8})])
+    assert str(e.value).endswith("hold cpu-2c-x86_64, cpu-8c-x86_64")
+    unused = runs([1.0, 2.0, 3.0], env="e2", envs={"e1": CPU2, "e2": CPU2})
+    unused.records = [{**r, "env_id": "e9"} for r in unused.records]
+    with pytest.raises(KvbenchError) as e:
+        load_calibration([unused], [runs([1.0])])
+    assert str(e.value) == ("noise calibration 'x' is from no machine, the compared files from "
+                            "cpu-2c-x86_64")
+    with pytest.raises(KvbenchError) as e:
+        load_calibration([runs([1.0, 2.0])], [runs([1.0])])
+    assert str(e.value) == ("noise calibration 'x' has no quantity with 3 or more runs "
+                            "(append unchanged runs to it)")
+    two = load_calibration([runs([1.0, 2.0, 3.0]), runs([1.0, 2.0, 4.0], metric="latency")],
+                           [runs([1.0])])
+    assert len(two) == 2  # the spreads of every calibration file
