@@ -42,7 +42,7 @@ class Authors:
         g = q.shape[0] // self.k.shape[0]
         full = (self.n_pages - 1) * self.page
         keys = self.k[:, :full].reshape(self.k.shape[0], -1, self.page, self.k.shape[2])
-        mid = (keys.max(2).values + keys.min(2).values) / 2  # [Hkv, pages, D]
+        mid = (keys.amax(2) + keys.amin(2)) / 2  # [Hkv, pages, D]
         r = (keys - mid[:, :, None]).abs().mean(2)
         total = sum(torch.maximum(q[h] * (mid[h // g] + r[h // g]),
                                   q[h] * (mid[h // g] - r[h // g])).sum(-1) for h in heads)
