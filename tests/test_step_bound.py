@@ -22,6 +22,7 @@ from kvbench.runtime.command import execute
 from kvbench.runtime.opcount import Counting
 from kvbench.runtime.run import RunConfig
 from kvbench.strategies.full import Full
+from kvbench.units import format_bytes
 
 # a llama-shaped model small enough that a run takes a fraction of a second
 TINY = ModelSpec("tiny-bound", "llama", 2, 4, 2, 64, 128, 256, 128)
@@ -119,7 +120,7 @@ def test_step_bound_is_bytes_over_bandwidth_and_efficiency_bound_over_steps(
     assert eff["value"] == pytest.approx(want / statistics.median(tbt["samples"]), rel=1e-12)
     shown = capsys.readouterr().out
     assert "step_bound_s" in shown and "step_efficiency" in shown
-    assert (f"bytes bound per decode step: accel {hand_bytes(2) / 1e6:.4g} MB at 10 GB/s "
+    assert (f"bytes bound per decode step: accel {format_bytes(hand_bytes(2))} at 10 GB/s "
             "(probe, one memory)") in shown
 
 

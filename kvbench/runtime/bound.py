@@ -132,7 +132,7 @@ def describe(recs: list[Record]) -> str:
     """One line on the step bound of a run's records ('' when it was not measured): bytes
     per step per resource and link at the GB/s they were bounded by, the bandwidth's source,
     the bound and the efficiency."""
-    from kvbench.units import format_seconds
+    from kvbench.units import format_bytes, format_seconds
 
     got = {r.metric: r for r in recs if r.metric in ("step_bound_s", "step_efficiency")
            and r.status == "ok"}
@@ -141,7 +141,7 @@ def describe(recs: list[Record]) -> str:
     m = got["step_bound_s"].method
     rates = m["gbps"]
     terms = ", ".join(
-        f"{k} {v / 1e6:.4g} MB at " + (f"{rates[x]:.3g} GB/s" if (x := MEMORY.get(
+        f"{k} {format_bytes(v)} at " + (f"{rates[x]:.3g} GB/s" if (x := MEMORY.get(
             k, k.split(".")[0])) in rates else "(not bounded)")
         for k, v in m["bytes_per_step"].items())
     return (f"bytes bound per decode step: {terms} ({m['bandwidth_source']}"
