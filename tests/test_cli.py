@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import assert_usage_error, cli
 
 from kvbench.cli import main
 from kvbench.schema import measured
@@ -59,20 +60,14 @@ def bad_inputs(tmp: Path, good: Path) -> list[tuple[list[str], str]]:
 def test_bad_input_is_one_line_exit_2(tmp_path: Path, good_file: Path,
                                       capsys: pytest.CaptureFixture[str]) -> None:
     for argv, message in bad_inputs(tmp_path, good_file):
-        code, _, err = run(argv, capsys)
-        assert code == 2, argv
-        lines = err.strip().splitlines()
-        assert len(lines) == 1, (argv, err)
-        assert lines[0].startswith("kvbench: error:") and message in lines[0], (argv, err)
+        assert_usage_error(cli(argv, capsys), message)
 
 
 def test_console_script_no_traceback(tmp_path: Path) -> None:
     exe = Path(sys.executable).with_name("kvbench")
     proc = subprocess.run([str(exe), "compare", str(tmp_path / "a"), str(tmp_path / "b")],
                           capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2
-    assert "Traceback" not in proc.stderr
-    assert proc.stderr.count("\n") == 1
+    assert_usage_error(proc, "does not exist")
 
 
 def test_help_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
@@ -111,10 +106,8 @@ def test_rejected_command_draws_and_writes_nothing(tmp_path: Path, argv: list[st
                                                    message: str) -> None:
     """Bad input: one line, exit 2, no live table on stdout and no result file (issue 11.9)."""
     out = tmp_path / "r.jsonl"
-    proc = kvbench(*argv, "--out", str(out))
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
-    assert proc.stdout == "" and not out.exists()
+    assert_usage_error(kvbench(*argv, "--out", str(out)), message)
+    assert not out.exists()
 
 
 def test_sigterm_keeps_partial_run(tmp_path: Path) -> None:
@@ -175,10 +168,8 @@ def test_unusable_out_is_refused_before_any_work(command: str, where: str, messa
     calls: list[object] = []
     monkeypatch.setattr(work, lambda *a, **k: calls.append(a))
     before = sorted(tmp_path.iterdir())
-    code, stdout, err = run([*argv, "--out", out], capsys)
-    assert code == 2 and not calls and stdout == ""
-    assert err.count("\n") == 1 and err.startswith("kvbench: error: --out '"), err
-    assert message in err and "Traceback" not in err
+    line = assert_usage_error(cli([*argv, "--out", out], capsys), message)
+    assert line.startswith("kvbench: error: --out '") and not calls
     assert sorted(tmp_path.iterdir()) == before
 
 
@@ -187,9 +178,8 @@ def test_suite_output_of_the_file_is_checked_too(tmp_path: Path,
     suite = tmp_path / "s.toml"
     suite.write_text('[suite]\noutput = "/proc/nope/s.jsonl"\n\n[[case]]\nprobe = "timer"\n'
                      'params = { calls = 200, reps = 3 }\n')
-    code, _, err = run(["suite", "run", str(suite)], capsys)
-    assert code == 2 and err.count("\n") == 1
-    assert "the suite's output '/proc/nope/s.jsonl': cannot write in '/proc'" in err
+    assert_usage_error(cli(["suite", "run", str(suite)], capsys),
+                       "the suite's output '/proc/nope/s.jsonl': cannot write in '/proc'")
 
 
 def test_over_long_input_paths_are_one_line(tmp_path: Path, good_file: Path,
@@ -198,9 +188,8 @@ def test_over_long_input_paths_are_one_line(tmp_path: Path, good_file: Path,
     for argv in (["compare", long, str(good_file)], ["compare", str(good_file), long],
                  ["hardware", "show", "z" * 5000], ["hardware", "show", long + ".toml"],
                  ["suite", "run", long + ".toml"]):
-        code, _, err = run(argv, capsys)
-        assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, (argv[:2], err)
-        assert len(err) < 400, err  # the path is shown shortened
+        line = assert_usage_error(cli(argv, capsys))
+        assert len(line) < 400, line  # the path is shown shortened
 
 
 @pytest.mark.parametrize("args, message", [
@@ -217,9 +206,8 @@ def test_timer_probe_ranges(args: list[str], message: str, tmp_path: Path,
     calls: list[object] = []
     monkeypatch.setattr("kvbench.probes.timer.TimerProbe.run", lambda *a: calls.append(a))
     out = tmp_path / "t.jsonl"
-    code, stdout, err = run(["probe", "timer", *args, "--out", str(out)], capsys)
-    assert code == 2 and stdout == "" and not calls and not out.exists()
-    assert err.count("\n") == 1 and message in err and "Traceback" not in err, err
+    assert_usage_error(cli(["probe", "timer", *args, "--out", str(out)], capsys), message)
+    assert not calls and not out.exists()
 
 
 @pytest.mark.parametrize("command", ["probe", "run", "roi", "project"])
@@ -233,9 +221,9 @@ def test_out_that_is_not_a_result_file_is_refused_before_any_work(
     out.write_text("my notes\nand more\n")
     calls: list[object] = []
     monkeypatch.setattr(work, lambda *a, **k: calls.append(a))
-    code, stdout, err = run([*argv, "--out", str(out)], capsys)
-    assert code == 2 and not calls and stdout == "" and err.count("\n") == 1
-    assert f"--out: '{out}' line 1 is not kvbench JSON Lines (results are appended" in err
+    assert_usage_error(cli([*argv, "--out", str(out)], capsys),
+                       f"--out: '{out}' line 1 is not kvbench JSON Lines (results are appended")
+    assert not calls
     assert out.read_text() == "my notes\nand more\n"
 
 
@@ -258,6 +246,6 @@ def test_unusable_results_folder_is_refused_before_any_work(
     (tmp_path / "results").write_text("not a folder\n")
     calls: list[object] = []
     monkeypatch.setattr(work, lambda *a, **k: calls.append(a))
-    code, stdout, err = run(argv, capsys)
-    assert code == 2 and not calls and stdout == "" and err.count("\n") == 1
-    assert "the results folder 'results' is not a folder: give a folder path" in err, err
+    assert_usage_error(cli(argv, capsys),
+                       "the results folder 'results' is not a folder: give a folder path")
+    assert not calls
