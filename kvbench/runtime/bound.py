@@ -18,7 +18,7 @@ measured bandwidth ("pnm_reduce", "cxl") is not bounded: its bytes are listed, n
 
 Bandwidth (`Bandwidth`) comes from either
     "probe"        measured in the run itself after its decode steps (kvbench's native read
-                   loop and memcpy on the run's threads over BUFFER_BYTES, the attention
+                   loop and memcpy on the run's threads over `buffer_bytes`, the attention
                    probe's read and copy machinery; with CUDA a device copy counted read
                    plus written and pinned copies each way), so peak memory is not touched;
     "calibration"  this machine's stored `kvbench calibrate` records (the attention probe's
@@ -42,7 +42,6 @@ from kvbench.timing import Policy
 
 SOURCES = ("probe", "calibration")
 MEMORY = {"accel": "accel", "host": "host", "pnm": "host"}  # resource -> memory it reads
-LINKS = ("h2d", "d2h")  # links a probe or calibration measures
 PROBE_POLICY = Policy(warmup=1, min_reps=5, min_time_s=0.05, max_reps=20, max_time_s=0.5)
 
 
