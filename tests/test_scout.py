@@ -353,6 +353,7 @@ def test_host_part_runs_beside_the_accelerator_in_the_trace() -> None:
     c.layer = 1
     s.decode(1, s.ctx.model.q, torch.randn(2, 2, 1, 8, generator=g),
              torch.randn(2, 2, 1, 8, generator=g))
+    c.settle()  # the step's tensor counts (attend_selected's) are read at its end
     tasks = [t for t in c.graph.tasks if t.step == 1]
 
     host = [t.id for t in tasks if t.resource == "host" and t.op == "compute"]
