@@ -160,8 +160,6 @@ def calibrate(ctx: RunContext, text: str, ratio: float) -> Calibration:
     prompt (module docstring), from the process memo, the disk cache or computed."""
     import torch
 
-    from kvbench.strategies.infinigen import skew
-
     model = ctx.model
     encode = getattr(model, "encode", None)
     require(encode is not None, "infinigen --variant authors calibrates on the model's "
@@ -207,3 +205,21 @@ def calibrate(ctx: RunContext, text: str, ratio: float) -> Calibration:
             tmp.unlink(missing_ok=True)
     _MEMO[key] = cal
     return cal
+
+
+def skew(q: torch.Tensor, hkv: int, ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Skewing matrices A [Hkv, D, D] and kept channels [Hkv, d'] from queries q [B, Hq, P, D]:
+    one A per KV head from its group's queries (so q A . k A = q . k within the group)."""
+    import torch
+
+    b, hq, p, d = q.shape
+    g = hq // hkv
+    qs = q.float().view(b, hkv, g, p, d).transpose(0, 1).reshape(hkv, b * g * p, d)
+    # fewer rows than D (a prompt with G * P < D): full_matrices completes A to a square,
+    # orthogonal one past the rank; otherwise not, since U [Hkv, rows, rows] would be
+    # rows^2 floats (7 GB for batch 4 x 3 queries per KV head x 2048 tokens)
+    rows = qs.shape[1]
+    a = torch.linalg.svd(qs, full_matrices=rows < d).Vh.transpose(1, 2)  # [Hkv, D, D]
+    mass = torch.bmm(qs, a).abs().sum(dim=1)  # [Hkv, D]
+    keep = max(1, int(ratio * d))
+    return a, mass.topk(keep, dim=-1).indices.sort(dim=-1).values

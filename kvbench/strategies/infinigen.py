@@ -66,6 +66,7 @@ from kvbench.strategies import (
     variant_field,
 )
 from kvbench.strategies._hostcopy import HostKV, heads_first, tokens_first, transfer
+from kvbench.strategies._infinigen_calib import skew
 from kvbench.strategies._pages import attend_selected, check_layers
 
 if TYPE_CHECKING:
@@ -114,24 +115,6 @@ class InfiniGenParams:
         require(self.max_per in ("head", "head0"), f"--max-per '{self.max_per}': head, head0")
         require(self.skew_tokens >= 1, f"--skew-tokens {self.skew_tokens}: must be >= 1")
         check_variant(self)
-
-
-def skew(q: torch.Tensor, hkv: int, ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Skewing matrices A [Hkv, D, D] and kept channels [Hkv, d'] from queries q [B, Hq, P, D]:
-    one A per KV head from its group's queries (so q A . k A = q . k within the group)."""
-    import torch
-
-    b, hq, p, d = q.shape
-    g = hq // hkv
-    qs = q.float().view(b, hkv, g, p, d).transpose(0, 1).reshape(hkv, b * g * p, d)
-    # fewer rows than D (a prompt with G * P < D): full_matrices completes A to a square,
-    # orthogonal one past the rank; otherwise not, since U [Hkv, rows, rows] would be
-    # rows^2 floats (7 GB for batch 4 x 3 queries per KV head x 2048 tokens)
-    rows = qs.shape[1]
-    a = torch.linalg.svd(qs, full_matrices=rows < d).Vh.transpose(1, 2)  # [Hkv, D, D]
-    mass = torch.bmm(qs, a).abs().sum(dim=1)  # [Hkv, D]
-    keep = max(1, int(ratio * d))
-    return a, mass.topk(keep, dim=-1).indices.sort(dim=-1).values
 
 
 @STRATEGIES.register
