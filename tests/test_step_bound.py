@@ -136,6 +136,10 @@ def test_ops_per_step_exact_and_syncs_found(tiny: None, tmp_path: Path) -> None:
     assert syncing["syncs_per_step"]["method"]["ops"] == {"aten.item": layers}
     assert syncing["ops_per_step"]["value"] - base["ops_per_step"]["value"] == 2 * layers
     assert base["ops_per_step"]["direction"] == "lower"
+    # eval mode: the full-attention reference beside the strategy is not part of its step
+    shadowed = run(tmp_path, name="eval", mode="eval")
+    assert shadowed["step_efficiency"]["samples"]
+    assert shadowed["ops_per_step"]["value"] == base["ops_per_step"]["value"]
 
 
 def test_counting_counts_every_op_and_each_kind_of_sync() -> None:
