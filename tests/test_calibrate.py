@@ -6,10 +6,12 @@ import contextlib
 import io
 import json
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import assert_usage_error
 
 from kvbench.cli import main
 from kvbench.hwmodel.calibrate import (
@@ -72,13 +74,17 @@ def _this_key() -> str:
     return machine_key(collect_env())
 
 
-def _project(trace: Path, out: Path, *extra: str) -> tuple[int, str, str]:
-    """Exit code, stdout and stderr of `kvbench project TRACE --hardware this`."""
+def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """Exit code, stdout and stderr of `kvbench ARGV`."""
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
-        code, stdout = _main(["project", str(trace), "--hardware", "this", "--out", str(out),
-                              *extra])
-    return code, stdout, err.getvalue()
+        code, stdout = _main(argv)
+    return subprocess.CompletedProcess(argv, code, stdout, err.getvalue())
+
+
+def _project(trace: Path, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    """`kvbench project TRACE --hardware this` run."""
+    return _run(["project", str(trace), "--hardware", "this", "--out", str(out), *extra])
 
 
 def test_calibrate_stores_under_the_cache_and_project_uses_it(
@@ -101,10 +107,10 @@ def test_calibrate_stores_under_the_cache_and_project_uses_it(
         {"timer", "roofline", "attention", "bandwidth"}
     assert all(r["command"].startswith("kvbench probe ") for r in rs.records)
     # project --hardware this reads it, and gives what the same records as --probes give
-    code, _, err = _project(trace, tmp_path / "a.jsonl")
-    assert code == 0, err
-    code, _, err = _project(trace, tmp_path / "b.jsonl", "--probes", str(folder / RECORDS))
-    assert code == 0, err
+    proc = _project(trace, tmp_path / "a.jsonl")
+    assert proc.returncode == 0, proc.stderr
+    proc = _project(trace, tmp_path / "b.jsonl", "--probes", str(folder / RECORDS))
+    assert proc.returncode == 0, proc.stderr
     got = [{r["metric"]: r for r in load(tmp_path / f"{n}.jsonl").records} for n in "ab"]
     assert got[0]["tbt"]["provenance"] == "projected"
     assert got[0]["tbt"]["params"]["hardware"] == "this" and got[0]["tbt"]["value"] > 0
@@ -114,16 +120,13 @@ def test_calibrate_stores_under_the_cache_and_project_uses_it(
 def test_no_calibration_names_the_command(trace: Path, tmp_path: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path / "empty"))
-    code, _, err = _project(trace, tmp_path / "o.jsonl")
-    assert code == 2 and err.count("\n") == 1
-    assert "no calibration of this machine" in err
-    assert "run `kvbench calibrate --model smollm2-135m`" in err
+    assert_usage_error(_project(trace, tmp_path / "o.jsonl"), "no calibration of this machine",
+                       "run `kvbench calibrate --model smollm2-135m`")
     assert not (tmp_path / "o.jsonl").exists()
     monkeypatch.setenv("KVBENCH_CACHE", "off")
-    code, _, err = _project(trace, tmp_path / "o.jsonl")
-    assert code == 2 and err.count("\n") == 1 and "KVBENCH_CACHE=off" in err
-    code, _ = _main(["calibrate", "--quick"])  # refused before it measures anything
-    assert code == 2
+    assert_usage_error(_project(trace, tmp_path / "o.jsonl"), "KVBENCH_CACHE=off")
+    # refused before it measures anything
+    assert_usage_error(_run(["calibrate", "--quick"]), "KVBENCH_CACHE=off")
 
 
 def test_another_machines_calibration_is_refused(cache: Path, trace: Path, tmp_path: Path,
@@ -132,17 +135,14 @@ def test_another_machines_calibration_is_refused(cache: Path, trace: Path, tmp_p
     monkeypatch.setattr("socket.gethostname", lambda: "elsewhere")
     other = _this_key()
     assert other != mine  # the host name is part of the key
-    code, _, err = _project(trace, tmp_path / "o.jsonl")
-    assert code == 2 and err.count("\n") == 1
-    assert "no calibration of this machine (host elsewhere" in err
-    assert "other machines' only (host " in err and f"key {mine})" in err
+    assert_usage_error(_project(trace, tmp_path / "o.jsonl"),
+                       "no calibration of this machine (host elsewhere",
+                       "other machines' only (host ", f"key {mine})")
     # a calibration filed under this machine's key but measured on another one
     (cache / "calibration" / mine).rename(cache / "calibration" / other)
-    code, _, err = _project(trace, tmp_path / "o.jsonl")
-    assert code == 2 and err.count("\n") == 1
-    assert "is of another machine (host" in err and f"key {mine}), not this one " \
-           f"(host elsewhere" in err
-    assert "run `kvbench calibrate --model smollm2-135m --batch 1 --quick`" in err
+    assert_usage_error(_project(trace, tmp_path / "o.jsonl"), "is of another machine (host",
+                       f"key {mine}), not this one (host elsewhere",
+                       "run `kvbench calibrate --model smollm2-135m --batch 1 --quick`")
 
 
 def test_a_probe_of_another_version_is_refused_by_name(cache: Path, trace: Path,
@@ -153,25 +153,22 @@ def test_a_probe_of_another_version_is_refused_by_name(cache: Path, trace: Path,
     attention = PROBES.get("attention")
     stored = attention.version
     monkeypatch.setattr(attention, "version", stored + "-next")
-    code, _, err = _project(trace, tmp_path / "o.jsonl")
-    assert code == 2 and err.count("\n") == 1
-    assert f"is stale: its attention probe is version {stored}, this kvbench's is " \
-           f"{stored}-next" in err
-    assert "run `kvbench calibrate --model smollm2-135m --batch 1 --quick`" in err
+    assert_usage_error(_project(trace, tmp_path / "o.jsonl"),
+                       f"is stale: its attention probe is version {stored}, this kvbench's is "
+                       f"{stored}-next",
+                       "run `kvbench calibrate --model smollm2-135m --batch 1 --quick`")
 
 
 def test_a_model_not_calibrated_is_refused(cache: Path, trace: Path, tmp_path: Path) -> None:
-    code, _, err = _project(trace, tmp_path / "o.jsonl", "--model", "opt-125m")
-    assert code == 2 and err.count("\n") == 1
-    assert "is for smollm2-135m, not opt-125m: run `kvbench calibrate --model " \
-           "smollm2-135m --model opt-125m --batch 1 --quick`" in err
+    assert_usage_error(_project(trace, tmp_path / "o.jsonl", "--model", "opt-125m"),
+                       "is for smollm2-135m, not opt-125m: run `kvbench calibrate --model "
+                       "smollm2-135m --model opt-125m --batch 1 --quick`")
 
 
 def test_a_damaged_calibration_is_refused(cache: Path, trace: Path, tmp_path: Path) -> None:
     (cache / "calibration" / _this_key() / MANIFEST).write_text("{")  # torn write
-    code, _, err = _project(trace, tmp_path / "o.jsonl")
-    assert code == 2 and err.count("\n") == 1
-    assert f"{MANIFEST} unreadable): run `kvbench calibrate --model smollm2-135m`" in err
+    assert_usage_error(_project(trace, tmp_path / "o.jsonl"),
+                       f"{MANIFEST} unreadable): run `kvbench calibrate --model smollm2-135m`")
 
 
 def test_home_is_the_env_var_cache_or_the_users(monkeypatch: pytest.MonkeyPatch,
