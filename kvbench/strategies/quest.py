@@ -23,17 +23,29 @@ Variants (`--variant`):
   pages (default 0), top-k per query head or per KV group (`--topk-per`); dense while the
   context has at most K pages.
 
-Fidelity (docs/fidelity/quest.md has the table of every difference): followed at
-mit-han-lab/Quest commit 01c1623 (`evaluation/quest_attention.py`, `quest/utils/
-controller.py`, `quest/models/llama.py`, `quest/ops/csrc/estimate.cu`). Not selectable:
-the code's dense-layer count (ids from 32 down: `32 - L + i < 2`, the first two on its
-32-layer models, none on a 30-layer one: pass `--dense-layers` for that), its fp16 scores
-and attention (here the model dtype, digests scored in fp32), and budgets under one page
-(refused; the code gives them 3 pages, as a budget of one page does here).
+Fidelity (the full table: docs/fidelity/quest.md). Followed: mit-han-lab/Quest at commit
+01c1623, `evaluation/quest_attention.py` (authors) and `quest/utils/controller.py`,
+`quest/models/{llama,QuestAttention}.py`, `quest/ops/csrc/estimate.cu` (kernel).
+Differences, and how each is selected:
+- GQA: the accuracy code selects per query head (`repeat_kv`): `authors`; the kernel path
+  has no GQA: `kernel --topk-per query|kv` (kv: kvbench's group sum). Selectable.
+- current page forced in, sink pages, floor of 3 pages, budget capped at the context
+  before rounding: per variant as above (`--sinks` is kvbench's). Selectable.
+- dense layers: by real index, as the paper (sections 3.4, 4.1) and the kernel path; the
+  accuracy code counts layer ids from 32 down (dense when 32 - L + i < 2: none of a
+  30-layer model): `--dense-layers 0` on SmolLM2-135M. Selectable by option.
+- a budget under one page: refused (the accuracy code gives it 3 pages, as `authors` does
+  at `--budget-tokens S`). Not selectable: nothing lost.
+- prefill and appends dense, digests from the keys as written, a new selection every step
+  and sparse layer: as both paths. The same.
+- dtype: the model dtype, scores in fp32 (the code: an fp16 model, fp32 scores; the kernel
+  rounds scores to fp16). Not selectable beyond `--dtype`.
+- passkey protocol: the authors decode the question token by token through Quest; kvbench's
+  passkey mode prefills it with the prompt. Not selectable here (the runner's).
 
 Exact setting: `authors` with pages of one token and a budget covering the context (every
-token its own page, all kept). With S > 1, `authors` drops a page whenever n is not a
-multiple of S; `kernel` with a budget covering the context is exact at any S.
+token its own page, all kept). With S > 1, `authors` drops a page whenever S does not
+divide n > 3S; `kernel` with a budget covering the context is exact at any S.
 Layout per layer: k/v [B, Hkv, max_len, D] and digests lo/hi [B, Hkv, ceil(max_len/S), D]
 on the accelerator.
 """
@@ -100,7 +112,7 @@ class QuestParams:
                     self.dense_layers, self.topk_per)
 
     def pages(self, n: int) -> int:
-        """Pages attended over n cached tokens (the cache has all of them: dense)."""
+        """Pages attended over n cached tokens (ceil(n / S) of them: dense)."""
         n_pages = -(-n // self.page_size)
         if self.variant == "authors":
             return min(max(FLOOR, min(n, self.budget_tokens) // self.page_size), n_pages)
@@ -132,7 +144,7 @@ class Quest(Strategy):
         s, page = ctx.spec, params.page_size
         kv = ctx.batch * ctx.max_len * s.kv_bytes_per_token(ctx.elem_bytes, ctx.n_layers)
         heads = ctx.batch * (s.n_heads if params.rule()[0] == "query" else s.n_kv_heads)
-        k_pages = min(params.pages(1 << 62), -(-ctx.max_len // page) - 1)
+        k_pages = min(params.pages(1 << 62), -(-ctx.max_len // page) - 1)  # any context
         sparse = ctx.n_layers - min(params.dense_layers, ctx.n_layers)
         digests = (ctx.n_layers * 2 * ctx.batch * s.n_kv_heads * -(-ctx.max_len // page)
                    * s.head_dim * ctx.elem_bytes)
