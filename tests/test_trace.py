@@ -124,3 +124,75 @@ def test_run_stores_task_graph(strategy: str, tmp_path: Path) -> None:
         for t in host:  # beside the accelerator window: it waits for the query copy only
             (dep,) = t[col["after"]]
             assert by_id[dep][col["resource"]] == "d2h"
+
+
+# --- the run's derived figures (runtime.breakdown), each computed by hand (issue 30) ---
+
+def _breakdown(params: dict | None = None) -> dict[str, object]:
+    """Two layers, a prefill (step 0, left out) and decode steps 1 and 2 of 0.5 s and 1.5 s."""
+    from kvbench.runtime.breakdown import derived
+
+    c = Counters(kv_heads=1, elem_bytes=2, n_layers=2)
+    per = {  # (quantity, where) -> {(step, layer): value}
+        ("bytes_moved", "h2d"): {(0, 0): 99.0, (1, 0): 10.0, (1, 1): 20.0, (2, 1): 5.0},
+        ("pages", "recalled"): {(1, 0): 2.0, (2, 0): 4.0},
+        ("cpu_ratio", "host"): {(1, 0): 0.2, (1, 1): 0.4, (2, 0): 0.6, (2, 1): 1.0},
+        ("tokens", "accel"): {(1, 0): 40.0, (1, 1): 40.0, (2, 0): 80.0, (2, 1): 80.0},
+        ("tokens", "host_resident"): {(1, 0): 50.0, (2, 0): 50.0, (1, 1): 10.0},
+        ("tokens", "host_selected.h0"): {(1, 0): 10.0, (2, 0): 15.0, (1, 1): 5.0},
+        ("tokens", "host_selected.h1"): {(1, 0): 40.0},
+        ("time", "accel_idle"): {(1, 0): 0.1, (2, 1): 0.3},
+        ("time", "bookkeeping.scores"): {(1, 0): 0.2},
+        ("time", "bookkeeping.issue"): {(2, 1): 0.6},
+        ("rel_error", "attention"): {(1, 0): 0.1, (2, 0): 0.3, (1, 1): 0.5, (2, 1): 0.7},
+        ("topk_recall", "attention"): {(1, 0): 1.0, (2, 0): 0.8, (1, 1): 0.4, (2, 1): 0.6},
+        ("pred_error", "attention"): {(1, 0): 0.2},
+    }
+    for (quantity, where), values in per.items():
+        for (step, layer), v in values.items():
+            c.step, c.layer = step, layer
+            c.add(quantity, where, v)
+    p = {"layers": 2, "batch": 2, **(params or {})}
+    return {r.metric + ("@" + str(r.params.get("where")) if "where" in r.params else ""): r
+            for r in derived("x", p, [0.5, 1.5], c)}
+
+
+def test_breakdown_figures_by_hand() -> None:
+    out = _breakdown()
+    moved = out["bytes_moved_per_step@h2d"]
+    assert moved.samples == [30.0, 5.0] and moved.direction == "none" and moved.unit == "B"
+    assert out["pages_recalled_per_step"].samples == [2.0, 4.0]
+    cpu = out["cpu_compute_ratio_per_step"]
+    assert cpu.samples == pytest.approx([0.3, 0.8], rel=1e-12) and cpu.direction == "lower"
+    tokens = out["tokens_attended_per_step@accel"]  # per layer and sequence: / (2 x 2)
+    assert tokens.samples == [20.0, 40.0] and tokens.unit == "tokens/layer"
+    assert "2 layers and 2 sequences" in tokens.method["per"]
+    assert "tokens_attended_per_step@host_resident" not in out
+    assert out["accel_idle_share"].samples == [pytest.approx(0.4 / 2.0, rel=1e-12)]
+    book = out["bookkeeping_share"]
+    assert book.samples == [pytest.approx(0.8 / 2.0, rel=1e-12)]
+    assert book.method["phases"] == {"bookkeeping.issue": pytest.approx(0.3, rel=1e-12),
+                                     "bookkeeping.scores": pytest.approx(0.1, rel=1e-12)}
+    sel = out["selected_fraction"]  # h0: layer 0 25/100, layer 1 5/10; h1: layer 0 40/100
+    assert sel.samples == [0.25, 0.5, 0.4]
+    assert (sel.method["min"], sel.method["max"]) == (0.25, 0.5)
+    err = out["attention_rel_error"]  # layer means 0.2 and 0.6
+    assert err.samples == pytest.approx([0.2, 0.6], rel=1e-12) and err.direction == "lower"
+    assert err.method["worst_layer"] == 1 and err.method["worst"] == pytest.approx(0.6)
+    assert err.method["mean"] == pytest.approx(0.4, rel=1e-12)
+    rec = out["top10_recall"]  # layer means 0.9 and 0.5: the worst is the lowest
+    assert rec.method["worst_layer"] == 1 and rec.direction == "higher"
+    assert out["predicted_query_rel_error"].samples == [0.1]  # step 2 holds 0
+
+
+def test_breakdown_waives_query_cosine_of_random_weights() -> None:
+    from kvbench.runtime.breakdown import derived
+
+    c = Counters(kv_heads=1, elem_bytes=2, n_layers=1)
+    c.step = 1
+    c.add("q_cosine", "attention", 0.9)
+    (rec,) = derived("x", {"weights": "random"}, [1.0], c)
+    assert rec.status == "waived" and rec.metric == "query_cosine"
+    (real,) = derived("x", {"weights": "gguf"}, [1.0], c)
+    assert real.value == 0.9 and real.direction == "higher"
+    assert list(derived("x", {}, [0.0], Counters(1, 2))) == []  # nothing counted, no time
