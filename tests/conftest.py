@@ -124,10 +124,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> subprocess.CompletedProcess[str]:
-    """`kvbench argv` in this process (kvbench.cli.main): its exit code and what it printed,
-    as a finished `subprocess.run(..., text=True)` gives them (0 when main returns)."""
+    """`kvbench argv` in this process (kvbench.cli.main): its exit code and what it printed
+    (only it: earlier output is discarded), as a finished `subprocess.run(..., text=True)`
+    gives them (0 when main returns)."""
     from kvbench.cli import main
 
+    capsys.readouterr()
     code: int | str | None = 0
     try:
         main(argv)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from conftest import assert_usage_error, cli
 
 from kvbench.cli import main
 from kvbench.memory import Endpoint
@@ -62,11 +63,8 @@ def test_stability_record_is_the_median_of_the_per_size_cvs() -> None:
 
 
 def test_repeat_validates_with_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as e:
-        main(["probe", "bandwidth", "--src", "host:0", "--dst", "host:0", "--repeat", "0"])
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("kvbench: error:") and "--repeat" in err and "\n" not in err
+    assert_usage_error(cli(["probe", "bandwidth", "--src", "host:0", "--dst", "host:0",
+                            "--repeat", "0"], capsys), "--repeat")
 
 
 def test_repeat_writes_every_sweep_and_the_stability_bar(tmp_path: Path) -> None:

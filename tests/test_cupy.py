@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import assert_usage_error, cli
 
-from kvbench.cli import main
 from kvbench.memory import Endpoint
 from kvbench.probes import _copy
 from kvbench.probes._copy import Pair
@@ -176,11 +176,9 @@ def test_engine_is_validated_and_missing_cupy_is_one_line(
     out = tmp_path / "bw.jsonl"
     monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError
     for engine, words in (("cupy", "needs cupy"), ("numba", "--engine 'numba'")):
-        with pytest.raises(SystemExit) as e:
-            main(["probe", "bandwidth", "--src", "host:0", "--dst", "host:0", "--sizes", "4K",
-                  "--engine", engine, "--out", str(out)])
-        err = capsys.readouterr().err.strip()
-        assert e.value.code == 2 and words in err and "\n" not in err, err
+        assert_usage_error(cli(["probe", "bandwidth", "--src", "host:0", "--dst", "host:0",
+                                "--sizes", "4K", "--engine", engine, "--out", str(out)],
+                               capsys), words)
     assert not out.exists()
 
 

@@ -8,7 +8,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
-from conftest import cuda_available
+from conftest import assert_usage_error, cli, cuda_available
 
 from kvbench.cli import main
 from kvbench.errors import KvbenchError
@@ -33,12 +33,7 @@ H0 = Endpoint("host", 0)
 
 
 def fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("kvbench: error:") and "\n" not in err and "Traceback" not in err
-    return err
+    return assert_usage_error(cli(argv, capsys))
 
 
 @pytest.mark.parametrize("sizes,msg", [("0", "greater than zero"), ("4Q", "cannot parse"),

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import assert_usage_error, cli
 
 from kvbench.cli import main
 from kvbench.probes import PROBES
@@ -41,10 +42,8 @@ def test_list_markdown_has_every_probe_and_strategy(capsys: pytest.CaptureFixtur
 
 
 def test_list_json_and_markdown_together_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as e:
-        main(["list", "--json", "--markdown"])
-    assert e.value.code == 2
-    assert capsys.readouterr().err.strip() == "kvbench: error: give --json or --markdown, not both"
+    line = assert_usage_error(cli(["list", "--json", "--markdown"], capsys))
+    assert line == "kvbench: error: give --json or --markdown, not both"
 
 
 def test_readme_links_resolve() -> None:

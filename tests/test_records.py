@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import assert_usage_error, cli
 
 from kvbench.cli import main
 from kvbench.errors import KvbenchError
@@ -61,11 +62,10 @@ def test_run_dtype_alias_and_tokens_per_layer(tmp_path: Path) -> None:
 
 
 def test_run_bad_dtype_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as e:
-        main(["run", "full", "--weights", "random", "--layers", "1", "--dtype", "fp8"])
-    assert e.value.code == 2
-    assert capsys.readouterr().err.strip() == ("kvbench: error: --dtype 'fp8': one of float32, "
-                                               "fp32, bfloat16, bf16, float16, fp16")
+    line = assert_usage_error(cli(["run", "full", "--weights", "random", "--layers", "1",
+                                   "--dtype", "fp8"], capsys))
+    assert line == ("kvbench: error: --dtype 'fp8': one of float32, fp32, bfloat16, bf16, "
+                    "float16, fp16")
 
 
 # --- the schema's constructors, field by field (issue 30) ---

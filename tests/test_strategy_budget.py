@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_usage_error, cli
 
 from kvbench.cli import main
 from kvbench.models import get_spec
@@ -85,10 +86,8 @@ def test_one_option_name_for_the_accelerator_budget(name: str, capsys) -> None:
 @pytest.mark.parametrize("name", ["h2o", "streaming"])
 def test_old_budget_spelling_is_an_alias_of_gpu_share(name: str, capsys,
                                                       tmp_path: Path) -> None:
-    with pytest.raises(SystemExit) as e:
-        main(["run", name, "--budget", "1.5", "--out", str(tmp_path / "x.jsonl")])
-    assert e.value.code == 2
-    assert "--gpu-share 1.5: must be in (0, 1]" in capsys.readouterr().err
+    assert_usage_error(cli(["run", name, "--budget", "1.5", "--out", str(tmp_path / "x.jsonl")],
+                           capsys), "--gpu-share 1.5: must be in (0, 1]")
 
 
 @pytest.mark.parametrize("name, params, tokens", [
