@@ -104,13 +104,18 @@ def _workspace(name: str, spec: Spec) -> Path:
     ws = WORK / name
     for rel in ("kvbench", "tests", *spec.extra):
         _sync(ROOT / rel, ws / rel)
+    _sync(ROOT / "tools" / "mutate_order.py", ws / "mutate_order.py")
     project = (ROOT / "pyproject.toml").read_text()
     table = {
         "source_paths": ["kvbench"],
         "only_mutate": [spec.source],
-        "also_copy": list(spec.extra),
+        "also_copy": [*spec.extra, "mutate_order.py"],
         "pytest_add_cli_args_test_selection": list(spec.tests),
-        "pytest_add_cli_args": ["-m", "not bench and not gpu", "-p", "no:cacheprovider"],
+        # pytest's unraisable-exception plugin runs gc.collect() five times at each session's
+        # end: 3.5 s a mutant with torch loaded, ten times the tests themselves
+        "pytest_add_cli_args": ["-m", "not bench and not gpu", "-p", "no:cacheprovider",
+                                "-p", "no:unraisableexception", "-p", "no:benchmark",
+                                "-p", "mutate_order"],
         "process_isolation": "forkserver",
         "use_git_change_detection": False,
         "timeout_multiplier": 10.0,
@@ -152,7 +157,7 @@ def run(names: list[str], jobs: int) -> None:
             if done.returncode:  # e.g. a test that fails without any mutant
                 tail = done.stdout.replace("\r", "\n").splitlines()[-3:]
                 print(f"{name}: mutmut failed ({done.returncode}):", *tail, sep="\n  ")
-        _export(name, spec, ws, time.monotonic() - t0)
+        _export(name, spec, ws, time.monotonic() - t0, redo)
 
 
 STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests",
@@ -173,8 +178,13 @@ def _diff(ws: Path, mutant: str) -> str:
                      if line.startswith(("+", "-", "@@")) and not line.startswith(("+++", "---")))
 
 
-def _export(name: str, spec: Spec, ws: Path, seconds: float) -> None:
+def _export(name: str, spec: Spec, ws: Path, seconds: float, redo: list[str]) -> None:
     verdicts = _verdicts(ws, spec)
+    path = OUT / f"{name}.json"
+    # survivors of an earlier run that a test written since kills, kept across runs
+    earlier = json.loads(path.read_text()).get("killed_on_rerun", []) if path.exists() else []
+    rescued = sorted({*earlier, *(k for k in redo if verdicts.get(k) in ("killed", "timeout"))}
+                     & set(verdicts))
     survivors = {k: _diff(ws, k) for k, v in verdicts.items() if v in ("survived", "no tests")}
     OUT.mkdir(parents=True, exist_ok=True)
     record = {
@@ -182,67 +192,73 @@ def _export(name: str, spec: Spec, ws: Path, seconds: float) -> None:
         "commit": _commit(),
         "source_sha256": hashlib.sha256((ROOT / spec.source).read_bytes()).hexdigest(),
         "seconds": round(seconds, 1), "target": spec.target, "group": spec.group,
-        "verdicts": verdicts, "survivor_diffs": survivors,
+        "verdicts": verdicts, "survivor_diffs": survivors, "killed_on_rerun": rescued,
     }
-    (OUT / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
+    path.write_text(json.dumps(record, indent=1) + "\n")
     counts = {s: sum(v == s for v in verdicts.values()) for s in set(verdicts.values())}
     print(f"{name}: {counts} in {seconds:.0f} s", flush=True)
 
 
-def _score(record: dict, triage: dict[str, str]) -> dict:
+def _score(record: dict, reasons: dict[str, str]) -> dict:
+    """Counts of one module; survivors triaged "equivalent: why" leave the score."""
     verdicts = record["verdicts"]
     killed = sum(v in ("killed", "segfault") for v in verdicts.values())
     timeout = sum(v == "timeout" for v in verdicts.values())
-    alive = [k for k, v in verdicts.items() if v in ("survived", "no tests", "suspicious",
-                                                     "not checked")]
-    equivalent = [k for k in alive if triage.get(k, "").startswith("equivalent")]
+    alive = [k for k, v in verdicts.items() if v in ("survived", "no tests", "suspicious")]
+    equivalent = [k for k in alive if reasons.get(k, "").startswith("equivalent")]
     survived = [k for k in alive if k not in equivalent]
     counted = killed + timeout + len(survived)
     score = (killed + timeout) / counted if counted else 1.0
-    return {"killed": killed, "timeout": timeout, "equivalent": len(equivalent),
-            "survived": len(survived), "total": len(verdicts), "score": round(score, 4),
-            "meets_target": score >= record["target"], "untriaged":
-                [k for k in survived if k not in triage]}
+    return {"killed": killed, "timeout": timeout, "survived": len(survived),
+            "equivalent": len(equivalent), "not_run": sum(v == "not checked"
+                                                          for v in verdicts.values()),
+            "total": len(verdicts), "score": round(score, 4),
+            "meets_target": score >= record["target"],
+            "killed_by_new_tests": len(record.get("killed_on_rerun", [])),
+            "untriaged": [k for k in survived if k not in reasons]}
 
 
 def summary() -> None:
+    """results/mutation/summary.{json,md} from the modules' exports and the triage file
+    (one TOML table per module: mutant = "equivalent: why"; [notes]: module = text)."""
     triage = tomllib.loads(TRIAGE.read_text()) if TRIAGE.exists() else {}
+    notes = triage.pop("notes", {})
     reasons: dict[str, str] = {k: v for table in triage.values() for k, v in table.items()}
-    rows, records = {}, {}
-    for name in ORDER:
-        path = OUT / f"{name}.json"
-        if path.exists():
-            records[name] = json.loads(path.read_text())
-            rows[name] = _score(records[name], reasons)
+    records = {n: json.loads((OUT / f"{n}.json").read_text()) for n in ORDER
+               if (OUT / f"{n}.json").exists()}
+    rows = {n: _score(rec, reasons) for n, rec in records.items()}
+    missing = [n for n in ORDER if n not in rows]
     (OUT / "summary.json").write_text(json.dumps(
-        {"modules": {n: {**rows[n], "commit": records[n]["commit"],
-                         "seconds": records[n]["seconds"], "target": records[n]["target"]}
-                     for n in rows},
-         "not_run": [n for n in ORDER if n not in rows]}, indent=1) + "\n")
+        {"modules": {n: {**rows[n], "source": records[n]["source"],
+                         "commit": records[n]["commit"], "seconds": records[n]["seconds"],
+                         "target": records[n]["target"], "note": notes.get(n, "")}
+                     for n in rows}, "not_run": missing}, indent=1) + "\n")
     md = ["# Mutation testing (issue 30)", "",
           "Written by `python tools/mutate.py summary` from results/mutation/<module>.json "
-          "(`make mutate`) and results/mutation/triage.toml. Score = (killed + timeout) / "
-          "(killed + timeout + survived); equivalent mutants are left out of it.", "",
-          "| module | source | commit | killed | timeout | survived | equivalent | score | "
-          "target | run (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
+          "(written by `make mutate`) and results/mutation/triage.toml. Score = (killed + "
+          "timeout) / (killed + timeout + survived), survivors triaged equivalent left out; "
+          "\"new tests\" counts survivors of an earlier run that a test written since kills.",
+          "", "| module | source | commit | killed | timeout | survived | equivalent | "
+          "score | target | new tests | run (s) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for n, r in rows.items():
         rec = records[n]
+        met = "" if r["meets_target"] else " (below)"
         md.append(f"| {n} | {rec['source']} | {rec['commit'][:7]} | {r['killed']} | "
                   f"{r['timeout']} | {r['survived']} | {r['equivalent']} | "
-                  f"{100 * r['score']:.1f}% | {100 * rec['target']:.0f}% | {rec['seconds']} |")
-    missing = [n for n in ORDER if n not in rows]
+                  f"{100 * r['score']:.1f}%{met} | {100 * rec['target']:.0f}% | "
+                  f"{r['killed_by_new_tests']} | {rec['seconds']} |")
     if missing:
         md += ["", "Not run yet: " + ", ".join(missing) + "."]
+    md += [f"- {n}: {text}" for n, text in notes.items()]
     md += ["", "## Surviving mutants", ""]
     for rec in records.values():
         for k, diff in rec["survivor_diffs"].items():
-            why = reasons.get(k, "UNTRIAGED")
-            md += [f"- `{k}`: {why}", "", "  ```diff",
+            md += [f"- `{k}`: {reasons.get(k, 'UNTRIAGED')}", "", "  ```diff",
                    *("  " + line for line in diff.splitlines()), "  ```", ""]
     (OUT / "summary.md").write_text("\n".join(md) + "\n")
     for n, r in rows.items():
         print(f"{n}: {100 * r['score']:.1f}% (target {100 * records[n]['target']:.0f}%), "
-              f"{len(r['untriaged'])} untriaged")
+              f"{len(r['untriaged'])} untriaged, {r['not_run']} not run")
 
 
 def main() -> None:
