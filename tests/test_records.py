@@ -97,6 +97,7 @@ def test_from_timing_is_seconds_lower_is_better_with_its_method() -> None:
     assert r.method == t.method() and r.params == {"n": 1} and r.version == "1"
     r2 = from_timing("run", "x", t, metric="ttft", version="3")
     assert (r2.kind, r2.metric, r2.version, r2.params) == ("run", "ttft", "3", {})
+    assert (r.kind, r.name, r2.name) == ("probe", "timer", "x")
 
 
 def test_not_measured_says_why_and_has_no_value() -> None:
@@ -107,7 +108,10 @@ def test_not_measured_says_why_and_has_no_value() -> None:
                                                                  "no CUDA")
     assert r.params == {"size": 1} and r.samples == [] and r.stats is None
     assert r.version == "2" and r.provenance == "measured"
-    assert not_measured("run", "x", "m", "error", "boom").params == {}
+    bare = not_measured("run", "x", "m", "error", "boom")
+    assert (bare.kind, bare.name, bare.metric, bare.status, bare.reason) == (
+        "run", "x", "m", "error", "boom")
+    assert bare.params == {} and bare.version == "1" and r.name == "bw"
 
 
 def test_record_key_sorts_params_and_defaults_provenance() -> None:
