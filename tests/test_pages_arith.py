@@ -1,0 +1,174 @@
+"""The page machinery's arithmetic (kvbench.strategies._pages), each figure by hand in
+float64: digests, scores, selection, token positions, the selected attention and its
+counts, the option checks' messages (issue 30: the mutation run's page module)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvbench.errors import KvbenchError
+from kvbench.runtime.context import Counters
+from kvbench.strategies._pages import (
+    Digests,
+    _torch_selected,
+    attend_selected,
+    check_layers,
+    check_pages,
+    digest,
+    page_scores,
+    page_tokens,
+    select_pages,
+)
+
+
+def test_digest_minmax_and_cuboid_mean_by_hand() -> None:
+    k = torch.tensor([[1.0, -2.0], [3.0, 0.0], [2.0, 4.0]])  # one page, n=3, D=2
+    lo, hi = digest(k, "minmax")
+    assert lo.tolist() == [1.0, -2.0] and hi.tolist() == [3.0, 4.0]
+    # centre (2, 1); radius mean |k - c|: (1+1+0)/3, (3+1+3)/3
+    lo, hi = digest(k.double(), "cuboid-mean")
+    assert lo.dtype == torch.float32
+    assert lo.tolist() == pytest.approx([2 - 2 / 3, 1 - 7 / 3], rel=1e-6)
+    assert hi.tolist() == pytest.approx([2 + 2 / 3, 1 + 7 / 3], rel=1e-6)
+
+
+def test_digests_update_whole_and_partial_pages_and_count_bytes() -> None:
+    torch.manual_seed(0)
+    k = torch.randn(2, 1, 11, 3)  # pages of 4: [0..3], [4..7], [8..10] partial
+    d = Digests(2, 1, 12, 3, 4, "minmax", torch.device("cpu"), torch.float32)
+    assert d.lo.shape == (2, 1, 3, 3)
+    d.update(k, 0, 6)  # page 0 whole, page 1 partial (4..5)
+    assert torch.equal(d.hi[:, :, 0], k[:, :, 0:4].amax(-2))
+    assert torch.equal(d.lo[:, :, 1], k[:, :, 4:6].amin(-2))
+    d.update(k, 6, 11)  # page 1 re-digested whole, page 2 partial (8..10)
+    assert torch.equal(d.hi[:, :, 1], k[:, :, 4:8].amax(-2))
+    assert torch.equal(d.lo[:, :, 2], k[:, :, 8:11].amin(-2))
+    assert torch.equal(d.hi[:, :, 0], k[:, :, 0:4].amax(-2))  # untouched
+    assert d.nbytes(9) == 2 * 2 * 1 * 3 * 3 * 4  # 3 pages cover 9 tokens
+    assert d.nbytes(8) == 2 * 2 * 1 * 2 * 3 * 4
+    half = Digests(1, 2, 5, 4, 2, "cuboid-mean", torch.device("cpu"), torch.float16)
+    assert half.lo.shape == (1, 2, 3, 4) and half.nbytes(1) == 2 * 2 * 4 * 2
+    made = []
+    Digests(1, 1, 4, 2, 2, "minmax", torch.device("cpu"), torch.float32,
+            alloc=lambda shape: made.append(shape) or torch.zeros(shape))
+    assert made == [(1, 1, 2, 2)] * 2
+    with pytest.raises(KvbenchError, match="digest 'mean': one of minmax, cuboid-mean"):
+        Digests(1, 1, 4, 2, 2, "mean", torch.device("cpu"), torch.float32)
+
+
+def test_page_scores_are_the_box_bound_per_head_and_per_group() -> None:
+    torch.manual_seed(1)
+    q = torch.randn(2, 4, 1, 3)  # Hq = 4 over Hkv = 2: groups of 2
+    lo = torch.randn(2, 2, 5, 3)
+    hi = lo + torch.rand(2, 2, 5, 3)
+    want = torch.zeros(2, 4, 5, dtype=torch.float64)
+    for b in range(2):
+        for h in range(4):
+            for p in range(5):
+                want[b, h, p] = sum(max(float(q[b, h, 0, i] * hi[b, h // 2, p, i]),
+                                        float(q[b, h, 0, i] * lo[b, h // 2, p, i]))
+                                    for i in range(3))
+    per_query = page_scores(q, lo, hi, "query")
+    assert per_query.shape == (2, 4, 5)
+    assert torch.allclose(per_query.double(), want, rtol=1e-5, atol=1e-6)
+    per_kv = page_scores(q, lo, hi, "kv")
+    assert per_kv.shape == (2, 2, 5)
+    assert torch.allclose(per_kv.double(), want.view(2, 2, 2, 5).sum(2), rtol=1e-5, atol=1e-6)
+
+
+def test_select_pages_keeps_sinks_window_and_the_top() -> None:
+    scores = torch.tensor([[[0.0, 9.0, 1.0, 8.0, 2.0, 7.0, 3.0, -1.0]]])
+    # 7 pages (the 8th ignored), k = 4, 1 sink (page 0), window 2 (pages 5, 6): + the top one
+    assert select_pages(scores, 7, 4, 1, 2).tolist() == [[[0, 1, 5, 6]]]
+    assert select_pages(scores, 7, 5, 0, 1).tolist() == [[[1, 3, 4, 5, 6]]]
+    assert select_pages(scores, 7, 3, 2, 1).tolist() == [[[0, 1, 6]]]
+    assert select_pages(scores, 4, 4, 1, 1).tolist() == [[[0, 1, 2, 3]]]  # k >= pages: all
+    assert select_pages(scores, 3, 9, 0, 1).tolist() == [[[0, 1, 2]]]
+    assert select_pages(scores, 2, 1, 0, 5).tolist() == [[[0]]]  # window past the start
+    assert scores[0, 0, 0] == 0.0  # the caller's scores untouched
+
+
+def test_page_tokens_positions_and_lengths() -> None:
+    pages = torch.tensor([[[0, 2, 3], [3, 1, 4]]])  # page 3 partial (n = 11), page 4 empty
+    pos, lens = page_tokens(pages, 3, 11)
+    assert pos.tolist() == [[[0, 1, 2, 6, 7, 8, 9, 10, 0],
+                             [9, 10, 3, 4, 5, 0, 0, 0, 0]]]
+    assert lens.tolist() == [[8, 5]]
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+               lens: torch.Tensor) -> torch.Tensor:
+    """float64 softmax attention of each query head over its selection's first len keys."""
+    b_, hq, _, d = q.shape
+    h, hkv = pos.shape[1], k.shape[1]
+    out = torch.zeros(b_, hq, 1, d, dtype=torch.float64)
+    for b in range(b_):
+        for i in range(hq):
+            sel = i // (hq // h)
+            keys = pos[b, sel, :int(lens[b, sel])]
+            kk = k[b, i // (hq // hkv)].double()[keys]
+            vv = v[b, i // (hq // hkv)].double()[keys]
+            w = torch.softmax(kk @ q[b, i, 0].double() / d ** 0.5, dim=0)
+            out[b, i, 0] = w @ vv
+    return out
+
+
+@pytest.mark.parametrize("per_query", [False, True])
+def test_attend_selected_matches_float64_and_counts_by_hand(per_query: bool) -> None:
+    """Hq 4 over Hkv 2, 10 keys of D 8; selections of 3 and 5 keys (padding after them)."""
+    torch.manual_seed(2)
+    q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
+    h = 4 if per_query else 2
+    pos = torch.tensor([[[1, 4, 7, 0, 0], [0, 2, 3, 8, 9]] * (h // 2)])
+    lens = torch.tensor([[3, 5] * (h // 2)])
+    c = Counters(kv_heads=2, elem_bytes=4)
+    out, lse = attend_selected(q, k, v, pos, lens, c)
+    assert torch.allclose(out.double(), _reference(q, k, v, pos, lens), atol=1e-5)
+    assert lse.shape == (1, 4, 1)
+    torch_out, _ = _torch_selected(q, k, v, pos, lens)
+    assert torch.allclose(torch_out.double(), _reference(q, k, v, pos, lens), atol=1e-5)
+    selected = 8 * (h // 2)  # keys over the selections
+    assert c.step_total("tokens", "accel", 0) == pytest.approx(selected / h)
+    assert c.step_total("flops", "accel", 0) == pytest.approx(selected * 4.0 * 4 * 8 / h)
+    assert c.step_total("bytes_read", "accel", 0) == pytest.approx(selected * 2.0 * 8 * 4)
+
+
+def test_attend_selected_ignores_nan_padding() -> None:
+    q, k, v = torch.randn(1, 2, 1, 4), torch.randn(1, 1, 6, 4), torch.randn(1, 1, 6, 4)
+    v[0, 0, 5] = float("nan")  # only in a padding slot
+    pos, lens = torch.tensor([[[0, 2, 5]]]), torch.tensor([[2]])
+    out, _ = _torch_selected(q, k, v, pos, lens)
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out.double(), _reference(q, k, v, pos, lens), atol=1e-5)
+    with pytest.raises(KvbenchError, match="selection of 3 heads for 2 query heads over 1 KV"):
+        attend_selected(q, k, v, torch.zeros(1, 3, 2, dtype=torch.long),
+                        torch.ones(1, 3, dtype=torch.long), Counters(1, 4))
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ((0, 64, 0, 1, 0), "--page-size 0: must be at least 1"),
+    ((16, 15, 0, 1, 0), "--budget-tokens 15: smaller than one page of 16 tokens"),
+    ((16, 64, -1, 1, 0), "--sinks -1 / --window-pages 1: sinks >= 0 and at least the "
+                         "current page (window >= 1)"),
+    ((16, 64, 0, 0, 0), "--sinks 0 / --window-pages 0: sinks >= 0 and at least the current "
+                        "page (window >= 1)"),
+    ((16, 64, 2, 3, 0), "--sinks 2 + --window-pages 3 pages exceed the budget of 4 pages"),
+    ((16, 64, 0, 1, -1), "--dense-layers -1: must be >= 0"),
+])
+def test_check_pages_messages(args: tuple, message: str) -> None:
+    with pytest.raises(KvbenchError) as e:
+        check_pages(*args)
+    assert str(e.value) == message
+
+
+def test_check_pages_edges_pass() -> None:
+    check_pages(1, 1, 0, 1, 0)  # one page of one token: the current page only
+    check_pages(16, 64, 1, 3, 0, "query")  # sinks + window == the budget's pages
+    with pytest.raises(KvbenchError) as e:
+        check_pages(16, 64, 0, 1, 0, "head")
+    assert str(e.value) == "--topk-per 'head': one of query, kv"
+    check_layers(4, 4)
+    with pytest.raises(KvbenchError) as e:
+        check_layers(5, 4)
+    assert str(e.value) == "--dense-layers 5: the model runs 4 layers"
