@@ -50,6 +50,13 @@ class Spec:
 
 
 CORE, OTHER = 0.9, 0.8
+
+
+def _in(module: str, *functions: str) -> tuple[str, ...]:
+    """mutmut name globs of a module's functions ("f") and methods ("Class.m"): the scope
+    of a module whose plots and live views are no arithmetic."""
+    return tuple(f"{module}.x{'ǁ'.join(['', *f.split('.')]) if '.' in f else '_' + f}"
+                 f"__mutmut_*" for f in functions)
 MODULES: dict[str, Spec] = {
     "units": Spec("kvbench/units.py", ("tests/test_units.py",), CORE),
     "timing": Spec("kvbench/timing.py", ("tests/test_timing.py",), CORE),
@@ -65,10 +72,20 @@ MODULES: dict[str, Spec] = {
                                              "tests/test_memory_probes.py"), OTHER,
                  group="probes"),
     "latency": Spec("kvbench/probes/latency.py", ("tests/test_memory_probes.py",), OTHER,
-                    group="probes"),
+                    functions=_in("kvbench.probes.latency", "chase_bytes",
+                                  "LatencyProbe.run", "LatencyProbe._copy_record",
+                                  "LatencyProbe._chase"), group="probes"),
     "attention": Spec("kvbench/probes/attention.py", ("tests/test_probe_attention.py",), OTHER,
+                      functions=_in("kvbench.probes.attention", "_ints", "grid", "modes",
+                                    "_groups", *(f"AttentionProbe.{m}" for m in (
+                                        "run", "_time", "_copies", "_copy_records", "_point",
+                                        "_measure", "_records", "_read_bytes",
+                                        "_dense_rounds", "_read_ratios", "_bars"))),
                       group="probes"),
     "roofline": Spec("kvbench/probes/roofline.py", ("tests/test_probe_attention.py",), OTHER,
+                     functions=_in("kvbench.probes.roofline", "intensity", "shapes",
+                                   "device_setup", "RooflineProbe.run",
+                                   "RooflineProbe._points", "RooflineProbe._linear"),
                      group="probes"),
     "hwmodel": Spec("kvbench/hwmodel/project.py", ("tests/test_hwmodel.py",), OTHER,
                     group="hwmodel"),
@@ -80,6 +97,18 @@ MODULES: dict[str, Spec] = {
                    group="runtime"),
     "pages": Spec("kvbench/strategies/_pages.py", ("tests/test_pages_arith.py",), OTHER,
                   group="strategies"),
+    # the strategies' selection: what each keeps or picks to attend
+    "quest": Spec("kvbench/strategies/quest.py", ("tests/test_fidelity_quest.py",
+                                                 "tests/test_page_strategies.py"), OTHER,
+                  functions=_in("kvbench.strategies.quest", "QuestParams.pages",
+                                "QuestParams.rule", "Quest.decode"), group="strategies"),
+    "h2o": Spec("kvbench/strategies/h2o.py", ("tests/test_offload_strategies.py",), OTHER,
+                functions=_in("kvbench.strategies.h2o", "group_sum", "H2O._compact",
+                              "H2O.append", "H2O.decode"), group="strategies"),
+    "streaming": Spec("kvbench/strategies/streaming.py", ("tests/test_offload_strategies.py",),
+                      OTHER, functions=_in("kvbench.strategies.streaming", "Streaming._slot",
+                                           "Streaming.append", "Streaming.decode"),
+                      group="strategies"),
 }
 # the order of a full pass: core first, the strategies last
 ORDER = list(MODULES)
