@@ -62,7 +62,7 @@ MODULES: dict[str, Spec] = {
     "timing": Spec("kvbench/timing.py", ("tests/test_timing.py",), CORE),
     "schema": Spec("kvbench/schema.py", ("tests/test_records.py", "tests/test_store.py"), CORE,
                    extra=("results/baselines", "suites")),
-    "store": Spec("kvbench/store.py", ("tests/test_store.py", "tests/test_records.py"), CORE,
+    "store": Spec("kvbench/store.py", ("tests/test_store.py",), CORE,
                   extra=("results/baselines", "suites")),
     "compare": Spec("kvbench/compare.py", ("tests/test_compare.py", "tests/test_noise.py"), CORE),
     "noise": Spec("kvbench/noise.py", ("tests/test_noise.py",), CORE),
