@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import assert_usage_error, cli
 
 from kvbench import experiment
 from kvbench.errors import KvbenchError
@@ -54,17 +55,6 @@ def serialised() -> str:
 def toy() -> experiment.Experiment:
     assert (FIX / "records.jsonl").read_text() == serialised()  # the fixture is RECORDS
     return load_experiment(FIX / "toy.toml")
-
-
-def assert_usage_error(argv: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
-    from kvbench.cli import main
-
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    out = capsys.readouterr()
-    text = (out.out + out.err).strip()
-    assert e.value.code == 2 and len(text.splitlines()) == 1, text
-    assert message in text and "Traceback" not in text
 
 
 def test_toy_experiment_renders_its_golden_table(toy: experiment.Experiment) -> None:
@@ -136,8 +126,8 @@ def test_bad_declarations_are_refused_with_one_line(tmp_path: Path, extra: str,
                     + ("[[table]]" + tables if tables else ""))
     with pytest.raises(KvbenchError, match=message.replace("(", r"\(")):
         load_experiment(path)
-    assert_usage_error(["experiment", "render", str(path)], message, capsys)
-    assert_usage_error(["experiment", "run", str(path)], message, capsys)
+    assert_usage_error(cli(["experiment", "render", str(path)], capsys), message)
+    assert_usage_error(cli(["experiment", "run", str(path)], capsys), message)
 
 
 def test_unknown_metric_and_unknown_experiment(tmp_path: Path,

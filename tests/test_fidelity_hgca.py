@@ -35,8 +35,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_usage_error, cli
 
-from kvbench.cli import main
 from kvbench.models import get_spec
 from kvbench.runtime.context import Counters, RunContext
 from kvbench.strategies import STRATEGIES
@@ -247,11 +247,7 @@ def test_unknown_variant_exits_2_naming_the_variants(capsys, tmp_path: Path) -> 
     for extra, message in ((["--variant", "nope"], "--variant 'nope': unknown"),
                            (["--variant", "union-ema", "--keep-min", "3"],
                             "--keep-min is not a parameter of variant 'union-ema'")):
-        with pytest.raises(SystemExit) as e:
-            main(["run", "hgca", *extra, "--model", "opt-125m", "--weights", "random",
-                  "--layers", "1", "--prompt-len", "200", "--gen-len", "8",
-                  "--out", str(tmp_path / "x.jsonl")])
-        assert e.value.code == 2
-        err = capsys.readouterr().err.strip()
-        assert message in err and "(variants: authors, union-ema)" in err
-        assert len(err.splitlines()) == 1
+        assert_usage_error(cli(["run", "hgca", *extra, "--model", "opt-125m", "--weights",
+                                "random", "--layers", "1", "--prompt-len", "200", "--gen-len",
+                                "8", "--out", str(tmp_path / "x.jsonl")], capsys),
+                           message, "(variants: authors, union-ema)")

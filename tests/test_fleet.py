@@ -23,6 +23,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import assert_usage_error, cli
 
 ray = pytest.importorskip("ray")
 # one Ray cluster per test session: under pytest-xdist every fleet test runs on one worker
@@ -225,9 +226,8 @@ def test_fan_out_streams_every_machine_into_one_file_and_reports_side_by_side(
     assert "env differs" in rows[0].marks
     assert run_cli(["compare", str(tmp_path / "out.jsonl"), "--base-env", "small",
                     "--new-env", "big", "--metric", "peak_bandwidth"]) in (0, 1)
-    assert run_cli(["compare", str(tmp_path / "out.jsonl"), "--base-env", "tiny",
-                    "--new-env", "big"]) == 2
-    assert "no environment 'tiny'" in capsys.readouterr().err
+    assert_usage_error(cli(["compare", str(tmp_path / "out.jsonl"), "--base-env", "tiny",
+                            "--new-env", "big"], capsys), "no environment 'tiny'")
 
 
 def test_cases_routed_by_resources_once_each(cluster, tmp_path):
@@ -316,21 +316,18 @@ def test_worker_killed_mid_case(cluster, tmp_path, kills):
 def test_bad_input_exits_2(cluster, tmp_path, capsys, monkeypatch):
     path = write(tmp_path, timer(3))
     start = time.monotonic()
-    assert run_cli(["suite", "run", str(path), "--ray", "127.0.0.1:9"]) == 2
+    line = assert_usage_error(cli(["suite", "run", str(path), "--ray", "127.0.0.1:9"], capsys))
     assert time.monotonic() - start < 10
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("kvbench: error: no Ray cluster answers at '127.0.0.1:9'")
-    assert len(err.splitlines()) == 1
-    assert run_cli(["suite", "run", str(path), "--on", "all-nodes"]) == 2
-    assert "add --ray" in capsys.readouterr().err
-    assert run_cli(["suite", "run", str(path), "--ray", "--jobs", "2"]) == 2
-    assert "--jobs is for one machine" in capsys.readouterr().err
-    assert run_cli(["suite", "run", str(path), "--ray", cluster.address, "--on", "tiny"]) == 2
-    assert "no node of machine class tiny" in capsys.readouterr().err
+    assert line.startswith("kvbench: error: no Ray cluster answers at '127.0.0.1:9'")
+    assert_usage_error(cli(["suite", "run", str(path), "--on", "all-nodes"], capsys),
+                       "add --ray")
+    assert_usage_error(cli(["suite", "run", str(path), "--ray", "--jobs", "2"], capsys),
+                       "--jobs is for one machine")
+    assert_usage_error(cli(["suite", "run", str(path), "--ray", cluster.address, "--on",
+                            "tiny"], capsys), "no node of machine class tiny")
     monkeypatch.setattr("kvbench.fleet.__version__", "9.9.9")
-    assert run_cli(["suite", "run", str(path), "--ray", cluster.address]) == 2
-    err = capsys.readouterr().err
-    assert "runs kvbench 0.1.0 but this driver runs kvbench 9.9.9" in err
+    assert_usage_error(cli(["suite", "run", str(path), "--ray", cluster.address], capsys),
+                       "runs kvbench 0.1.0 but this driver runs kvbench 9.9.9")
     assert not (tmp_path / "out.jsonl").exists()
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import needs_bundled
+from conftest import assert_usage_error, cli, needs_bundled
 
 from kvbench.cli import main
 from kvbench.kernels.attention import dense_attention
@@ -269,12 +269,9 @@ def test_hgca_beta0_perplexity_equals_full_on_bundled_model(tmp_path: Path) -> N
     (["nosuch"], "nosuch"),
 ])
 def test_bad_input_exits_2(args: list[str], message: str, capsys, tmp_path: Path) -> None:
-    with pytest.raises(SystemExit) as e:
-        main(["run", *args, "--model", "opt-125m", "--weights", "random", "--layers", "1",
-              "--prompt-len", "200", "--gen-len", "8", "--out", str(tmp_path / "x.jsonl")])
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert message in err and len(err.splitlines()) == 1
+    assert_usage_error(cli(["run", *args, "--model", "opt-125m", "--weights", "random",
+                            "--layers", "1", "--prompt-len", "200", "--gen-len", "8", "--out",
+                            str(tmp_path / "x.jsonl")], capsys), message)
 
 
 def test_machine_defaults_without_gpu() -> None:

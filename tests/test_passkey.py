@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_usage_error, cli
 
 from kvbench.cli import main
 from kvbench.runtime import passkey
@@ -133,8 +134,6 @@ def test_cli_records_and_bad_input(tmp_path: Path, capsys) -> None:
     for args, message in ((["--depth", "1.5"], "--depth 1.5: must be in [0, 1]"),
                           (["--prompt-len", "20"], "the passkey prompt needs at least"),
                           (["--turns", "2"], "--mode passkey is single-turn")):
-        with pytest.raises(SystemExit) as e:
-            main([*base, *args, "--out", str(tmp_path / "bad.jsonl")])
-        err = capsys.readouterr().err.strip()
-        assert e.value.code == 2 and message in err and len(err.splitlines()) == 1, err
+        assert_usage_error(cli([*base, *args, "--out", str(tmp_path / "bad.jsonl")], capsys),
+                           message)
     assert not (tmp_path / "bad.jsonl").exists()

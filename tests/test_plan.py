@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import assert_usage_error, cli
 
 from kvbench.cli import main
 from kvbench.errors import KvbenchError
@@ -64,10 +65,7 @@ def test_cli_json_and_bad_input(capsys, tmp_path: Path) -> None:
                           (["--model", "gpt-9"], "unknown model 'gpt-9'"),
                           (["--steady-ratio", "2"], "--steady-ratio 2.0: must be in [0, 1]"),
                           (["--contexts", "12Q"], "12Q")):
-        with pytest.raises(SystemExit) as e:
-            main(["plan", *args])
-        err = capsys.readouterr().err.strip()
-        assert e.value.code == 2 and message in err and len(err.splitlines()) == 1, err
+        assert_usage_error(cli(["plan", *args], capsys), message)
 
 
 def test_project_replicates_gpus_and_pnms() -> None:
@@ -123,7 +121,5 @@ def test_project_cli_gpu_and_pnm_counts(tmp_path: Path, capsys) -> None:
         assert len(tbt[n]["samples"]) == 2 and tbt[n]["method"]["skipped_steps"] == 1
     assert tbt[8]["value"] < tbt[1]["value"] / 2  # the device's KV reads dominate at 128K
     capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        main(["project", str(src), "--hardware", "a100-pnm", "--gpus", "0"])
-    err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and "at least 1 GPU" in err and len(err.splitlines()) == 1
+    assert_usage_error(cli(["project", str(src), "--hardware", "a100-pnm", "--gpus", "0"],
+                           capsys), "at least 1 GPU")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ancestors
+from conftest import ancestors, assert_usage_error, cli
 
 from kvbench.cli import main
 from kvbench.models import ModelSpec
@@ -234,11 +234,8 @@ def test_bad_input_exits_2(args: list[str], message: str, fake_sysfs: Path, monk
     _no_memory_node(fake_sysfs)
     monkeypatch.setattr(_pnm, "SYSFS_ROOT", str(fake_sysfs))
     base = ["--weights", "random", "--prompt-len", "40", "--gen-len", "32"]
-    with pytest.raises(SystemExit) as e:
-        main(["run", args[0], *base, *args[1:], "--out", str(tmp_path / "x.jsonl")])
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert message in err and len(err.splitlines()) == 1, err
+    assert_usage_error(cli(["run", args[0], *base, *args[1:], "--out",
+                            str(tmp_path / "x.jsonl")], capsys), message)
     assert not (tmp_path / "x.jsonl").exists()
 
 

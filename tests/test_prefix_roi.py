@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import assert_usage_error, cli
 
 from kvbench.cli import main
 from kvbench.errors import KvbenchError
@@ -40,10 +41,7 @@ def test_follow_up_share() -> None:
     (["--new-ratio", "0"], "--new-ratio 0.0"),
 ])
 def test_cli_bad_input_exit_2(args, msg, capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as e:
-        main(["roi", *args])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and msg in err and len(err.strip().splitlines()) == 1
+    assert_usage_error(cli(["roi", *args], capsys), msg)
 
 
 @pytest.mark.parametrize("h", ["", " , "])
@@ -51,12 +49,9 @@ def test_cli_no_follow_up_share_is_an_error(h: str, tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     """An empty --h used to exit 0 and print `results: FILE` for a file never written."""
     out = tmp_path / "roi.jsonl"
-    with pytest.raises(SystemExit) as e:
-        main(["roi", "--h", h, "--out", str(out)])
-    stdout, err = capsys.readouterr()
-    assert e.value.code == 2 and stdout == "" and "Traceback" not in err
-    assert err.strip() == f"kvbench: error: --h '{h}' names no follow-up share: " \
-                          "comma-separated numbers in [0, 1]"
+    line = assert_usage_error(cli(["roi", "--h", h, "--out", str(out)], capsys))
+    assert line == f"kvbench: error: --h '{h}' names no follow-up share: " \
+                   "comma-separated numbers in [0, 1]"
     assert not out.exists()
 
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import needs_bundled
+from conftest import assert_usage_error, cli, needs_bundled
 
 from kvbench.cli import main
 from kvbench.prefix.serve import fit, goodput, simulate
@@ -56,10 +56,7 @@ def test_cheaper_follow_ups_raise_goodput_only_with_h() -> None:
     (["--context", "16", "--new-ratio", "0.5"], "leaves no whole chunk"),
 ])
 def test_cli_bad_input_exit_2(args, msg, capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as e:
-        main(["serve-sim", *args])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and msg in err and len(err.strip().splitlines()) == 1
+    assert_usage_error(cli(["serve-sim", *args], capsys), msg)
 
 
 @needs_bundled

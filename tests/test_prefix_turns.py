@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_usage_error, cli
 
-from kvbench.cli import main
 from kvbench.models import ModelSpec
 from kvbench.prefix.cache import PrefixCache
 from kvbench.prefix.tiers import TierSpec
@@ -102,20 +102,15 @@ def test_hgca_sparse_kv_differs_from_recompute(model) -> None:
     assert max(r.max_diff for r in hook.results) > 1e-3
 
 
-def _run(args: list[str]) -> int:
-    with pytest.raises(SystemExit) as e:
-        main(["run", *args])
-    return e.value.code
-
-
 BASE = ["--model", "opt-125m", "--weights", "random", "--layers", "2", "--prompt-len", "12",
         "--gen-len", "3"]
 
 
-def test_cli_run_records(tmp_path: Path) -> None:
+def test_cli_run_records(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "r.jsonl"
-    assert _run(["full", *BASE, "--turns", "3", "--prefix-cache", f"disk:{tmp_path / 'c'}",
-                 "--prefix-chunk", "4", "--prefix-reps", "2", "--out", str(out)]) == 0
+    assert cli(["run", "full", *BASE, "--turns", "3", "--prefix-cache",
+                f"disk:{tmp_path / 'c'}", "--prefix-chunk", "4", "--prefix-reps", "2",
+                "--out", str(out)], capsys).returncode == 0
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     ttft = [r for r in recs if r.get("metric") == "prefix_ttft"]
     assert sorted((r["params"]["turn"], r["params"]["path"]) for r in ttft) == sorted(
@@ -139,18 +134,16 @@ def test_cli_run_records(tmp_path: Path) -> None:
     (["--turns", "2", "--prefix-cache", "gpu"], "accel, host:N"),
 ])
 def test_cli_bad_input_exit_2(args, msg, capsys: pytest.CaptureFixture[str]) -> None:
-    assert _run(["full", *BASE, *args]) == 2
-    err = capsys.readouterr().err
-    assert msg in err and len(err.strip().splitlines()) == 1
+    assert_usage_error(cli(["run", "full", *BASE, *args], capsys), msg)
 
 
 def test_cli_refuses_strategy_without_export(capsys: pytest.CaptureFixture[str]) -> None:
-    assert _run(["h2o", *BASE, "--turns", "2", "--prefix-cache", "accel"]) == 2
-    assert "'h2o' does not export" in capsys.readouterr().err
+    assert_usage_error(cli(["run", "h2o", *BASE, "--turns", "2", "--prefix-cache", "accel"],
+                           capsys), "'h2o' does not export")
 
 
 def test_cli_refuses_corrupt_cache_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]
                                        ) -> None:
     (tmp_path / "x.kvc").write_bytes(b"garbage")
-    assert _run(["full", *BASE, "--turns", "2", "--prefix-cache", f"disk:{tmp_path}"]) == 2
-    assert "not a kvbench prefix cache file" in capsys.readouterr().err
+    assert_usage_error(cli(["run", "full", *BASE, "--turns", "2", "--prefix-cache",
+                            f"disk:{tmp_path}"], capsys), "not a kvbench prefix cache file")

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import cuda_available
+from conftest import assert_usage_error, cli, cuda_available
 
 from kvbench.cli import main
 from kvbench.probes.attention import AttentionProbe
@@ -86,18 +86,13 @@ def test_heatmap_from_records(tmp_path: Path):
     (["--passes", "0"], "--passes must be at least 1"),
 ])
 def test_attention_bad_input(args, msg, capsys, tmp_path):
-    with pytest.raises(SystemExit) as e:
-        main([*TINY, *args, "--out", str(tmp_path / "x.jsonl")])
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert msg in err and err.count("\n") == 1
+    assert_usage_error(cli([*TINY, *args, "--out", str(tmp_path / "x.jsonl")], capsys), msg)
 
 
 @pytest.mark.skipif(cuda_available(), reason="checks the CPU-only refusal")
 def test_gpu_mode_forced_without_gpu(capsys, tmp_path):
-    with pytest.raises(SystemExit) as e:
-        main([*TINY, "--modes", "gpu-transfer", "--out", str(tmp_path / "x.jsonl")])
-    assert e.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err
+    assert_usage_error(cli([*TINY, "--modes", "gpu-transfer", "--out",
+                            str(tmp_path / "x.jsonl")], capsys), "needs a CUDA GPU")
 
 
 def test_decode_intensity_is_memory_bound():
@@ -136,9 +131,8 @@ def test_roofline_tiny_run(tmp_path: Path):
     (["--cuda-matmul", "0"], "matmul sizes positive"),
 ])
 def test_roofline_bad_input(args, msg, capsys, tmp_path):
-    with pytest.raises(SystemExit) as e:
-        main(["probe", "roofline", *args, "--out", str(tmp_path / "x.jsonl")])
-    assert e.value.code == 2 and msg in capsys.readouterr().err
+    assert_usage_error(cli(["probe", "roofline", *args, "--out", str(tmp_path / "x.jsonl")],
+                           capsys), msg)
     assert not (tmp_path / "x.jsonl").exists()  # rejected before anything is written
 
 

@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import assert_usage_error, cli
 
 from kvbench.cli import main
 from kvbench.envinfo import collect_env
@@ -93,11 +94,10 @@ def test_markdown_and_table(results, tmp_path, capsys):
 
 
 def test_bad_input_is_one_line(results, tmp_path, capsys):
-    assert report([str(results), "--format", "pdf"]) == 2
-    assert capsys.readouterr().err.strip() == ("kvbench: error: unknown format 'pdf' "
-                                               "(table, markdown, html)")
-    assert report([str(tmp_path / "missing.jsonl")]) == 2
-    assert "does not exist" in capsys.readouterr().err
+    line = assert_usage_error(cli(["report", str(results), "--format", "pdf"], capsys))
+    assert line == "kvbench: error: unknown format 'pdf' (table, markdown, html)"
+    assert_usage_error(cli(["report", str(tmp_path / "missing.jsonl")], capsys),
+                       "does not exist")
 
 
 @pytest.mark.parametrize("fmt", ["html", "markdown"])
@@ -113,10 +113,9 @@ def test_unusable_out_folder_is_one_line(fmt, where, message, results, tmp_path,
     existing.write_text("keep me")
     out = {"FILE": str(existing), "LONG": str(tmp_path / ("x" * 300))}.get(where, where)
     before = sorted(tmp_path.rglob("*"))
-    assert report([str(results), "--format", fmt, "--out", out]) == 2
-    stdout, err = capsys.readouterr()
-    assert stdout == "" and err.count("\n") == 1 and "Traceback" not in err
-    assert err.startswith("kvbench: error: --out '") and message in err, err
+    line = assert_usage_error(cli(["report", str(results), "--format", fmt, "--out", out],
+                                  capsys), message)
+    assert line.startswith("kvbench: error: --out '")
     assert sorted(tmp_path.rglob("*")) == before and existing.read_text() == "keep me"
 
 

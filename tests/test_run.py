@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import assert_usage_error, cli
 
 from kvbench.cli import main
 from kvbench.runtime.run import RunConfig, read_text, token_rows
@@ -93,22 +94,16 @@ def test_random_run_writes_labelled_records(tmp_path: Path) -> None:
     (["--turns", "2", "--compare-hf"], "--compare-hf times single-turn generation"),
 ])
 def test_bad_input_exits_2(args: list[str], message: str, capsys) -> None:
-    with pytest.raises(SystemExit) as e:
-        main(["run", "full", *args])
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert message in err and len(err.splitlines()) == 1
+    assert_usage_error(cli(["run", "full", *args], capsys), message)
 
 
 def test_prompt_longer_than_text_exits_2(tmp_path: Path, capsys) -> None:
     text = tmp_path / "short.txt"
     text.write_text("a short text")
-    with pytest.raises(SystemExit) as e:
-        main(["run", "full", "--model", "opt-125m", "--weights", "random", "--layers", "1",
-              "--text", str(text), "--prompt-len", "64", "--out", str(tmp_path / "x.jsonl")])
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert f"longer than --text '{text}' (12 tokens)" in err and err.count("\n") == 1
+    assert_usage_error(cli(["run", "full", "--model", "opt-125m", "--weights", "random",
+                            "--layers", "1", "--text", str(text), "--prompt-len", "64", "--out",
+                            str(tmp_path / "x.jsonl")], capsys),
+                       f"longer than --text '{text}' (12 tokens)")
     assert not (tmp_path / "x.jsonl").exists()
 
 
@@ -126,12 +121,9 @@ def test_text_that_is_not_utf8_is_refused_by_name(content: bytes | None, message
     else:
         text.write_bytes(content)
     out = tmp_path / "x.jsonl"
-    with pytest.raises(SystemExit) as e:
-        main(["run", "full", "--weights", "random", "--layers", "1", "--mode", "eval",
-              "--text", str(text), "--prompt-len", "8", "--gen-len", "2", "--out", str(out)])
-    stdout, err = capsys.readouterr()
-    assert e.value.code == 2 and stdout == "" and "Traceback" not in err
-    assert err.count("\n") == 1 and f"--text '{text}' {message}" in err, err
+    assert_usage_error(cli(["run", "full", "--weights", "random", "--layers", "1", "--mode",
+                            "eval", "--text", str(text), "--prompt-len", "8", "--gen-len", "2",
+                            "--out", str(out)], capsys), f"--text '{text}' {message}")
     assert not out.exists()
 
 
@@ -140,10 +132,7 @@ def test_cuda_without_gpu_exits_2(capsys) -> None:
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    with pytest.raises(SystemExit) as e:
-        main(["run", "full", "--device", "cuda"])
-    assert e.value.code == 2
-    assert "no CUDA GPU" in capsys.readouterr().err
+    assert_usage_error(cli(["run", "full", "--device", "cuda"], capsys), "no CUDA GPU")
 
 
 def test_run_config_defaults_match_cli() -> None:

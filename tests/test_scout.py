@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ancestors
+from conftest import ancestors, assert_usage_error, cli
 
 from kvbench.cli import main
 from kvbench.errors import KvbenchError
@@ -292,8 +292,7 @@ def test_bad_input_exits_2(args: list[str], message: str, capsys, tmp_path: Path
     args = [_foreign(tmp_path) if a == "FOREIGN" else str(tmp_path / "r.json") if a == "OUT"
             else a for a in args]
     out = tmp_path / "x.jsonl"
-    code, err = _cli([*args, "--out", str(out)], capsys)
-    assert code == 2 and message in err and len(err.splitlines()) == 1, err
+    assert_usage_error(cli(["run", "scout", *TINY, *args, "--out", str(out)], capsys), message)
     assert not out.exists() and not (tmp_path / "r.json").exists()
 
 
