@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_usage_error, cli
 
 from kvbench.cli import main
 from kvbench.models import ModelSpec
@@ -182,12 +183,9 @@ def test_infinigen_skew_is_orthogonal_and_keeps_the_heaviest_channels() -> None:
     (["arkvale", "--dense-layers", "31"], "--dense-layers 31: the model runs 30 layers"),
 ])
 def test_bad_input_exits_2(args: list[str], message: str, capsys, tmp_path: Path) -> None:
-    with pytest.raises(SystemExit) as e:
-        main(["run", *args, "--model", "smollm2-135m", "--weights", "random",
-              "--prompt-len", "40", "--gen-len", "4", "--out", str(tmp_path / "x.jsonl")])
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert message in err and len(err.splitlines()) == 1, err
+    assert_usage_error(cli(["run", *args, "--model", "smollm2-135m", "--weights", "random",
+                            "--prompt-len", "40", "--gen-len", "4", "--out",
+                            str(tmp_path / "x.jsonl")], capsys), message)
     assert not (tmp_path / "x.jsonl").exists()
 
 
