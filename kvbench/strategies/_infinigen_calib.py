@@ -166,8 +166,8 @@ def calibrate(ctx: RunContext, text: str, ratio: float) -> Calibration:
             "tokenizer; this model has none (use --variant oracle)")
     prompt = CHANNEL_TEXT.read_text(encoding="utf-8")
     key = _key(model, ctx, (text, prompt), ratio)
-    if key in _MEMO:
-        return _MEMO[key]
+    if key in _MEMO:  # (a process may run on the CPU and on the GPU)
+        return _MEMO[key].to(ctx.accel)
     home = _home()
     path = None if home is None else home / f"{key}.pt"
     if path is not None and path.is_file():
