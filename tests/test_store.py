@@ -188,3 +188,224 @@ def test_committed_smoke_baseline_is_valid() -> None:
     for glob in load_suite(repo / "suites" / "smoke.toml").guard:
         hits = [r for r in ok if fnmatch.fnmatch(f"{r['name']}.{r['metric']}", glob)]
         assert hits and all(r["provenance"] == "measured" for r in hits), glob
+
+
+# --- the store's helpers and messages in full (issue 30) ---
+
+def test_git_state_of_this_tree_and_outside_git(tmp_path: Path) -> None:
+    import subprocess
+
+    from kvbench.store import REPO_ROOT, git_state
+
+    commit, _ = git_state()
+    head = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"],
+                          capture_output=True, text=True)
+    if head.returncode == 0:
+        assert commit == head.stdout.strip() and len(commit) == 40
+    assert git_state(tmp_path) == ("unknown", False)
+
+
+def test_git_state_dirty_only_for_tracked_changes(tmp_path: Path) -> None:
+    import subprocess
+
+    from kvbench.store import git_state
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "f").write_text("a")
+    git("add", "f")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "x")
+    commit, dirty = git_state(tmp_path)
+    assert len(commit) == 40 and dirty is False
+    (tmp_path / "new").write_text("untracked")  # untracked files do not count
+    assert git_state(tmp_path) == (commit, False)
+    (tmp_path / "f").write_text("b")
+    assert git_state(tmp_path) == (commit, True)
+
+
+def test_default_out_path_is_stamped_and_never_reused(tmp_path: Path, monkeypatch) -> None:
+    import datetime as dt
+    import types
+
+    import kvbench.store as store
+
+    when = dt.datetime(2026, 1, 2, 3, 4, 5)
+    monkeypatch.setattr(store, "dt", types.SimpleNamespace(
+        datetime=types.SimpleNamespace(now=lambda: when)))
+    monkeypatch.setattr(store, "RESULTS_DIR", tmp_path)
+    first = store.default_out_path("bw")
+    assert first == tmp_path / "bw-20260102-030405.jsonl"
+    first.write_text("x")
+    second = store.default_out_path("bw")
+    assert second == tmp_path / "bw-20260102-030405-2.jsonl"
+    second.write_text("x")
+    assert store.default_out_path("bw") == tmp_path / "bw-20260102-030405-3.jsonl"
+
+
+def test_writer_stamps_the_command_line_and_keeps_a_records_own(tmp_path: Path,
+                                                                monkeypatch) -> None:
+    import sys
+
+    monkeypatch.setattr(sys, "argv", ["kvbench", "probe", "x", "--out", "a b"])
+    path = tmp_path / "r.jsonl"
+    with ResultWriter(path, ENV) as w:
+        r = measured("probe", "x", "m", "s", "lower", [1.0])
+        w.write(r)
+        own = measured("probe", "x", "n", "s", "lower", [1.0])
+        own.command = "kvbench suite run s.toml"
+        w.write_batch([own, measured("probe", "x", "o", "s", "lower", [2.0])])
+        assert w.count == 3
+    rs = load(path)
+    assert [x["command"] for x in rs.records] == ["kvbench probe x --out 'a b'",
+                                                  "kvbench suite run s.toml",
+                                                  "kvbench probe x --out 'a b'"]
+    env = json.loads(path.read_text().splitlines()[0])
+    assert env["kind"] == "env" and env["env"] == ENV and env["schema_version"] == 1
+    assert env["time"] and rs.records[0]["git_dirty"] in (True, False)
+
+
+def test_writer_appends_to_a_file_of_another_environment(tmp_path: Path) -> None:
+    path = tmp_path / "r.jsonl"
+    write_two(path)
+    with ResultWriter(path, {"env_id": "other"}, command="c") as w:
+        w.write(measured("probe", "x", "bw", "GB/s", "higher", [1.0]))
+    rs = load(path)
+    assert list(rs.envs) == ["abc123", "other"] and len(rs.records) == 3
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with ResultWriter(empty, ENV, command="c") as w:
+        w.write(measured("probe", "x", "bw", "GB/s", "higher", [1.0]))
+    assert list(load(empty).envs) == ["abc123"]
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("hello world\n{}\n", "'{p}' line 1 is not kvbench JSON Lines"),
+    ("\n" + '{"a": 1}\n', "'{p}' line 2 is not a kvbench record"),
+    ('{"schema_version": 1}\n', "'{p}' line 1 is not a kvbench record"),
+    ('{"schema_version": 99, "kind": "probe"}\n',
+     "'{p}' line 1: schema version 99 is not known to kvbench 0.1.0 (knows [1])"),
+    ('{"schema_version": 1, "kind": "weird"}\n', "'{p}' line 1: unknown record kind 'weird'"),
+    ('{"schema_version": 1, "kind": "run", "name": "x", "metric": "m", "unit": "s"}\n',
+     "'{p}' line 1: record lacks direction, value, status, provenance"),
+    ("[1, 2]\n[3]\n", "'{p}' line 1 is not kvbench JSON Lines"),
+    ("\n\n", "'{p}' holds no kvbench records"),
+])
+def test_bad_files_messages_in_full(tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(KvbenchError) as e:
+        load(path)
+    assert str(e.value) == message.format(p=path)
+
+
+def test_env_line_only_and_blank_lines(tmp_path: Path) -> None:
+    path = tmp_path / "r.jsonl"
+    path.write_text('\n{"schema_version": 1, "kind": "env", "env_id": "e"}\n\n'
+                    '{"schema_version": 1, "kind": "env", "env_id": "f", "env": {"a": 1}}\n')
+    rs = load(path)
+    assert rs.envs == {"e": {}, "f": {"a": 1}} and rs.records == [] and rs.warnings == []
+    torn = tmp_path / "t.jsonl"
+    write_two(torn)
+    with torn.open("a") as fh:
+        fh.write('{"schema_version": 1, "kind"\n\n')
+    rs = load(torn)
+    assert rs.warnings == [f"{torn}:4: torn last line skipped (interrupted write)"]
+
+
+def test_load_refuses_a_folder(tmp_path: Path) -> None:
+    with pytest.raises(KvbenchError) as e:
+        load(tmp_path)
+    assert str(e.value) == f"result file '{tmp_path}' is not a file"
+    with pytest.raises(KvbenchError) as e:
+        load(tmp_path / "none.jsonl")
+    assert str(e.value) == f"result file '{tmp_path / 'none.jsonl'}' does not exist"
+
+
+def _suite_rec(case: str | None, status: str = "ok", metric: str = "m", **method) -> dict:
+    m = dict(method)
+    if case is not None:
+        m["suite_case"] = case
+    return {"kind": "run", "name": "x", "metric": metric, "status": status, "method": m}
+
+
+def test_suite_units_and_failed_attempts() -> None:
+    from kvbench.store import failed_attempt, finished_units, unit_key
+
+    assert unit_key(_suite_rec(None)) is None
+    assert unit_key(_suite_rec("c1")) == "c1"
+    assert unit_key(_suite_rec("c1", machine="n2")) == "c1@n2"
+    assert unit_key({"method": None}) is None
+    assert failed_attempt(_suite_rec("c1", "error", "case"))
+    assert not failed_attempt(_suite_rec("c1", "error", "tbt"))  # a quantity's own error
+    assert not failed_attempt(_suite_rec("c1", "ok", "case"))
+    assert failed_attempt(_suite_rec("c1", partial=True))
+    assert not failed_attempt({"status": "ok", "metric": "m"})
+    recs = [_suite_rec("a", "error", "case"), _suite_rec("b"), _suite_rec("c", partial=True),
+            _suite_rec("d", "waived"), _suite_rec(None)]
+    assert finished_units(recs) == {"b", "d"}
+
+
+def test_superseded_attempts_are_dropped_with_a_warning(tmp_path: Path) -> None:
+    from kvbench.store import ResultSet, _drop_superseded
+
+    failed, done, other = (_suite_rec("a", "error", "case"), _suite_rec("a"),
+                           _suite_rec("b", "error", "case"))
+    rs = ResultSet(tmp_path / "r.jsonl", records=[failed, other, done])
+    _drop_superseded(rs)
+    assert rs.records == [other, done]
+    assert rs.warnings == [f"{tmp_path / 'r.jsonl'}: 1 record(s) of failed or interrupted "
+                           "attempts superseded by a resumed run of the same unit"]
+    clean = ResultSet(tmp_path / "s.jsonl", records=[other])
+    _drop_superseded(clean)
+    assert clean.records == [other] and clean.warnings == []
+    path = tmp_path / "f.jsonl"
+    path.write_text("".join(json.dumps({**r, "schema_version": 1, "unit": "", "direction":
+                                        "none", "value": None, "provenance": "measured"})
+                            + "\n" for r in (failed, done)))
+    rs = load(path)
+    assert [r["status"] for r in rs.records] == ["ok"] and len(rs.warnings) == 1
+
+
+def test_check_results_out(tmp_path: Path, monkeypatch) -> None:
+    import kvbench.store as store
+    from kvbench.store import check_results_out
+
+    check_results_out(tmp_path / "new.jsonl")  # absent: fine
+    (tmp_path / "empty.jsonl").write_text("")
+    check_results_out(tmp_path / "empty.jsonl")
+    good = tmp_path / "good.jsonl"
+    write_two(good)
+    check_results_out(good)
+    blank_first = tmp_path / "blank.jsonl"
+    blank_first.write_text("\n\n" + good.read_text())
+    check_results_out(blank_first)
+    bad = tmp_path / "bad.txt"
+    bad.write_text("\nnot json\n")
+    with pytest.raises(KvbenchError) as e:
+        check_results_out(bad, "--into")
+    assert str(e.value) == (f"--into: '{bad}' line 2 is not kvbench JSON Lines (results are "
+                            "appended to it)")
+    old = tmp_path / "old.jsonl"
+    old.write_text('{"schema_version": 7, "kind": "env"}\n')
+    with pytest.raises(KvbenchError) as e:
+        check_results_out(old)
+    assert str(e.value) == (f"--out: '{old}' line 1: schema version 7 is not known to kvbench "
+                            "0.1.0 (knows [1]) (results are appended to it)")
+    gz = tmp_path / "bad.jsonl.gz"
+    gz.write_bytes(b"not gzip at all")
+    with pytest.raises(KvbenchError, match=r"^--out: cannot read '.*bad\.jsonl\.gz': .* "
+                                           r"\(results are appended to it\)$"):
+        check_results_out(gz)
+    monkeypatch.setattr(store, "RESULTS_DIR", tmp_path / "results")
+    check_results_out(None)  # a folder that can be made
+
+
+def test_dataframe_columns(tmp_path: Path) -> None:
+    rec = {"kind": "probe", "name": "x", "value": 1.0, "params": {"size": 2},
+           "stats": {"median": 1.0}, "samples": [1.0, 1.0], "method": {"a": 1}}
+    df = to_dataframe([rec, {"kind": "run", "name": "y", "value": None}])
+    assert sorted(df.columns) == ["kind", "n_samples", "name", "param.size", "stats.median",
+                                  "value"]
+    assert list(df["n_samples"]) == [2, 0] and df.loc[1, "name"] == "y"
