@@ -115,6 +115,20 @@ def test_native_pages_equal_torch_path(per: str, d: int, dtype: torch.dtype, isa
     assert max_err(lse[:, :, 0], exact_lse) <= 1e-4
 
 
+@native
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_pages_split_rows(dtype: torch.dtype, isa: str) -> None:
+    """Few rows over many selected keys (2 query-head rows, 40 pages): the kernel splits each
+    row's keys across threads and merges them; still the torch path's result."""
+    q, k, v, pos, lens = selection(1, 2, 1, 1000, 64, 16, 40, "query", dtype, 5)
+    with native_isa(isa):
+        out, lse = attend_selected(q, k, v, pos, lens, Counters(1, dtype.itemsize))
+    ref, ref_lse = _torch_selected(q, k, v, pos, lens)
+    assert max_err(out, ref) <= TOL[dtype]
+    assert max_err(lse, ref_lse) <= 1e-4
+
+
 def test_torch_path_off_the_native_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the native kernel cannot run, attend_selected takes the torch path and says
     so (backend torch-pages); a NaN at the position the padding slots gather (0, never
