@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import assert_usage_error, cli
+from conftest import assert_usage_error, cli, needs_bundled
 
 from kvbench.cli import main
 from kvbench.runtime.run import RunConfig, read_text, token_rows
@@ -165,3 +165,40 @@ def test_gpu_run_and_hf_comparison(tmp_path: Path) -> None:
     assert by[("peak_memory", "accel")]["value"] > 0
     assert by[("decode_speed_vs_hf", None)]["value"] > 0
     assert all(r["params"]["accel"] == "cuda" for r in by.values())
+
+
+@pytest.mark.gpu
+@needs_bundled
+def test_cuda_greedy_tokens_equal_transformers_generate() -> None:
+    """On CUDA, float32, batch 2: the tokens kvbench's full attention decodes greedily from
+    the bundled model (the prefill's and 16 decode steps') are transformers' greedy
+    `generate` on the same prompt, token for token; and `--compare-hf`'s record of the run
+    (kvbench.runtime.command.compare_hf) reports that agreement as 1.0."""
+    import torch
+
+    from kvbench.models import get_spec
+    from kvbench.models.weights import load
+    from kvbench.runtime.command import compare_hf
+    from kvbench.runtime.context import Counters, RunContext
+    from kvbench.runtime.run import decode_run
+    from kvbench.strategies import STRATEGIES
+
+    cuda, spec = torch.device("cuda"), get_spec("smollm2-135m")
+    loaded = load(spec, "bundled", spec.n_layers, torch.float32, cuda)
+    b, p, g = 2, 64, 16
+    prompt = token_rows(loaded.encode(read_text("")), b, p, spec.vocab).to(cuda)
+    counters = Counters(spec.n_kv_heads, 4)
+    ctx = RunContext(spec, spec.n_layers, b, p + g + 1, torch.float32, cuda,
+                     torch.device("cpu"), counters, loaded.model)
+    strategy = STRATEGIES.get("full")(None, ctx)
+    loaded.model.setup(strategy, counters, p + g + 1)
+    ours = decode_run(loaded.model, strategy, prompt, g, "generate", torch.cuda.synchronize)
+    hf = loaded.hf_model.to(cuda)
+    with torch.no_grad():
+        theirs = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                             max_new_tokens=g + 1, min_new_tokens=g + 1, pad_token_id=0)
+    assert theirs.shape == (b, p + g + 1)
+    assert torch.equal(ours.tokens[:, :p + g + 1].cpu(), theirs.cpu())
+    _, ratio = compare_hf("full", {"mode": "generate"}, hf, prompt, ours, lambda: [], cuda,
+                          torch.cuda.synchronize, rounds=1)
+    assert ratio.method["greedy_token_agreement"] == 1.0
