@@ -245,16 +245,50 @@ def test_latency_cli_small(tmp_path: Path) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["pageable", "pinned"])
-def test_gpu_copies(kind: str) -> None:
+def test_gpu_copies_move_the_bytes(kind: str) -> None:
+    """H2D, D2H and D2D both ways at once (two routes): the bandwidth-timed copies, the
+    latency-timed ones and the bare torch loop each land their bytes. Every route's source
+    holds its own pattern (no zero byte, distinct per offset and route), its destination
+    zeros; read back after each kind of copy, every 64 KiB window of the destination is
+    the source's same window or still all zero, and at least one window arrived (the torch
+    loop: exactly the first). A copy that moved nothing, moved the wrong window or route,
+    or tore a window fails; the timings are positive as well."""
+    import torch
+
     from kvbench.probes._gpu_copy import GpuCopier
 
-    g0 = Endpoint("gpu", 0)
+    g0, span, size = Endpoint("gpu", 0), 1 << 20, 1 << 16
+
+    def fill(c: GpuCopier) -> None:
+        for r, (src, dst) in enumerate(c.routes):
+            pattern = (torch.arange(span) * (2 * r + 3) + 7 * r) % 250 + 1
+            src.copy_(pattern.to(torch.uint8).to(src.device))
+            dst.zero_()
+        torch.cuda.synchronize()
+
+    def arrived(c: GpuCopier) -> list[list[bool]]:
+        """Per route, per window: whether it holds the source's bytes (else all zero)."""
+        torch.cuda.synchronize()
+        out = []
+        for src, dst in c.routes:
+            s, d = src.cpu().view(-1, size), dst.cpu().view(-1, size)
+            done = (d == s).all(dim=1)
+            assert bool((done | (d == 0).all(dim=1)).all()), "a window torn or misplaced"
+            out.append(done.tolist())
+        return out
+
     for pair in (Pair(H0, g0), Pair(g0, H0), Pair(g0, g0)):
-        c = GpuCopier(pair, kind, 1 << 20, bidirectional=pair.src == pair.dst)
+        c = GpuCopier(pair, kind, span, bidirectional=pair.src == pair.dst)
         try:
-            assert c.timing(1 << 16, QUICK).median > 0
-            assert c.timing(1 << 10, QUICK, latency=True).median > 0
-            assert all(g > 0 for g in c.torch_loop_gbps(1 << 20, reps=2, rounds=2))
+            assert len(c.routes) == (2 if pair.src == pair.dst else 1)
+            for latency in (False, True):
+                fill(c)
+                assert c.timing(size, QUICK, latency=latency).median > 0
+                assert all(any(route) for route in arrived(c)), (pair, latency)
+            fill(c)
+            assert all(g > 0 for g in c.torch_loop_gbps(size, reps=2, rounds=2))
+            first = arrived(c)[0]
+            assert first[0] and not any(first[1:]), pair
         finally:
             c.close()
 
