@@ -7,8 +7,12 @@ from __future__ import annotations
 import os
 import subprocess
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    import torch
 
 # One console width however the tests are run: pytest-xdist's workers get COLUMNS=80, a
 # plain run none (kvbench.console then uses 160, as in CI logs), so rich would wrap a
@@ -112,6 +116,20 @@ def cuda_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
+
+
+# The devices a reference test runs on: the CPU, and CUDA marked `gpu` (skipped without
+# one by pytest_collection_modifyitems). Take the `device` fixture, or parametrize with
+# DEVICES where the test has other parameters to combine it with.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> torch.device:
+    """Each of DEVICES in turn, as a torch.device."""
+    import torch
+
+    return torch.device(request.param)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICES
 
 from kvbench.models import get_spec
 from kvbench.runtime.context import Counters, RunContext
@@ -14,7 +15,6 @@ from kvbench.strategies import STRATEGIES
 from kvbench.strategies.hgca import HgcaParams
 
 SPEC = get_spec("smollm2-135m")  # GQA: 9 query heads over 3 KV heads, head dim 64
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def reference(s, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

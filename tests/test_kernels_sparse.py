@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICES
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_kernels_attention import TOL, make, max_err, native_isa, reference
@@ -93,7 +94,7 @@ def test_packed_selection_is_reused_and_checked():
         sparse_attention(q, k[:, :, :30], v[:, :, :30], sel)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("device", DEVICES)
 def test_torch_path_padding_never_reads_nan(device, monkeypatch):
     """GPU audit finding 4: on the torch path (every CUDA call) a row shorter than the
     longest gathers its padding from position 0 (nested lists) or from whatever its index

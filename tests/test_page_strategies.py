@@ -22,9 +22,10 @@ SPEC = ModelSpec("tiny-gqa", "llama", 3, 6, 2, 48, 96, 100, 512, head_dim=8)
 CPU = torch.device("cpu")
 
 
-def ctx(max_len: int, layers: int = 3, batch: int = 2) -> RunContext:
-    return RunContext(SPEC, layers, batch, max_len, torch.float32, CPU, CPU,
-                      Counters(SPEC.n_kv_heads, 4))
+def ctx(max_len: int, layers: int = 3, batch: int = 2, device: torch.device = CPU
+        ) -> RunContext:
+    return RunContext(SPEC, layers, batch, max_len, torch.float32, device, CPU,
+                      Counters(SPEC.n_kv_heads, 4, cuda=device.type == "cuda"))
 
 
 def ref_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -81,25 +82,26 @@ def _quest_reference(q, k, v, n, budget, page, per_query: bool):
 
 
 @pytest.mark.parametrize("per", ["query", "kv"])
-def test_quest_decode_matches_reference(per: str) -> None:
+def test_quest_decode_matches_reference(per: str, device: torch.device) -> None:
     g = torch.Generator().manual_seed(1)
     n0, page, budget = 70, 8, 32
     s = Quest(QuestParams(variant="kernel", budget_tokens=budget, page_size=page,
-                          dense_layers=1, topk_per=per), ctx(96))
+                          dense_layers=1, topk_per=per), ctx(96, device=device))
     k = torch.randn(2, 2, n0, 8, generator=g)
     v = torch.randn(2, 2, n0, 8, generator=g)
-    s.prefill(1, torch.randn(2, 6, n0, 8, generator=g), k, v)
+    s.prefill(1, torch.randn(2, 6, n0, 8, generator=g).to(device), k.to(device), v.to(device))
     for _ in range(3):  # three decode steps, crossing into a new page
         kn, vn = torch.randn(2, 2, 1, 8, generator=g), torch.randn(2, 2, 1, 8, generator=g)
         q = torch.randn(2, 6, 1, 8, generator=g)
-        out = s.decode(1, q, kn, vn)
+        out = s.decode(1, q.to(device), kn.to(device), vn.to(device)).cpu()
         k, v = torch.cat([k, kn], 2), torch.cat([v, vn], 2)
         ref = _quest_reference(q, k, v, k.shape[2], budget, page, per == "query")
         assert torch.allclose(out[:, :, 0].double(), ref, atol=1e-5)
     # layer 0 is dense (--dense-layers 1): it attends every token
-    s.prefill(0, torch.randn(2, 6, n0, 8, generator=g), k[:, :, :n0], v[:, :, :n0])
+    s.prefill(0, torch.randn(2, 6, n0, 8, generator=g).to(device), k[:, :, :n0].to(device),
+              v[:, :, :n0].to(device))
     s.ctx.counters.layer = 0
-    s.decode(0, q, k[:, :, -1:], v[:, :, -1:])
+    s.decode(0, q.to(device), k[:, :, -1:].to(device), v[:, :, -1:].to(device))
     assert s.ctx.counters.step_total("tokens", "accel", 0) > 0
 
 
@@ -114,11 +116,11 @@ class _Model:
 
 
 @pytest.mark.parametrize("max_per", ["head", "head0"])
-def test_infinigen_speculation_matches_reference(max_per: str) -> None:
+def test_infinigen_speculation_matches_reference(max_per: str, device: torch.device) -> None:
     """r = 1: partial scores are the exact scores (A is orthogonal), so the prefetched set is
     each head's top n' by q_pred.k, n' = min(mean count within alpha of the max, cap)."""
     g = torch.Generator().manual_seed(3)
-    c = ctx(64, layers=2)
+    c = ctx(64, layers=2, device=device)
     c.model = _Model()
     alpha = 1.0
     s = InfiniGen(InfiniGenParams(variant="oracle", alpha=alpha, partial_ratio=1.0,
@@ -127,13 +129,13 @@ def test_infinigen_speculation_matches_reference(max_per: str) -> None:
     n0 = 40
     k = torch.randn(2, 2, n0, 8, generator=g)
     v = torch.randn(2, 2, n0, 8, generator=g)
-    s.prefill(1, torch.randn(2, 6, n0, 8, generator=g), k, v)
+    s.prefill(1, torch.randn(2, 6, n0, 8, generator=g).to(device), k.to(device), v.to(device))
     pred = torch.randn(2, 6, 1, 8, generator=g)
-    c.model.q = pred
-    s.layer_input(0, torch.zeros(2, 1, 48))
+    c.model.q = pred.to(device)
+    s.layer_input(0, torch.zeros(2, 1, 48, device=device))
     q = pred + 0.3 * torch.randn(2, 6, 1, 8, generator=g)  # the real query differs
     kn, vn = torch.randn(2, 2, 1, 8, generator=g), torch.randn(2, 2, 1, 8, generator=g)
-    out = s.decode(1, q, kn, vn)
+    out = s.decode(1, q.to(device), kn.to(device), vn.to(device)).cpu()
     logits = torch.einsum("bhd,bhnd->bhn", pred[:, :, 0], k.repeat_interleave(3, 1)) / 8 ** .5
     top = logits.amax(-1, keepdim=True)
     if max_per == "head0":
@@ -298,7 +300,8 @@ def test_infinigen_attends_densely_until_its_skew_warm_up() -> None:
 
 
 @pytest.mark.parametrize("spread", [1.0, 2.0])
-def test_infinigen_default_partial_ratio_matches_a_float64_reference(spread: float) -> None:
+def test_infinigen_default_partial_ratio_matches_a_float64_reference(
+        spread: float, device: torch.device) -> None:
     """Issue 30: InfiniGen at its defaults (partial ratio 0.2: d' = 4 of 20 channels, alpha
     5, cap 0.2 of the cached tokens) over 6 decode steps, batch 2, against a float64
     reference: A from the SVD of each group's prompt queries (right singular vectors), the
@@ -310,7 +313,8 @@ def test_infinigen_default_partial_ratio_matches_a_float64_reference(spread: flo
     from kvbench.models import ModelSpec
 
     spec = ModelSpec("tiny-gqa-20", "llama", 2, 6, 2, 48, 96, 100, 512, head_dim=20)
-    c = RunContext(spec, 2, 2, 64, torch.float32, CPU, CPU, Counters(spec.n_kv_heads, 4))
+    c = RunContext(spec, 2, 2, 64, torch.float32, device, CPU,
+                   Counters(spec.n_kv_heads, 4, cuda=device.type == "cuda"))
     c.model = _Model()
     p, d, b, hq, hkv = 40, 20, 2, 6, 2
     s = InfiniGen(InfiniGenParams(variant="oracle", dense_layers=1, skew_tokens=p), c)
@@ -320,7 +324,7 @@ def test_infinigen_default_partial_ratio_matches_a_float64_reference(spread: flo
     q0 = torch.randn(b, hq, p, d, generator=g) * scales
     k = torch.randn(b, hkv, p, d, generator=g) * scales * spread
     v = torch.randn(b, hkv, p, d, generator=g)
-    s.prefill(1, q0, k, v)
+    s.prefill(1, q0.to(device), k.to(device), v.to(device))
     # the reference's skew, float64, one A and 4 channels per KV head from its 3 heads
     a, ch = [], []
     for h in range(hkv):
@@ -336,10 +340,10 @@ def test_infinigen_default_partial_ratio_matches_a_float64_reference(spread: flo
         q = pred + 0.3 * torch.randn(b, hq, 1, d, generator=g)
         kn = torch.randn(b, hkv, 1, d, generator=g) * scales * spread
         vn = torch.randn(b, hkv, 1, d, generator=g)
-        c.model.q = pred
+        c.model.q = pred.to(device)
         c.counters.step = step
-        s.layer_input(0, torch.zeros(b, 1, 48))
-        out = s.decode(1, q, kn, vn)
+        s.layer_input(0, torch.zeros(b, 1, 48, device=device))
+        out = s.decode(1, q.to(device), kn.to(device), vn.to(device)).cpu()
         logits = torch.empty(b, hq, n, dtype=torch.float64)
         for bi in range(b):
             for qh in range(hq):
