@@ -23,10 +23,10 @@ from kvbench.strategies.streaming import StreamingParams
 SPEC = get_spec("smollm2-135m")  # GQA: 9 query heads, 3 KV heads, head dim 64
 
 
-def make(name: str, params, layers: int = 2, batch: int = 2, max_len: int = 80):
-    cpu = torch.device("cpu")
-    ctx = RunContext(SPEC, layers, batch, max_len, torch.float32, cpu, cpu,
-                     Counters(SPEC.n_kv_heads, 4))
+def make(name: str, params, layers: int = 2, batch: int = 2, max_len: int = 80,
+         device: torch.device = torch.device("cpu")):
+    ctx = RunContext(SPEC, layers, batch, max_len, torch.float32, device, torch.device("cpu"),
+                     Counters(SPEC.n_kv_heads, 4, cuda=device.type == "cuda"))
     return STRATEGIES.get(name)(params, ctx)
 
 
@@ -419,21 +419,22 @@ def _h2o_reference(steps, budget: int, n_recent: int, hq: int, hkv: int):
     return outs, sets
 
 
-def test_h2o_decode_eviction_matches_a_float64_reference() -> None:
+def test_h2o_decode_eviction_matches_a_float64_reference(device: torch.device) -> None:
     """Issue 30: H2O at a budget of 10 (4 recent) over a 16-token prompt and 12 decode
     steps, batch 2: every step's output equals the float64 reference's (which keeps its own
     scores and evicts by them, independent of the strategy's kept set), and the strategy
     keeps exactly the reference's positions per row after every step. Rows come to differ
     (eviction is per head)."""
     steps = inputs(16, 12, batch=2, seed=5)
-    s = make("h2o", H2OParams(gpu_tokens=10, recent=0.4), layers=1, batch=2, max_len=40)
+    s = make("h2o", H2OParams(gpu_tokens=10, recent=0.4), layers=1, batch=2, max_len=40,
+             device=device)
     assert (s.budget, s.n_recent) == (10, 4)
     ref_outs, ref_sets = _h2o_reference(steps, 10, 4, SPEC.n_heads, SPEC.n_kv_heads)
     got_sets = []
     for i, (q, k, v) in enumerate(steps):
         s.ctx.counters.step = i
-        out = (s.prefill if i == 0 else s.decode)(0, q, k, v)
-        assert (out.double() - ref_outs[i]).abs().max() < 1e-5, i
+        out = (s.prefill if i == 0 else s.decode)(0, q.to(device), k.to(device), v.to(device))
+        assert (out.cpu().double() - ref_outs[i]).abs().max() < 1e-5, i
         n, pos, free = s.n[0], s.pos[0], s.free[0]
         rows = []
         for bi in range(2):

@@ -22,9 +22,9 @@ SPEC = ModelSpec("tiny-gqa", "llama", 2, 6, 2, 48, 96, 100, 512, head_dim=8)  # 
 CPU = torch.device("cpu")
 
 
-def ctx(max_len: int = 128, batch: int = 2) -> RunContext:
-    return RunContext(SPEC, 2, batch, max_len, torch.float32, CPU, CPU,
-                      Counters(SPEC.n_kv_heads, 4))
+def ctx(max_len: int = 128, batch: int = 2, device: torch.device = CPU) -> RunContext:
+    return RunContext(SPEC, 2, batch, max_len, torch.float32, device, CPU,
+                      Counters(SPEC.n_kv_heads, 4, cuda=device.type == "cuda"))
 
 
 def ref_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -52,23 +52,24 @@ def budget_pages(q: torch.Tensor, keys: torch.Tensor, page: int, k_pages: int, s
 
 
 def _steps(s, g, k, v, n_steps: int, c: RunContext):
+    """n_steps decode steps of s on c's accelerator: (q, k, v, out) on the CPU."""
     for step in range(n_steps):
         c.counters.step = step + 1
         kn, vn = torch.randn(2, 2, 1, 8, generator=g) * 2, torch.randn(2, 2, 1, 8, generator=g)
         q = torch.randn(2, 6, 1, 8, generator=g)
-        out = s.decode(1, q, kn, vn)
+        out = s.decode(1, q.to(c.accel), kn.to(c.accel), vn.to(c.accel)).cpu()
         k, v = torch.cat([k, kn], 2), torch.cat([v, vn], 2)
         yield q, k, v, out
 
 
-def test_pnm_kv_decode_matches_reference() -> None:
+def test_pnm_kv_decode_matches_reference(device: torch.device) -> None:
     g = torch.Generator().manual_seed(0)
     page, budget = 4, 20  # 5 pages: 1 sink, 2 window, 2 by score
-    c = ctx()
+    c = ctx(device=device)
     s = PnmKV(PnmParams(budget_tokens=budget, page_size=page, sinks=1, window_pages=2,
                         dense_layers=1), c)
     k0, v0 = torch.randn(2, 2, 37, 8, generator=g) * 2, torch.randn(2, 2, 37, 8, generator=g)
-    s.prefill(1, torch.randn(2, 6, 37, 8, generator=g), k0, v0)
+    s.prefill(1, torch.randn(2, 6, 37, 8, generator=g).to(device), k0.to(device), v0.to(device))
     for q, k, v, out in _steps(s, g, k0, v0, 6, c):
         for b in range(2):
             for j in range(2):
@@ -82,25 +83,26 @@ def test_pnm_kv_decode_matches_reference() -> None:
     assert c.counters.step_total("tokens", "accel", 1) == 0  # PNM-KV: no GPU attention
 
 
-def test_png_kv_steady_select_is_algorithm_1() -> None:
+def test_png_kv_steady_select_is_algorithm_1(device: torch.device) -> None:
     """The pool against a set simulation of Alg. 1 lines 7-11 with the [:|e|] slice, the
     output equal to PNM-KV's (same budget set), recalls counted per step."""
     g = torch.Generator().manual_seed(1)
     page, budget, steady = 4, 24, 12  # 6 budget pages, 3 steady slots
     params = dict(budget_tokens=budget, page_size=page, sinks=1, window_pages=1,
                   dense_layers=1)
-    c, c2 = ctx(), ctx()
+    c, c2 = ctx(device=device), ctx(device=device)
     png = PngKV(PngParams(**params, steady_tokens=steady), c)
     pnm = PnmKV(PnmParams(**params), c2)
     k0, v0 = torch.randn(2, 2, 30, 8, generator=g) * 2, torch.randn(2, 2, 30, 8, generator=g)
     q0 = torch.randn(2, 6, 30, 8, generator=g)
-    png.prefill(1, q0, k0, v0)
-    pnm.prefill(1, q0, k0, v0)
+    png.prefill(1, q0.to(device), k0.to(device), v0.to(device))
+    pnm.prefill(1, q0.to(device), k0.to(device), v0.to(device))
     pool = [[[None] * 3 for _ in range(2)] for _ in range(2)]  # slot -> page
     recalled = 0
     for q, k, v, out in _steps(png, g, k0, v0, 12, c):
         c2.counters.step = c.counters.step
-        out2 = pnm.decode(1, q, k[:, :, -1:], v[:, :, -1:])
+        out2 = pnm.decode(1, q.to(device), k[:, :, -1:].to(device),
+                          v[:, :, -1:].to(device)).cpu()
         assert torch.allclose(out, out2, atol=1e-5)
         nf = k.shape[2] // page
         for b in range(2):
