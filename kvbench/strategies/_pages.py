@@ -150,7 +150,8 @@ def select_pages(scores: torch.Tensor, n_pages: int, k: int, sinks: int,
     if k >= n_pages:
         return torch.arange(n_pages, device=scores.device).expand(*scores.shape[:2], -1)
     s = scores[:, :, :n_pages].clone()
-    s[:, :, :sinks].fill_(float("inf"))
+    if sinks:
+        s[:, :, :sinks].fill_(float("inf"))
     s[:, :, max(n_pages - window, 0):].fill_(float("inf"))
     return s.topk(k, dim=-1).indices.sort(dim=-1).values
 
@@ -166,9 +167,9 @@ def page_tokens(pages: torch.Tensor, page: int, n: int) -> tuple[torch.Tensor, t
     import torch
 
     off = torch.arange(page, device=pages.device)
-    pos = (pages.unsqueeze(-1) * page + off).flatten(-2)  # [B, H, K*S]
+    pos = torch.add(off, pages.unsqueeze(-1), alpha=page).flatten(-2)  # [B, H, K*S]
     invalid = pos >= n
-    order = invalid.to(torch.int8).argsort(dim=-1, stable=True)
+    order = invalid.argsort(dim=-1, stable=True)
     return pos.masked_fill(invalid, 0).gather(-1, order), pos.shape[-1] - invalid.sum(-1)
 
 
