@@ -34,8 +34,9 @@ class _Model:
         return self.q
 
 
-def _ctx(max_len: int) -> RunContext:
-    return RunContext(SPEC, 2, 2, max_len, torch.float32, CPU, CPU, Counters(2, 4), _Model())
+def _ctx(max_len: int, device: torch.device = CPU) -> RunContext:
+    return RunContext(SPEC, 2, 2, max_len, torch.float32, device, CPU,
+                      Counters(2, 4, cuda=device.type == "cuda"), _Model())
 
 
 def _bound(q: torch.Tensor, keys: torch.Tensor) -> float:
@@ -55,7 +56,7 @@ def _part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tens
 
 
 @pytest.mark.parametrize("per", ["kv", "query"])
-def test_decode_matches_algorithm_1(per: str) -> None:
+def test_decode_matches_algorithm_1(per: str, device: torch.device) -> None:
     """Layer 1 of a 2-layer run (layer 0 dense): resident = top C blocks by the prompt's last
     query; the predicted query picks the blocks (window + top); the accelerator attends the
     resident ones with the real query, the host the others with the predicted one; merged
@@ -65,21 +66,21 @@ def test_decode_matches_algorithm_1(per: str) -> None:
     s_, n0, c_res = 4, 22, 2  # blocks of 4; 5 full blocks + 2 tokens in the window block
     s = Scout(ScoutParams(budget_tokens=16, page_size=s_, resident_blocks=c_res,
                           dense_layers=1, recall_interval=1, topk_per=per,
-                          pred_error=True), _ctx(40))
+                          pred_error=True), _ctx(40, device))
     k = torch.randn(2, 2, n0, 8, generator=g)
     v = torch.randn(2, 2, n0, 8, generator=g)
     qp = torch.randn(2, 6, n0, 8, generator=g)
-    s.prefill(1, qp, k, v)
+    s.prefill(1, qp.to(device), k.to(device), v.to(device))
     pred = torch.randn(2, 6, 1, 8, generator=g)
-    s.ctx.model.q = pred
+    s.ctx.model.q = pred.to(device)
     s.begin_step(1)
     s.ctx.counters.step = 1
-    s.layer_input(0, torch.zeros(2, 1, 48))
+    s.layer_input(0, torch.zeros(2, 1, 48, device=device))
     assert s.pending[1][2] is not None  # the host part was started a layer ahead
     q = pred + 0.5 * torch.randn(2, 6, 1, 8, generator=g)
     kn, vn = torch.randn(2, 2, 1, 8, generator=g), torch.randn(2, 2, 1, 8, generator=g)
     s.ctx.counters.layer = 1
-    out = s.decode(1, q, kn, vn)
+    out = s.decode(1, q.to(device), kn.to(device), vn.to(device)).cpu()
     k, v = torch.cat([k, kn], 2), torch.cat([v, vn], 2)
     recalled, err2, ref2, shared = 0, 0.0, 0.0, []
     for b in range(2):
