@@ -190,11 +190,13 @@ def _selected_positions(L, row: int, k: torch.Tensor) -> list[int]:
     return [int((allk == x).all(dim=-1).nonzero()[0]) for x in keys]
 
 
-def test_streaming_attends_sinks_and_recent_window() -> None:
+def test_streaming_attends_sinks_and_recent_window(device: torch.device) -> None:
     """Each decode output equals dense attention over the first 4 and the last 20 tokens."""
     steps = inputs(30, 12)
-    s = make("streaming", StreamingParams(gpu_share=0.3, sinks=4), layers=1, max_len=80)
-    outs = drive(s, steps)
+    s = make("streaming", StreamingParams(gpu_share=0.3, sinks=4), layers=1, max_len=80,
+             device=device)
+    outs = [[o.cpu() for o in row]
+            for row in drive(s, [tuple(x.to(device) for x in st) for st in steps])]
     ks = torch.cat([st[1] for st in steps], dim=2)
     vs = torch.cat([st[2] for st in steps], dim=2)
     for i in range(1, 13):
