@@ -91,8 +91,11 @@ MODULES: dict[str, Spec] = {
                     group="hwmodel"),
     "breakdown": Spec("kvbench/runtime/breakdown.py", ("tests/test_trace.py",), OTHER,
                       group="runtime"),
-    "shadow": Spec("kvbench/runtime/shadow.py", ("tests/test_shadow.py",), OTHER,
-                   group="runtime"),
+    # test_shadow's strategy runs take minutes here: its two unit tests and the arithmetic
+    "shadow": Spec("kvbench/runtime/shadow.py", (
+        "tests/test_shadow_arith.py", "tests/test_shadow.py::test_reference_runs_between_steps",
+        "tests/test_shadow.py::test_error_of_a_sparse_strategy_is_its_distance_from_full_"
+        "attention"), OTHER, group="runtime"),
     "energy": Spec("kvbench/runtime/energy.py", ("tests/test_energy.py",), OTHER,
                    group="runtime"),
     "pages": Spec("kvbench/strategies/_pages.py", ("tests/test_pages_arith.py",), OTHER,
