@@ -20,6 +20,7 @@ import math
 
 import pytest
 import torch
+from conftest import assert_usage_error, cli
 
 from kvbench.models import ModelSpec
 from kvbench.models.weights import load
@@ -232,14 +233,6 @@ def test_bundled_calibration_text_is_not_the_default_scored_text() -> None:
     assert len(text) > 8000  # ~2.5K tokens: the first 2048 calibrate
 
 
-def _cli(args: list[str], capsys) -> tuple[int, str]:
-    from kvbench.cli import main
-
-    with pytest.raises(SystemExit) as e:
-        main(args)
-    return e.value.code, capsys.readouterr().err.strip()
-
-
 TINY = ["--model", "smollm2-135m", "--weights", "random", "--layers", "2", "--prompt-len",
         "40", "--gen-len", "2"]
 
@@ -252,8 +245,7 @@ TINY = ["--model", "smollm2-135m", "--weights", "random", "--layers", "2", "--pr
 ])
 def test_cli_refuses_bad_variants(args: list[str], words: str, capsys, tmp_path) -> None:
     out = tmp_path / "r.jsonl"
-    code, err = _cli(["run", "infinigen", *TINY, *args, "--out", str(out)], capsys)
-    assert code == 2 and len(err.splitlines()) == 1 and words in err, err
+    assert_usage_error(cli(["run", "infinigen", *TINY, *args, "--out", str(out)], capsys), words)
     assert not out.exists()
 
 
@@ -262,8 +254,7 @@ def test_cli_refuses_scoring_the_calibration_text(capsys, tmp_path) -> None:
     prompt, before anything is measured or stored."""
     out, text = tmp_path / "r.jsonl", tmp_path / "t.txt"
     text.write_text(calib.CALIB_TEXT.read_text()[:400])
-    code, err = _cli(["run", "infinigen", *TINY, "--text", str(text), "--calib-text",
-                      str(text), "--out", str(out)], capsys)
-    assert code == 2 and len(err.splitlines()) == 1, err
-    assert "scored text begins with the calibration text" in err
+    assert_usage_error(cli(["run", "infinigen", *TINY, "--text", str(text), "--calib-text",
+                            str(text), "--out", str(out)], capsys),
+                       "scored text begins with the calibration text")
     assert not out.exists()

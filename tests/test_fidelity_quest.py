@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_usage_error, cli
 
-from kvbench.cli import main
 from kvbench.models import ModelSpec
 from kvbench.runtime.context import Counters, RunContext
 from kvbench.strategies.quest import Quest, QuestParams
@@ -174,10 +174,7 @@ TINY = ["--model", "smollm2-135m", "--weights", "random", "--layers", "3", "--pr
 def test_bad_variant_input_exits_2(args: list[str], message: str, capsys,
                                    tmp_path: Path) -> None:
     out = tmp_path / "x.jsonl"
-    with pytest.raises(SystemExit) as e:
-        main(["run", "quest", *args, *TINY, "--out", str(out)])
-    err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and message in err and len(err.splitlines()) == 1, err
+    assert_usage_error(cli(["run", "quest", *args, *TINY, "--out", str(out)], capsys), message)
     assert not out.exists()
 
 
