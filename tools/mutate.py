@@ -203,11 +203,23 @@ def _verdicts(ws: Path, spec: Spec) -> dict[str, str]:
             if _in_scope(spec, k)}
 
 
-def _diff(ws: Path, mutant: str) -> str:
-    mutmut = str(Path(sys.executable).with_name("mutmut"))
-    out = subprocess.run([mutmut, "show", mutant], cwd=ws, capture_output=True, text=True)
-    return "\n".join(line for line in out.stdout.splitlines()[1:]
-                     if line.startswith(("+", "-", "@@")) and not line.startswith(("+++", "---")))
+_DIFFS = """
+import json, sys
+from mutmut.mutation.diff_apply import get_diff_for_mutant
+print(json.dumps({m: get_diff_for_mutant(m) for m in sys.argv[1:]}))
+"""
+
+
+def _diffs(ws: Path, mutants: list[str]) -> dict[str, str]:
+    """Each mutant's diff (changed lines only), from one process in the workspace."""
+    if not mutants:
+        return {}
+    out = subprocess.run([sys.executable, "-c", _DIFFS, *mutants], cwd=ws, check=True,
+                         capture_output=True, text=True)
+    return {m: "\n".join(line for line in diff.splitlines()
+                         if line.startswith(("+", "-", "@@"))
+                         and not line.startswith(("+++", "---")))
+            for m, diff in json.loads(out.stdout.splitlines()[-1]).items()}
 
 
 def _export(name: str, spec: Spec, ws: Path, seconds: float, redo: list[str]) -> None:
@@ -217,7 +229,7 @@ def _export(name: str, spec: Spec, ws: Path, seconds: float, redo: list[str]) ->
     earlier = json.loads(path.read_text()).get("killed_on_rerun", []) if path.exists() else []
     rescued = sorted({*earlier, *(k for k in redo if verdicts.get(k) in ("killed", "timeout"))}
                      & set(verdicts))
-    survivors = {k: _diff(ws, k) for k, v in verdicts.items() if v in ("survived", "no tests")}
+    survivors = _diffs(ws, [k for k, v in verdicts.items() if v in ("survived", "no tests")])
     OUT.mkdir(parents=True, exist_ok=True)
     record = {
         "module": name, "source": spec.source, "tests": list(spec.tests),
