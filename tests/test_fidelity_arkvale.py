@@ -117,7 +117,8 @@ def check(s: ArkVale, refs: list[Authors], kv_of: list[list[int]], step: int) ->
 
 
 def run(prompt: int, budget: int, page: int, pages: int, sinks: int, window: int,
-        variant: str, steps: int, seed: int, quiet: int = -1) -> tuple[int, int]:
+        variant: str, steps: int, seed: int, quiet: int = -1, device: torch.device = CPU
+        ) -> tuple[int, int]:
     """Prefill `prompt` tokens then decode `steps`, comparing kvbench's arkvale with the
     transcription at every step (page `quiet`'s keys scaled down: it scores low). Returns
     (steps over the budget, pages recalled)."""
@@ -125,7 +126,8 @@ def run(prompt: int, budget: int, page: int, pages: int, sinks: int, window: int
     b = 2
     p = ArkValeParams(variant=variant, budget_tokens=budget * page, page_size=page,
                       pages=pages, sinks=sinks, window_pages=window, dense_layers=0)
-    c = RunContext(SPEC, 1, b, prompt + steps, torch.float32, CPU, CPU, Counters(2, 4))
+    c = RunContext(SPEC, 1, b, prompt + steps, torch.float32, device, CPU,
+                   Counters(2, 4, cuda=device.type == "cuda"))
     s = ArkVale(p, c)
     groups = [list(range(6))] if variant == "authors" else [[0, 1, 2], [3, 4, 5]]
     kv_of = [[0, 1]] if variant == "authors" else [[0], [1]]
@@ -134,7 +136,7 @@ def run(prompt: int, budget: int, page: int, pages: int, sinks: int, window: int
         k[:, :, quiet * page:(quiet + 1) * page] *= 0.01
     v = torch.randn(b, 2, prompt, 8, generator=g)
     q0 = torch.randn(b, 6, prompt, 8, generator=g)
-    s.prefill(0, q0, k, v)
+    s.prefill(0, q0.to(device), k.to(device), v.to(device))
     refs = [Authors(budget, page, p.topk, sinks, window, groups) for _ in range(b)]
     for i, ref in enumerate(refs):
         ref.prefill(q0[i, :, -1], k[i], v[i])
@@ -144,7 +146,7 @@ def run(prompt: int, budget: int, page: int, pages: int, sinks: int, window: int
         c.counters.step = step
         q = torch.randn(b, 6, 1, 8, generator=g)
         kn, vn = torch.randn(b, 2, 1, 8, generator=g) * 2, torch.randn(b, 2, 1, 8, generator=g)
-        out = s.decode(0, q, kn, vn)
+        out = s.decode(0, q.to(device), kn.to(device), vn.to(device)).cpu()
         over += refs[0].n_pages > budget
         for i, ref in enumerate(refs):
             want = ref.decode(q[i, :, 0], kn[i], vn[i])
@@ -157,11 +159,12 @@ def run(prompt: int, budget: int, page: int, pages: int, sinks: int, window: int
 
 
 @pytest.mark.parametrize("variant", ["authors", "per-kv-head"])
-def test_resident_sets_and_outputs_follow_the_authors_code(variant: str) -> None:
+def test_resident_sets_and_outputs_follow_the_authors_code(variant: str,
+                                                          device: torch.device) -> None:
     """Budget 8 pages of 4, k 5 (sinks 1, window 2: 3 pages by score, 6 in the top
     set), a prompt off the page grid, decode across 6 page boundaries with recalls; page 1
     scores low, yet the prefill keeps it (at least 2 sinks there)."""
-    over, recalled = run(38, 8, 4, 5, 1, 2, variant, 24, seed=3, quiet=1)
+    over, recalled = run(38, 8, 4, 5, 1, 2, variant, 24, seed=3, quiet=1, device=device)
     assert over == 24 and recalled > 0
 
 
