@@ -30,9 +30,9 @@ B, HQ, HKV, D = 2, 6, 2, 8
 G = HQ // HKV
 
 
-def _ctx(max_len: int) -> RunContext:
-    return RunContext(SPEC, 2, B, max_len, torch.float32, torch.device("cpu"),
-                      torch.device("cpu"), Counters(HKV, 4))
+def _ctx(max_len: int, device: torch.device = torch.device("cpu")) -> RunContext:
+    return RunContext(SPEC, 2, B, max_len, torch.float32, device, torch.device("cpu"),
+                      Counters(HKV, 4, cuda=device.type == "cuda"))
 
 
 def _bound(q: torch.Tensor, keys: torch.Tensor) -> float:
@@ -74,21 +74,23 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, toks: list[int]
     return (w[:, None] * v[toks].double()).sum(0)
 
 
-def _run(params: QuestParams, n0: int, steps: int, seed: int, rule) -> list[list[int]]:
+def _run(params: QuestParams, n0: int, steps: int, seed: int, rule,
+         device: torch.device = torch.device("cpu")) -> list[list[int]]:
     """Prefill n0 tokens into layer 1 (sparse; layer 0 dense), decode `steps` tokens; at
     each step hold kvbench's attended set and output per (sequence, query head) against
-    `rule(b, h, q, keys)` -> page ids. Returns the reference's page lists, step-major."""
+    `rule(b, h, q, keys)` -> page ids. Returns the reference's page lists, step-major.
+    kvbench runs on `device`, the reference on the CPU."""
     g = torch.Generator().manual_seed(seed)
-    s = Quest(params, _ctx(n0 + steps))
+    s = Quest(params, _ctx(n0 + steps, device))
     k, v = torch.randn(B, HKV, n0, D, generator=g), torch.randn(B, HKV, n0, D, generator=g)
-    s.prefill(1, torch.randn(B, HQ, n0, D, generator=g), k, v)
+    s.prefill(1, torch.randn(B, HQ, n0, D, generator=g).to(device), k.to(device), v.to(device))
     seen = []
     for _ in range(steps):
         q = torch.randn(B, HQ, 1, D, generator=g)
         kn, vn = torch.randn(B, HKV, 1, D, generator=g), torch.randn(B, HKV, 1, D, generator=g)
-        out = s.decode(1, q, kn, vn)
+        out = s.decode(1, q.to(device), kn.to(device), vn.to(device)).cpu()
         k, v = torch.cat([k, kn], 2), torch.cat([v, vn], 2)
-        n, mask = k.shape[2], s.attended(1)
+        n, mask = k.shape[2], s.attended(1).cpu()
         for b in range(B):
             for h in range(HQ):
                 pages = rule(b, h, q, k[b, h // G])
@@ -101,14 +103,14 @@ def _run(params: QuestParams, n0: int, steps: int, seed: int, rule) -> list[list
     return seen
 
 
-def test_authors_variant_is_the_accuracy_codes_selection() -> None:
+def test_authors_variant_is_the_accuracy_codes_selection(device: torch.device) -> None:
     """Budget 32 in pages of 8 (4 of up to 7 pages), 45 prompt tokens then 8 decode steps
     (crossing 48): per query head, the current page ranked like the others."""
     budget, page = 32, 8
     params = QuestParams(budget_tokens=budget, page_size=page, dense_layers=1)
     assert params.variant == "authors"
     seen = _run(params, 45, 8, 0, lambda b, h, q, keys: authors_pages(
-        q[b, h, 0], keys, budget, page))
+        q[b, h, 0], keys, budget, page), device)
     cur = [(45 + i // (B * HQ)) // page in p for i, p in enumerate(seen)]
     assert not all(cur) and any(cur)  # the current page is sometimes left out, sometimes not
     groups = [seen[i:i + G] for i in range(0, len(seen), G)]
@@ -135,7 +137,8 @@ def test_authors_budget_edges(budget: int, n0: int, steps: int) -> None:
 
 @pytest.mark.parametrize("per", ["query", "kv"])
 @pytest.mark.parametrize("budget", [16, 32, 56])
-def test_kernel_variant_is_the_controllers_selection(per: str, budget: int) -> None:
+def test_kernel_variant_is_the_controllers_selection(per: str, budget: int,
+                                                    device: torch.device) -> None:
     """The current page always attended and counted; 56 = 7 pages: every page until the
     context passes 56 tokens."""
     page = 8
@@ -146,7 +149,7 @@ def test_kernel_variant_is_the_controllers_selection(per: str, budget: int) -> N
         heads = [h] if per == "query" else range(h // G * G, h // G * G + G)
         return kernel_pages([q[b, x, 0] for x in heads], keys, budget, page)
 
-    seen = _run(params, 45, 14, budget, rule)
+    seen = _run(params, 45, 14, budget, rule, device)
     assert all(p[-1] == -(-(45 + i // (B * HQ) + 1) // page) - 1 for i, p in enumerate(seen))
 
 
