@@ -87,8 +87,9 @@ MODULES: dict[str, Spec] = {
                                    "device_setup", "RooflineProbe.run",
                                    "RooflineProbe._points", "RooflineProbe._linear"),
                      group="probes"),
-    "hwmodel": Spec("kvbench/hwmodel/project.py", ("tests/test_hwmodel.py",), OTHER,
-                    group="hwmodel"),
+    "hwmodel": Spec("kvbench/hwmodel/project.py", ("tests/test_hwmodel.py", "-k",
+                                                   "project or scale or hardware_this"),
+                    OTHER, group="hwmodel"),
     "breakdown": Spec("kvbench/runtime/breakdown.py", ("tests/test_trace.py",), OTHER,
                       group="runtime"),
     # test_shadow's strategy runs take minutes here: its two unit tests and the arithmetic
