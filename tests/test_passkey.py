@@ -131,9 +131,22 @@ def test_cli_records_and_bad_input(tmp_path: Path, capsys) -> None:
     pk = [r for r in recs if r.get("metric") == "passkey_accuracy"]
     assert len(pk) == 1 and pk[0]["status"] == "waived"  # random weights retrieve nothing
     assert pk[0]["params"]["depth"] == 0.3 and pk[0]["params"]["mode"] == "passkey"
+    assert "task" not in pk[0]["params"]  # passkey's records keep their keys
+    out2 = tmp_path / "mk.jsonl"
+    with pytest.raises(SystemExit) as e:
+        main([*base[:-3], "500", "--gen-len", "30", "--task", "multikey", "--out", str(out2)])
+    assert e.value.code == 0
+    capsys.readouterr()
+    mk = [json.loads(line) for line in out2.read_text().splitlines()]
+    assert {r["params"].get("task") for r in mk if r["kind"] == "run"} == {"multikey"}
     for args, message in ((["--depth", "1.5"], "--depth 1.5: must be in [0, 1]"),
                           (["--prompt-len", "20"], "the passkey prompt needs at least"),
-                          (["--turns", "2"], "--mode passkey is single-turn")):
+                          (["--turns", "2"], "--mode passkey is single-turn"),
+                          (["--task", "nope"], "--task 'nope': one of passkey, multikey"),
+                          (["--task", "multivalue", "--prompt-len", "600"],
+                           "the multivalue answers take up to"),
+                          (["--mode", "eval", "--task", "vartrack"],
+                           "--task vartrack is a retrieval task: pass --mode passkey")):
         assert_usage_error(cli([*base, *args, "--out", str(tmp_path / "bad.jsonl")], capsys),
                            message)
     assert not (tmp_path / "bad.jsonl").exists()

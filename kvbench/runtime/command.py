@@ -43,6 +43,9 @@ _HELP = {
     "seed": "Seed of random weights.",
     "compare_hf": "Also time transformers' generate on the same prompt, dtype and threads.",
     "depth": "Passkey mode: where the key sits in the prompt, 0 (start) to 1 (end).",
+    "task": "Passkey mode's task: passkey (one key), or RULER-style multikey (4 keyed "
+            "needles, one asked), multivalue (4 values of one key, all asked) or vartrack (a "
+            "chain of 4 variable assignments, every variable asked); needles from --depth.",
     "turns": "Conversation turns: each later turn appends --prompt-len new prompt tokens to "
              "the cache, then decodes --gen-len more (strategies with append only).",
     "prefix_cache": "Prefix cache tier (CXL KV-storage paper): accel, host:N (NUMA node) or "
@@ -122,7 +125,10 @@ def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None)
         from kvbench.runtime import passkey
 
         rows, answers, _ = passkey.build(loaded.encode, cfg.batch, p, cfg.depth, cfg.seed,
-                                         spec.vocab)
+                                         spec.vocab, cfg.task)
+        need = max(len(a) for a in answers)
+        require(g + 1 >= need, f"--gen-len {g}: the {cfg.task} answers take up to {need} "
+                f"tokens; pass --gen-len {need - 1} or more")
         rows = rows.to(device)
     else:
         rows = token_rows(loaded.encode(text), cfg.batch, length if cfg.mode == "eval" else

@@ -59,6 +59,7 @@ class RunConfig:
     compare_hf: bool = False
     turns: int = 1
     depth: float = 0.5  # passkey mode: where the key sits in the prompt (0 start, 1 end)
+    task: str = "passkey"  # passkey mode: kvbench.runtime.passkey.TASKS
     prefix_cache: str = ""  # kvbench.prefix: accel, host:N or disk:PATH ("": none)
     prefix_capacity: str = "0"  # bytes of the tier (0: twice the run's largest save)
     prefix_chunk: int = 16  # tokens per hashed chunk (vLLM's block size)
@@ -109,6 +110,11 @@ def resolve(cfg: RunConfig) -> tuple[ModelSpec, int, Any, Any, str]:
     require(cfg.mode != "passkey" or (cfg.turns == 1 and not cfg.compare_hf),
             "--mode passkey is single-turn, without --compare-hf")
     require(0 <= cfg.depth <= 1, f"--depth {cfg.depth}: must be in [0, 1]")
+    from kvbench.runtime.passkey import TASKS
+
+    require(cfg.task in TASKS, f"--task '{cfg.task}': one of {', '.join(TASKS)}")
+    require(cfg.task == "passkey" or cfg.mode == "passkey",
+            f"--task {cfg.task} is a retrieval task: pass --mode passkey")
     from kvbench.runtime.bound import SOURCES
 
     require(cfg.bandwidth in SOURCES, f"--bandwidth '{cfg.bandwidth}': {' or '.join(SOURCES)}")
@@ -347,6 +353,7 @@ def run_params(cfg: RunConfig, spec: ModelSpec, layers: int, device: Any, dtype:
         "layers": layers, "layers_total": spec.n_layers, "batch": cfg.batch,
         "prompt_len": cfg.prompt_len, "gen_len": cfg.gen_len, "turns": cfg.turns,
         "mode": cfg.mode, **({"depth": cfg.depth} if cfg.mode == "passkey" else {}),
+        **({"task": cfg.task} if cfg.task != "passkey" else {}),  # passkey's keys unchanged
         "dtype": str(dtype).removeprefix("torch."), "accel": device.type,
         "threads": torch.get_num_threads(),
         "text": os.path.basename(cfg.text) if cfg.text else "common-licenses"}
