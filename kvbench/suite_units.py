@@ -53,7 +53,11 @@ class Unit:
 
 
 def units(suite: Suite, only: str | None = None) -> list[Unit]:
-    """Every unit of the suite in file order, optionally those whose label matches `only`."""
+    """Every unit of the suite in file order, optionally those whose label (or case id)
+    matches the glob `only`; brackets in it are literal, as in the labels
+    ('quest[*budget_tokens=64]*'), so `*` and `?` are its only wildcards."""
+    if only is not None:
+        only = only.replace("[", "\0").replace("]", "[]]").replace("\0", "[[]")
     out = []
     for case in suite.cases:
         keys = list(case.sweep)

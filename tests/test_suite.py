@@ -285,6 +285,15 @@ def test_workers_parse_the_suite_from_its_text(tmp_path):
     assert unit_in("elsewhere/smoke.toml", suite.text, first.case_id).label == first.label
 
 
+def test_only_takes_brackets_literally(tmp_path):
+    """Labels hold brackets ('timer[calls=200,reps=3]#0'): a glob of a label's start
+    matches it, where fnmatch alone would read '[calls=...' as a character class."""
+    suite = load_suite(write(tmp_path, TIMER))
+    assert [u.label for u in units(suite, "timer[calls=200*")] == ["timer[calls=200,reps=3]#0"]
+    assert units(suite, "timer[calls=200,reps=3]#0") == units(suite)
+    assert units(suite, "timer[cr]*") == []
+
+
 def test_only_matching_no_case_is_an_error(tmp_path, capsys):
     """`--only 'zzz*'` ran nothing and exited 0 with `results: FILE` for a file never
     written."""
