@@ -409,3 +409,72 @@ def test_dataframe_columns(tmp_path: Path) -> None:
     assert sorted(df.columns) == ["kind", "n_samples", "name", "param.size", "stats.median",
                                   "value"]
     assert list(df["n_samples"]) == [2, 0] and df.loc[1, "name"] == "y"
+
+
+def test_git_state_of_a_repository_without_commits_or_with_a_broken_index(tmp_path) -> None:
+    """Either git call failing makes the state unknown: no commit yet (rev-parse fails,
+    status works) or a corrupt index (status fails, rev-parse works)."""
+    import subprocess
+
+    from kvbench.store import git_state
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    assert git_state(tmp_path) == ("unknown", False)
+    (tmp_path / "f").write_text("a")
+    git("add", "f")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "x")
+    (tmp_path / ".git" / "index").write_bytes(b"not an index")
+    assert git_state(tmp_path) == ("unknown", False)
+
+
+def test_records_are_compact_json_and_keep_nan(tmp_path: Path) -> None:
+    path = tmp_path / "a" / "b" / "r.jsonl"  # folders made as needed
+    env = {"env_id": "e", "x": float("nan")}
+    with ResultWriter(path, env, command="c") as w:
+        w.write_all([measured("probe", "x", "m", "s", "lower", [float("nan")]),
+                     measured("probe", "x", "n", "s", "lower", [1.0])])
+    first, second, third = path.read_text().splitlines()
+    assert first.startswith('{"schema_version":1,"kind":"env","env_id":"e"')
+    assert '"x":NaN' in first and second.startswith('{"kind":"probe","name":"x","metric":"m"')
+    assert '"samples":[NaN]' in second and ", " not in third
+    rs = load(path)
+    assert [r["metric"] for r in rs.records] == ["m", "n"] and rs.path == path
+
+
+def test_load_when_the_os_refuses_to_look(tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(KvbenchError) as e:
+        load(tmp_path / "f" / "child.jsonl")
+    assert str(e.value) == f"result file '{tmp_path / 'f' / 'child.jsonl'}': Not a directory"
+
+
+def test_check_results_out_blank_file_and_unusable_paths(tmp_path: Path, monkeypatch) -> None:
+    import kvbench.store as store
+    from kvbench.store import check_results_out
+
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n  \n")
+    check_results_out(blank)  # nothing but blank lines: appended to as if empty
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(KvbenchError) as e:
+        check_results_out(tmp_path / "f" / "r.jsonl", "--into")
+    assert str(e.value) == f"--into '{tmp_path / 'f' / 'r.jsonl'}': Not a directory"
+    monkeypatch.setattr(store, "RESULTS_DIR", tmp_path / "f")
+    with pytest.raises(KvbenchError) as e:
+        check_results_out(None)
+    assert str(e.value) == f"the results folder '{tmp_path / 'f'}' is not a folder: give a " \
+                           "folder path"
+
+
+def test_slim_reads_past_a_dropped_trace_and_gzip_has_no_timestamp(tmp_path: Path) -> None:
+    from kvbench.store import slim
+
+    rows = [{"kind": "run", "metric": "trace.x", "params": {"phase": "decode"}},
+            {"kind": "run", "metric": "tbt", "params": {}}]
+    src = tmp_path / "raw.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert slim([src, src], tmp_path / "s.jsonl.gz", ()) == [rows[1], rows[1]]
+    assert (tmp_path / "s.jsonl.gz").read_bytes()[4:8] == b"\0\0\0\0"  # gzip MTIME 0
