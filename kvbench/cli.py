@@ -246,7 +246,7 @@ def report_cmd(
     out: Path | None = typer.Option(None, help="Folder for report.html / report.md + figures."),
 ) -> None:
     """Render result files: tables per probe/strategy, figures, environment, commands."""
-    from kvbench.report import report
+    from kvbench.present.output import report
 
     report(files, fmt, out)
 

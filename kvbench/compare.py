@@ -303,8 +303,7 @@ def select_env(rs: ResultSet, which: str) -> ResultSet:
     """The records of the machine(s) `which` names in one file: an env_id, a fleet machine
     name or class (kvbench.fleet), a host name or a hardware class; a class naming several
     machines pools them. KvbenchError (with what the file holds) when nothing matches."""
-    from kvbench.suite import machine_class
-    from kvbench.summary import machine_label
+    from kvbench.suite import machine_class, machine_label
 
     def names(env_id: str, env: dict[str, Any]) -> set[str]:
         node = env.get("node") or {}

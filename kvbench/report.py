@@ -12,22 +12,20 @@ Table 1). Projected values are dashed/hatched in figures and labelled in tables.
 from __future__ import annotations
 
 import re
-import tempfile
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvbench.console import params_text, value_text
-from kvbench.errors import KvbenchError
 from kvbench.plots import pyplot, save
 from kvbench.plots.budget import budget_figures
 from kvbench.schema import RecordKey, record_key
 from kvbench.store import load
-from kvbench.summary import REFERENCE, Summary, machine_label, reference_value, summarize
+from kvbench.suite import machine_label
+from kvbench.summary import REFERENCE, Summary, label, reference_value, summarize
 from kvbench.units import format_bytes
 
-FORMATS = ("table", "markdown", "html")
 RUN_AXES = ("batch", "context", "prompt_len")  # run parameters figures put on the x axis
 
 
@@ -75,16 +73,6 @@ class Report:
 
 def commands(records: list[dict[str, Any]]) -> list[str]:
     return sorted({r["command"] for r in records if r.get("command")})
-
-
-def label(r: dict[str, Any]) -> str:
-    """The metric, marked when projected, and for a run's times when teacher-forced (eval
-    mode: the strategy's own times, its accuracy reference ran between the timed steps)."""
-    text = r["metric"] + ("" if r.get("provenance") == "measured" else " (projected)")
-    if r["kind"] == "run" and r["params"].get("mode") == "eval" and r["unit"] in ("s",
-                                                                                   "tokens/s"):
-        text += " (eval mode)"
-    return text
 
 
 def _numeric_axes(records: list[dict[str, Any]]) -> list[str]:
@@ -160,7 +148,7 @@ def samples_figure(group: Group, out_dir: Path) -> list[Figure]:
     return [Figure(f"{group.title}: samples per quantity", path, commands(group.ok()))]
 
 
-def accuracy_table(records: list[dict[str, Any]], machines: dict[str, str] | None = None
+def accuracytable(records: list[dict[str, Any]], machines: dict[str, str] | None = None
                    ) -> list[list[str]]:
     """Rows [strategy, params, perplexity, reference, change] with the full-attention
     reference at the same parameters minus the strategy's own (HGCA Table 1), from the same
@@ -218,7 +206,7 @@ def build(files: list[Path], fig_dir: Path) -> Report:
                                         commands(runs)))
     labels = {eid: machine_label(env) for eid, env in envs.items()}
     machines = labels if len(set(labels.values())) > 1 else {}
-    return Report(files, envs, groups, warnings, accuracy_table(runs, machines), summary,
+    return Report(files, envs, groups, warnings, accuracytable(runs, machines), summary,
                   machines)
 
 
@@ -256,7 +244,7 @@ def record_row(r: dict[str, Any], machine: str | None = None) -> list[str]:
             r["status"] + (f": {r['reason']}" if r.get("reason") else "")]
 
 
-def _markdown(rep: Report, fig_rel: Path | None) -> str:
+def markdown(rep: Report, fig_rel: Path | None) -> str:
     def table(head: list[str], rows: list[list[str]]) -> list[str]:
         out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         return [*out, *("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |"
@@ -289,7 +277,7 @@ def _markdown(rep: Report, fig_rel: Path | None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _table(rep: Report) -> None:
+def table(rep: Report) -> None:
     from rich.table import Table
 
     from kvbench.console import console
@@ -324,36 +312,3 @@ def _table(rep: Report) -> None:
         console.print(t)
     for w in rep.warnings:
         console.print(f"[yellow]warning:[/] {w}")
-
-
-def report(files: list[Path], fmt: str = "table", out: Path | None = None) -> Path | None:
-    """Render `files` as a terminal table, markdown (stdout, or DIR/report.md + figures) or
-    one self-contained DIR/report.html; returns the file written, if any."""
-    from kvbench.console import wrote
-    from kvbench.paths import check_out
-
-    if fmt not in FORMATS:
-        raise KvbenchError(f"unknown format '{fmt}' ({', '.join(FORMATS)})")
-    if fmt == "table":
-        with tempfile.TemporaryDirectory() as tmp:
-            _table(build(files, Path(tmp)))
-        return None
-    if fmt == "markdown" and out is None:
-        with tempfile.TemporaryDirectory() as tmp:
-            print(_markdown(build(files, Path(tmp)), None), end="")
-        return None
-    out = out or Path("results") / "report"
-    check_out(out, folder=True)
-    out.mkdir(parents=True, exist_ok=True)
-    if fmt == "markdown":
-        rep = build(files, out / "figures")
-        path = out / "report.md"
-        path.write_text(_markdown(rep, Path("figures")), encoding="utf-8")
-    else:
-        from kvbench.html_report import render
-
-        with tempfile.TemporaryDirectory() as tmp:
-            path = out / "report.html"
-            path.write_text(render(build(files, Path(tmp))), encoding="utf-8")
-    wrote(path)
-    return path

@@ -72,6 +72,15 @@ def machine_class(env: dict[str, Any]) -> str:
     return f"cpu-{cpu['logical_cpus']}c-{cpu['arch']}"
 
 
+def machine_label(env: dict[str, Any]) -> str:
+    """'class (name)': a fleet node's class and Ray node name, else the hardware class and
+    host name (machine_class)."""
+    node = env.get("node")
+    if node:
+        return f"{node['class']} ({node['name']})"
+    return f"{machine_class(env)} ({env.get('hostname', '?')})"
+
+
 def baseline_path(suite: Suite, results: ResultSet) -> Path:
     """results/baselines/<machine class of the results' environment>/<suite name>.jsonl."""
     from kvbench.store import REPO_ROOT

@@ -97,9 +97,17 @@ def _run_key(r: dict[str, Any]) -> tuple:
                                     key=str)))
 
 
-def _eval_mark(r: dict[str, Any]) -> str:
-    from kvbench.report import label
+def label(r: dict[str, Any]) -> str:
+    """The metric, marked when projected, and for a run's times when teacher-forced (eval
+    mode: the strategy's own times, its accuracy reference ran between the timed steps)."""
+    text = r["metric"] + ("" if r.get("provenance") == "measured" else " (projected)")
+    if r["kind"] == "run" and r["params"].get("mode") == "eval" and r["unit"] in ("s",
+                                                                                   "tokens/s"):
+        text += " (eval mode)"
+    return text
 
+
+def _eval_mark(r: dict[str, Any]) -> str:
     return " (eval mode)" if label(r).endswith("(eval mode)") else ""
 
 
@@ -236,17 +244,6 @@ def trace_figure(ok: list[dict[str, Any]], out_dir: Path) -> Path | None:
     return save(fig, out_dir / "run-traces-per-layer.png")
 
 
-def machine_label(env: dict[str, Any]) -> str:
-    """'class (name)': a fleet node's class and Ray node name, else the hardware class and
-    host name (kvbench.suite.machine_class)."""
-    from kvbench.suite import machine_class
-
-    node = env.get("node")
-    if node:
-        return f"{node['class']} ({node['name']})"
-    return f"{machine_class(env)} ({env.get('hostname', '?')})"
-
-
 def _pooled(ok: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Repetitions of one quantity as one record: samples pooled, value their median."""
     from kvbench.schema import record_key
@@ -264,6 +261,8 @@ def _pooled(ok: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def by_machine(envs: dict[str, dict[str, Any]], ok: list[dict[str, Any]]) -> list[list[str]]:
     """The headline figures of each machine side by side, machines ordered by class: a
     header row ['headline', machine...] then one row per headline; [] for one machine."""
+    from kvbench.suite import machine_label
+
     labels = {env_id: machine_label(env) for env_id, env in envs.items()}
     cols = sorted({labels[r["env_id"]] for r in ok if r.get("env_id") in labels})
     if len(cols) < 2:
