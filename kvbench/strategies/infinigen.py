@@ -400,7 +400,8 @@ class InfiniGen(Strategy):
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
-        """Attend the prefetched tokens and the new one (dense layers: the whole cache)."""
+        """Attend the prefetched tokens and the new one (authors: those of them the final
+        ranking keeps, `_ranked`); dense layers and steps read the whole cache."""
         import torch
 
         from kvbench.kernels.attention import dense_attention
