@@ -229,3 +229,43 @@ def test_elem_bytes_is_the_dtypes_itemsize() -> None:
                      dtype=torch.bfloat16, accel=torch.device("cpu"),
                      host=torch.device("cpu"), counters=Counters(1, 2))
     assert ctx.elem_bytes == 2
+
+
+def test_counters_accumulate_within_a_step_and_settle_in_float64(monkeypatch) -> None:
+    import torch
+
+    c = Counters(kv_heads=1, elem_bytes=4)
+    assert c.graph.n_layers == 1
+    c.attention("accel", 1.0, 2.0, 3.0)  # q_bytes 0 by default
+    c.attention("accel", 10.0, 20.0, 30.0)
+    c.add("tokens", "accel", 5)  # tokens make no task
+    c.add("pages", "p", 2.0)
+    c.add("pages", "p", torch.tensor([3.0]))  # a tensor adds to what the step holds
+    c.add("pages", "big", torch.tensor([1e8, 1.0, -1e8]))  # float32 sums would lose the 1
+    c.task("pnm", "score", flops=7.0)
+    s = _series(c)
+    assert s[("tokens", "accel", 0)] == {0: 16.0} and s[("flops", "accel", 0)] == {0: 22.0}
+    assert s[("bytes_read", "accel", 0)] == {0: 33.0}
+    assert s[("pages", "p", 0)] == {0: 5.0} and s[("pages", "big", 0)] == {0: 1.0}
+    a, _, t = c.graph.tasks  # two attentions, the explicit task: tokens made none
+    assert a.work == {"flops": 2.0, "bytes_read": 3.0, "bytes_written": 0.0, "launches": 3}
+    assert (t.resource, t.op, t.work) == ("pnm", "score", {"flops": 7.0})
+
+
+def test_step_end_without_step_begin_counts_from_zero(monkeypatch) -> None:
+    monkeypatch.setattr(context, "kernel_ns", lambda: 0)
+    c = Counters(kv_heads=1, elem_bytes=4)
+    c.step_end(0.5)
+    assert c.graph.tasks[-1].work == {"seconds": 0.5}
+
+
+def test_cuda_times_of_one_phase_add_up_within_a_step(monkeypatch) -> None:
+    fake = FakeCuda(launch_ns=0).install(monkeypatch, context)
+    c = Counters(kv_heads=1, elem_bytes=2, cuda=True)
+    c.step = 1
+    for _ in range(2):
+        with c.timed("attention"):
+            fake.launch(10_000)
+    fake.synchronize()
+    c.step_end(1e-3)
+    assert c.step_total("time", "attention", 1) == pytest.approx(20e-6, rel=1e-12)
