@@ -69,6 +69,10 @@ def _summary(s: Summary) -> list[str]:
     if s.runs:
         parts.append(f"<p><b>runs compared</b> ({escape(s.common)})</p>")
         parts.append(_table(COLUMNS, s.runs))
+    for title, head, rows in s.sweeps:
+        parts.append(f"<h3>{escape(title)}</h3>")
+        parts.append(_table(head, rows))
+    parts += [f'<p class="note">{escape(n)}</p>' for n in s.notes]
     return parts
 
 

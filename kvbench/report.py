@@ -258,6 +258,10 @@ def markdown(rep: Report, fig_rel: Path | None) -> str:
     if rep.summary.by_machine:
         lines += ["## Machines side by side", ""]
         lines += table(rep.summary.by_machine[0], rep.summary.by_machine[1:])
+    for title, head, rows in rep.summary.sweeps:
+        lines += [f"## {title}", ""]
+        lines += table(head, rows)
+    lines += [f"> {n}" for n in rep.summary.notes]
     for g in rep.groups:
         lines += [f"## {g.title}", ""]
         if g.ok():
@@ -293,6 +297,15 @@ def table(rep: Report) -> None:
         for row in rep.summary.by_machine[1:]:
             t.add_row(*row)
         console.print(t)
+    for title, head, rows in rep.summary.sweeps:
+        t = Table(title=title)
+        for col in head:
+            t.add_column(col)
+        for row in rows:
+            t.add_row(*row)
+        console.print(t)
+    for note in rep.summary.notes:
+        console.print(f"[yellow]note:[/] {note}")
     for g in rep.groups:
         t = Table(title=g.title)
         for col in ("name", "metric", "params", "value", "status"):

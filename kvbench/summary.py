@@ -43,6 +43,10 @@ class Summary:
     runs: list[list[str]] = field(default_factory=list)  # rows under COLUMNS
     traces: Path | None = None
     by_machine: list[list[str]] = field(default_factory=list)  # header row, then headlines
+    # headline metrics against the parameter the sweep varies (kvbench.present.sweep):
+    # (title, header, rows); notes: metrics that could not be pivoted
+    sweeps: list[tuple[str, list[str], list[list[str]]]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
 
 def accel_label(accel: Any) -> str:
@@ -188,11 +192,18 @@ def headlines(ok: list[dict[str, Any]]) -> list[list[str]]:
                          f"{p['head_dim']}, {p['host_tokens']} host tokens, {p['dtype']}, "
                          f"{p['threads']} threads"])
     refs = _perplexities(ok)
+    from kvbench.present.sweep import ALIASES, varying
+
+    swept = varying([r for r in ok if r["kind"] == "run" and not r["metric"].startswith(
+        "trace.")])
     for r in ok:
         if r["kind"] != "run":
             continue
         p = r["params"]
-        what = f"{r['name']} on {p.get('model')} ({accel_label(p.get('accel'))})"
+        keys = [x for k in sorted(swept.get(r["name"], ())) for x in ALIASES.get(k, (k,))]
+        own = " ".join(f"{k}={p[k]}" for k in keys if k in p)
+        what = (f"{r['name']} on {p.get('model')} ({accel_label(p.get('accel'))})"
+                + (f" {own}" if own else ""))
         if r["metric"] == "decode_tokens_per_s":
             rows.append([what, f"{r['value']:.3g} tokens/s{_eval_mark(r)}",
                          f"batch {p.get('batch')}, prompt {p.get('prompt_len')}, "
@@ -280,6 +291,9 @@ def summarize(envs: dict[str, dict[str, Any]], records: list[dict[str, Any]],
               out_dir: Path) -> Summary:
     ok = [r for r in records if r["status"] == "ok"]
     common, runs = compare_runs(ok)
+    from kvbench.present.sweep import sweep_tables
+
     machines = list(dict.fromkeys(machine_line(e) for e in envs.values()))
+    tables, notes = sweep_tables(ok)
     return Summary(machines, headlines(ok), common, runs, trace_figure(ok, out_dir),
-                   by_machine(envs, ok))
+                   by_machine(envs, ok), [(t.p.title, *t.grid()) for t in tables], notes)

@@ -231,3 +231,31 @@ def test_rows_name_their_machine_when_the_files_hold_several(tmp_path):
     assert changes["hgca @ small (n1)"] == "+5.00%" and changes["hgca @ big (n2)"] == "+2.00%"
     assert report([str(path), "--format", "markdown", "--out", str(tmp_path / "md")]) == 0
     assert "| hgca @ big (n2) |" in (tmp_path / "md" / "report.md").read_text()
+
+
+def test_a_sweep_shows_what_varies_as_columns_and_on_every_row() -> None:
+    """Runs of two strategies over budgets: the perplexity pivot has the budget as columns
+    (through the --budget-tokens / --gpu-tokens alias), a parameter that follows the budget
+    leaves the row label, and each headline row names the setting that tells it apart."""
+    from kvbench.present.sweep import sweep_tables
+    from kvbench.summary import headlines
+
+    def run(name: str, value: float, **params: object) -> dict:
+        return {"kind": "run", "name": name, "metric": "perplexity", "unit": "ppl",
+                "direction": "lower", "value": value, "status": "ok",
+                "provenance": "measured", "samples": [value],
+                "params": {"model": "m", "mode": "eval", **params}}
+
+    recs = [run("quest", 21.4, budget_tokens=64, pages=4),
+            run("quest", 16.1, budget_tokens=128, pages=8),
+            run("h2o", 18.7, gpu_tokens=64), run("h2o", 15.9, gpu_tokens=128),
+            run("full", 15.8)]
+    (table,), notes = sweep_tables(recs)
+    assert notes == [] and table.p.title == "perplexity by budget"
+    head, rows = table.grid()
+    assert head == ["name", "budget 64", "budget 128", "budget None"]
+    assert rows == [["full", "-", "-", "15.8"], ["h2o", "18.7", "15.9", "-"],
+                    ["quest", "21.4", "16.1", "-"]]
+    whats = {row[0] for row in headlines(recs)}
+    assert "quest on m (accel (?)) budget_tokens=64 pages=4" in whats
+    assert "h2o on m (accel (?)) gpu_tokens=128" in whats

@@ -227,24 +227,32 @@ class Table:
             return [m for m in self.metrics if m in found]
         return sorted(found, key=lambda c: (c is None, str(type(c)), c))
 
-    def markdown(self) -> list[str]:
+    def grid(self) -> tuple[list[str], list[list[str]]]:
+        """The table as a header and rows of text (any renderer: markdown, HTML, rich)."""
         p, cols = self.p, self.columns()
-        out = [f"## {p.title}", ""]
+        heads = [" / ".join(p.rows)] + [f"{p.columns} {c}" for c in cols] + [
+            f"{a} / {b}" for a, b in p.ratios]
+        rows = []
+        for row in self.row_labels():
+            cells = [row] + [self.cell(self.cells.get((row, c)), c) for c in cols]
+            for a, b in p.ratios:
+                ra, rb = self.cells.get((row, a)), self.cells.get((row, b))
+                cells.append(f"{ra['value'] / rb['value']:.2f}x" if ra and rb and rb["value"]
+                             else "-")
+            rows.append(cells)
+        return heads, rows
+
+    def markdown(self, heading: str = "##") -> list[str]:
+        p, cols = self.p, self.columns()
+        out = [f"{heading} {p.title}", ""]
         if p.text:
             out += [p.text, ""]
         if self.ref is not None:
             out += [f"Reference ({', '.join(f'{k} {v}' for k, v in p.reference.items())}): "
                     f"{format(self.ref['value'], p.fmt)}", ""]
-        heads = [f"{p.columns} {c}" for c in cols] + [f"{a} / {b}" for a, b in p.ratios]
-        out += [f"| {' / '.join(p.rows)} | " + " | ".join(heads) + " |",
-                "|---|" + "---|" * len(heads)]
-        for row in self.row_labels():
-            cells = [self.cell(self.cells.get((row, c)), c) for c in cols]
-            for a, b in p.ratios:
-                ra, rb = self.cells.get((row, a)), self.cells.get((row, b))
-                cells.append(f"{ra['value'] / rb['value']:.2f}x" if ra and rb and rb["value"]
-                             else "-")
-            out.append(f"| {row} | " + " | ".join(cells) + " |")
+        heads, rows = self.grid()
+        out += ["| " + " | ".join(heads) + " |", "|---" * len(heads) + "|"]
+        out += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
         if p.rank:
             out += ["", f"Ranking at each {p.columns} ({p.rank} is better):", ""]
             for c in cols:
