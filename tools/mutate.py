@@ -258,7 +258,8 @@ def _score(record: dict, reasons: dict[str, str]) -> dict:
             "equivalent": len(equivalent), "not_run": sum(v == "not checked"
                                                           for v in verdicts.values()),
             "total": len(verdicts), "score": round(score, 4),
-            "meets_target": score >= record["target"],
+            "meets_target": score >= record["target"] and not any(
+                v == "not checked" for v in verdicts.values()),
             "killed_by_new_tests": len(record.get("killed_on_rerun", [])),
             "untriaged": [k for k in survived if k not in reasons]}
 
@@ -288,6 +289,8 @@ def summary() -> None:
     for n, r in rows.items():
         rec = records[n]
         met = "" if r["meets_target"] else " (below)"
+        if r["not_run"]:
+            met += f" ({r['not_run']} of {r['total']} not run)"
         md.append(f"| {n} | {rec['source']} | {rec['commit'][:7]} | {r['killed']} | "
                   f"{r['timeout']} | {r['survived']} | {r['equivalent']} | "
                   f"{100 * r['score']:.1f}%{met} | {100 * rec['target']:.0f}% | "
