@@ -275,19 +275,19 @@ def run(exp: Experiment, resume: bool, only: str | None = None) -> int:
 
     # every suite checked before any runs; records name it as the repository does
     suites = [dataclasses.replace(load_suite(s), path=Path(_rel(s))) for s in exp.suites]
-    if only is not None:
-        require(any(units(s, only) for s in suites), f"--only '{only}' matches no case of "
-                f"experiment '{exp.name}'")
-        suites = [s for s in suites if units(s, only)]
+    require(only is None or any(units(s, only) for s in suites), f"--only '{only}' matches "
+            f"no case of experiment '{exp.name}'")
     errors = 0
-    outputs = [REPO_ROOT / s.output for s in suites]  # absolute outputs stay as they are
-    for s, out in zip(suites, outputs, strict=True):
-        errors += run_suite(s, out, resume=resume or out.exists(), only=only)
+    for s in suites:
+        out = REPO_ROOT / s.output  # absolute outputs stay as they are
+        if only is None or units(s, only):
+            errors += run_suite(s, out, resume=resume or out.exists(), only=only)
 
     def case(r: dict[str, Any]) -> tuple:
         return unit_key(r), r.get("name"), r.get("version")
 
-    outputs = [o for o in outputs if o.exists()]
+    # every suite output here is folded in, also of suites `only` did not run this time
+    outputs = [o for s in suites if (o := REPO_ROOT / s.output).exists()]
     if only is None:
         for proj in exp.projections:
             project(proj)
