@@ -314,3 +314,23 @@ def test_calibration_messages_in_full() -> None:
     two = load_calibration([runs([1.0, 2.0, 3.0]), runs([1.0, 2.0, 4.0], metric="latency")],
                            [runs([1.0])])
     assert len(two) == 2  # the spreads of every calibration file
+
+
+def test_t_quantile_below_one_to_a_billionth() -> None:
+    # small quantiles: the bisection's tolerance is relative to t (1e-9 t), not 1e-9 / t
+    assert t_quantile(0.1, 1) == pytest.approx(math.tan(0.05 * math.pi), rel=2e-9)
+    assert t_quantile(0.05, 2) == pytest.approx(0.05 * math.sqrt(2 / (1 - 0.05**2)), rel=2e-9)
+
+
+def test_spreads_read_past_a_skipped_record_and_name_every_class() -> None:
+    base = runs([100.0, 110.0, 90.0]).records
+    cal = ResultSet(Path("x"), envs={"e1": CPU2}, records=[{**base[0], "status": "error"},
+                                                          *base])
+    (s,) = spreads(cal).values()
+    assert s.runs == 3
+    two = runs([1.0, 2.0, 3.0], envs={"e1": CPU2, "e2": CPU8})
+    two.records.append({**two.records[0], "env_id": "e2"})
+    with pytest.raises(KvbenchError) as e:
+        load_calibration([two], [runs([1.0])])
+    assert str(e.value) == ("noise calibration 'x' is from cpu-2c-x86_64, cpu-8c-x86_64, the "
+                            "compared files from cpu-2c-x86_64")
