@@ -116,7 +116,7 @@ def _pivot(raw: dict[str, Any], i: int, path: Path) -> Pivot:
     try:
         extras = tuple(Extra(**e) for e in raw.get("extra", []))
         paper = tuple(PaperTable(p["citation"], tuple(p["columns"]),
-                                 {k: tuple(v) for k, v in p["rows"].items()})
+                                 {k: tuple(v) for k, v in p["rows"].items()}, p.get("column"))
                       for p in raw.get("paper", []))
         kw = {k: v for k, v in raw.items() if k not in ("extra", "paper")}
         kw["rows"] = tuple(kw["rows"]) if isinstance(kw["rows"], list) else (kw["rows"],)

@@ -46,6 +46,7 @@ class PaperTable:
     citation: str
     columns: tuple[Any, ...]
     rows: dict[str, tuple[Any, ...]]
+    column: str | None = None  # what its columns are (default: the table's columns key)
 
 
 @dataclass(frozen=True)
@@ -263,7 +264,8 @@ class Table:
                     f"{row} {format(v, p.fmt)}" for v, row in got))
         for paper in p.paper:
             out += ["", f"The paper: {paper.citation}", "",
-                    "| paper | " + " | ".join(f"{p.columns} {c}" for c in paper.columns)
+                    "| paper | " + " | ".join(f"{paper.column or p.columns} {c}"
+                                              for c in paper.columns)
                     + " |", "|---|" + "---|" * len(paper.columns)]
             out += [f"| {label} | " + " | ".join(map(str, vals)) + " |"
                     for label, vals in paper.rows.items()]
