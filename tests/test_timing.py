@@ -363,3 +363,85 @@ def test_time_stages_time_each_stage_after_an_untimed_setup(monkeypatch) -> None
     assert seen == [0, 0, 2, 2, 4, 4, 6, 6]  # both stages get their repetition's state
     assert len(syncs) == 1 + 3 * 3  # after the warm-up; after setup and each stage
     assert t_fill.timer == "perf_counter_ns (device synchronised)" and t_fill.warmup == 1
+
+
+def test_stats_in_float64_and_messages() -> None:
+    import numpy as np
+
+    st = Stats.of(np.array([2**24, 1, 1], dtype=np.float32))  # float32 would lose the ones
+    assert st.mean == (2**24 + 2) / 3
+    with pytest.raises(ValueError, match=r"^no samples$"):
+        Stats.of([])
+    assert Policy(min_reps=1, max_reps=100).share(3).max_reps == 33
+
+
+def test_timing_method_and_join_keep_timer_warmup_blocks_and_calls() -> None:
+    a = Timing((1.0,), "t", 3)
+    b = Timing((2.0,), "t", 0)
+    j = Timing.join([a, b])
+    assert (j.timer, j.warmup, j.blocks) == ("t", 3, (1, 1))
+    assert j.method()["blocks"] == [1, 1]
+    assert Timing((1.0,), "t", 0, calls=2).method()["calls_per_sample"] == 2
+    assert "calls_per_sample" not in Timing((1.0,), "t", 0, calls=1).method()
+
+
+def test_time_native_default_timer(monkeypatch) -> None:
+    from fake_cuda import FakeCuda
+
+    FakeCuda().install(monkeypatch)
+    t = time_native(lambda: 1.0, Policy(warmup=0, min_reps=2, min_time_s=0.0))
+    assert t.timer == "CLOCK_MONOTONIC (native)" and t.seconds == (1.0, 1.0)
+
+
+def test_time_cuda_warmup_cover_and_a_late_clock(monkeypatch) -> None:
+    """The fake clock starts 100 s in (timings are differences of the clock, never sums);
+    without cover no wait is queued or calibrated and there is no warm-up unless asked;
+    with cover at least one warm-up round."""
+    from fake_cuda import FakeCuda
+
+    from kvbench import timing
+    from kvbench.timing import time_cuda
+
+    fake = FakeCuda(launch_ns=1_000).install(monkeypatch)
+    fake.host(100 * 10**9)
+    with pytest.raises(ValueError, match=r"^time_cuda: calls >= 1, and cover or before, "
+                                         r"not both$"):
+        time_cuda(lambda: None, calls=0)
+    plain = time_cuda(lambda: fake.launch(10_000), Policy(warmup=0, min_reps=3,
+                                                          min_time_s=0.0))
+    assert plain.warmup == 0 and plain.seconds == pytest.approx((11e-6,) * 3, rel=1e-9)
+    assert plain.cover == "" and "before" not in plain.method()
+    assert "sleep" not in fake.log and timing._SLEEP_RATE == {}
+    covered = time_cuda(lambda: fake.launch(10_000), Policy(warmup=0, min_reps=3,
+                                                            min_time_s=0.0), cover=True)
+    assert covered.warmup == 1 and covered.exposed == 0 and len(covered.seconds) == 3
+    assert covered.cover and list(timing._SLEEP_RATE) == [0]  # keyed by the device
+
+
+def test_time_cuda_a_launch_exactly_as_long_as_the_wait_is_covered(monkeypatch) -> None:
+    """Warm-up enqueue 10 us, so the first sample's wait is 20 us; its enqueue takes 20 us:
+    not longer than the wait, not exposed."""
+    from fake_cuda import FakeCuda
+
+    from kvbench.timing import time_cuda
+
+    fake = FakeCuda(launch_ns=10_000).install(monkeypatch)
+    calls: list[int] = []
+
+    def step() -> None:
+        calls.append(1)
+        fake.launch_ns = 10_000 if len(calls) == 1 else 20_000
+        fake.launch(1_000)
+
+    t = time_cuda(step, Policy(warmup=1, min_reps=1, min_time_s=0.0), cover=True)
+    assert t.exposed == 0 and len(t.seconds) == 1
+
+
+def test_time_stages_on_a_late_clock(monkeypatch) -> None:
+    from fake_cuda import FakeCuda
+
+    fake = FakeCuda().install(monkeypatch)
+    fake.host(100 * 10**9)
+    (t,) = time_stages(lambda: None, [lambda s: fake.host(1_000_000)],
+                       Policy(warmup=0, min_reps=3, min_time_s=0.0))
+    assert t.seconds == (0.001,) * 3
