@@ -1,5 +1,6 @@
 import itertools
 import json
+import math
 import random
 from pathlib import Path
 
@@ -439,3 +440,55 @@ def test_each_metric_gets_its_own_verdict_in_one_comparison() -> None:
     assert rows["ppl"].change == -0.05 and rows["err"].change == 0.5
     assert rows["recall"].change == pytest.approx(-0.125, abs=1e-15)
     assert [r.metric for r in regressed(list(rows.values()))] == ["recall", "bandwidth"]
+
+
+# --- edges of the test, the shift and the environment selection (compare survivors) ---
+
+def test_mann_whitney_small_and_tied_samples_by_hand() -> None:
+    assert mann_whitney_p([], [1.0]) == 1.0 and mann_whitney_p([1.0], []) == 1.0
+    # one value below three: U = 0, one split in four that extreme each side
+    assert mann_whitney_p([0.0], [1.0, 2.0, 3.0]) == 0.5
+    assert mann_whitney_p([1.0, 2.0, 3.0], [0.0]) == 0.5
+    # ties: ranks 1.5 1.5 3.5 3.5 5.5 5.5, R1 = 6.5, U = 0.5, tie term 3 (2^3 - 2) = 18,
+    # var = 9/12 (7 - 18/30) = 4.8, z = (|0.5 - 4.5| - 0.5) / sqrt(4.8)
+    z = 3.5 / math.sqrt(4.8)
+    assert mann_whitney_p([1.0, 1.0, 2.0], [2.0, 3.0, 3.0]) == pytest.approx(
+        math.erfc(z / math.sqrt(2)), rel=1e-12)
+
+
+def _rows(*changes: float | None) -> list:
+    from kvbench.compare import Row
+
+    return [Row("probe", "p", f"m{i}", "measured", {}, "", "higher", 1.0, 1.0, c, None, "",
+                "same") for i, c in enumerate(changes)]
+
+
+def test_common_shift_at_its_bounds() -> None:
+    from kvbench.compare import Shift
+
+    assert common_shift(_rows(0.1, 0.1, 0.1, 0.1), 0.05) is None  # four: too few
+    assert common_shift(_rows(0.1, 0.1, 0.1, 0.1, 0.1, None, math.inf), 0.05) == Shift(
+        5, 5, 0.1)  # five finite changes are enough; none and infinite ones are left out
+    assert common_shift(_rows(0.1, 0.1, 0.1, 0.1, 0.0), 0.05) == Shift(5, 4, 0.1)  # 80%
+    assert common_shift(_rows(0.1, 0.1, 0.1, -0.1, -0.1), 0.05) is None  # 60% moved
+    assert common_shift(_rows(0.05, 0.05, 0.05, 0.05, 0.05), 0.05) is None  # at threshold
+    assert common_shift(_rows(0.01, 0.01, 0.01, 0.01, 0.01), 0.05) is None  # within it
+    assert common_shift(_rows(-0.1, -0.1, 0.0, 0.1, 0.1), 0.0) is None  # median 0
+
+
+def test_select_env_by_id_host_name_and_class_only() -> None:
+    envs = {"id-a": {"hostname": "box1", "cpu": {"logical_cpus": 2, "arch": "x86_64"}},
+            "id-b": {"cpu": {"logical_cpus": 8, "arch": "x86_64"},
+                     "node": {"name": "n2", "class": "big"}}}
+    recs = [{"env_id": "id-a", "metric": "a"}, {"env_id": "id-b", "metric": "b"}]
+    rs = ResultSet(Path("f.jsonl"), envs, recs, ["w"])
+    for which, env in (("id-a", "id-a"), ("box1", "id-a"), ("cpu-2c-x86_64", "id-a"),
+                       ("n2", "id-b"), ("big", "id-b"), ("id-b", "id-b")):
+        got = select_env(rs, which)
+        assert (got.path, list(got.envs), got.warnings) == (Path("f.jsonl"), [env], ["w"])
+        assert got.records == [r for r in recs if r["env_id"] == env]
+    for which in ("", "XXXX"):  # an empty or absent name matches no machine
+        with pytest.raises(KvbenchError) as e:
+            select_env(rs, which)
+        assert str(e.value) == (f"no environment '{which}' in 'f.jsonl' (it holds: id-a = "
+                                "cpu-2c-x86_64 (box1), id-b = big (n2))")
