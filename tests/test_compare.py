@@ -492,3 +492,76 @@ def test_select_env_by_id_host_name_and_class_only() -> None:
             select_env(rs, which)
         assert str(e.value) == (f"no environment '{which}' in 'f.jsonl' (it holds: id-a = "
                                 "cpu-2c-x86_64 (box1), id-b = big (n2))")
+
+
+def test_min_p_value_small_sides() -> None:
+    assert min_p_value(0, 3) == 1.0 and min_p_value(3, 0) == 1.0
+    assert min_p_value(1, 3) == pytest.approx(0.5, rel=1e-12)  # 2 / C(4, 1)
+    assert min_p_value(3, 1) == pytest.approx(0.5, rel=1e-12)
+    assert min_p_value(1, 1) == pytest.approx(1.0, rel=1e-12)
+
+
+def test_rows_carry_the_quantitys_identity_and_empty_tests() -> None:
+    def rs(*recs: dict) -> ResultSet:
+        return ResultSet(Path("x"), records=[{**r, "env_id": "e1"} for r in recs])
+
+    a = measured("probe", "bw", "bandwidth", "GB/s", "higher", [1.0, 2.0], {"size": 4}).to_dict()
+    a["provenance"] = "projected"
+    b = measured("run", "full", "tbt", "s", "lower", [1.0]).to_dict()
+    rows = compare_sets(rs(a, b), rs(a))
+    same, missing = rows
+    assert (same.kind, same.name, same.metric, same.provenance, same.params, same.unit,
+            same.direction) == ("probe", "bw", "bandwidth", "projected", {"size": 4}, "GB/s",
+                                "higher")
+    assert (missing.kind, missing.name, missing.metric, missing.verdict, missing.test) == (
+        "run", "full", "tbt", "missing", "")
+    (added,) = compare_sets(rs(a), rs(a, b))[1:]
+    assert (added.verdict, added.test, added.params) == ("added", "", {})
+
+
+def test_samples_runs_and_units_of_measured_records_only() -> None:
+    from kvbench.compare import _run_medians, _samples, _units
+
+    only_value = {"status": "ok", "value": 2.0, "samples": []}
+    waived_with_value = {"status": "waived", "value": 3.0, "samples": [3.0]}
+    ok_without_value = {"status": "ok", "value": None, "samples": []}
+    blocks = {"status": "ok", "value": 2.5, "samples": [1.0, 2.0, 3.0, 4.0],
+              "method": {"blocks": [2, 2]}}
+    recs = [only_value, waived_with_value, ok_without_value, blocks]
+    assert _samples(recs) == [2.0, 1.0, 2.0, 3.0, 4.0]
+    assert _run_medians(recs) == [2.0, 2.5]
+    assert _units(recs) == [2.0, 1.5, 3.5]
+
+
+def test_benjamini_hochberg_at_its_bounds() -> None:
+    from kvbench.compare import Row, _fdr
+
+    def row(p: float, verdict: str) -> Row:
+        return Row("probe", "p", "m", "measured", {}, "", "higher", 1.0, 1.0, 0.1, p,
+                   "mann-whitney", verdict)
+
+    # m = 2 (a "same" row enters with p = 1): the first p passes at exactly 1 x 0.05 / 2
+    kept = [row(0.025, "regressed"), row(0.01, "same")]
+    _fdr(kept, 0.05)
+    assert kept[0].verdict == "regressed" and kept[0].marks == []
+    dropped = [row(0.04, "improved"), row(0.01, "same")]
+    _fdr(dropped, 0.05)  # 0.04 > 0.025 and 1 > 0.05: nothing passes
+    assert dropped[0].verdict == "noise"
+    assert dropped[0].marks == ["not significant among 2 tested (Benjamini-Hochberg)"]
+
+
+def test_bonferroni_counts_the_calibrated_quantities_both_files_hold() -> None:
+    """Two calibrated quantities, only one in both files: its level is alpha / 1."""
+    from kvbench.noise import Spread
+    from kvbench.schema import record_key
+
+    def rs(*metrics: str) -> ResultSet:
+        return ResultSet(Path("x"), records=[
+            {**measured("probe", "p", m, "s", "lower", [1.0]).to_dict(), "env_id": "e1"}
+            for m in metrics])
+
+    base = rs("a", "b")
+    spread = Spread(0.1, 5)
+    noise = {record_key(r): spread for r in base.records}
+    (row, _) = compare_sets(base, rs("a"), noise=noise)
+    assert row.noise == pytest.approx(math.expm1(spread.bound(1, 1, 0.05)), rel=1e-12)
