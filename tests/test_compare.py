@@ -565,3 +565,52 @@ def test_bonferroni_counts_the_calibrated_quantities_both_files_hold() -> None:
     noise = {record_key(r): spread for r in base.records}
     (row, _) = compare_sets(base, rs("a"), noise=noise)
     assert row.noise == pytest.approx(math.expm1(spread.bound(1, 1, 0.05)), rel=1e-12)
+
+
+def test_unmeasured_error_added_and_informational_rows() -> None:
+    def rs(*recs: dict) -> ResultSet:
+        return ResultSet(Path("x"), records=[{**r, "env_id": "e1"} for r in recs])
+
+    ok = measured("probe", "p", "m", "s", "lower", [1.0, 2.0]).to_dict()
+    waived = {**not_measured("probe", "p", "m", "waived", "no GPU").to_dict(), "unit": "s",
+              "direction": "lower"}
+    no_reason = {k: v for k, v in waived.items() if k != "reason"}
+    error = {**waived, "status": "error", "reason": "boom"}
+    blank = {**ok, "value": None, "samples": []}  # measured nothing, as a torn run can
+    (row,) = compare_sets(rs(ok), rs(waived))
+    assert (row.verdict, row.marks) == ("unmeasured", ["waived: no GPU"])
+    (row,) = compare_sets(rs(ok), rs(no_reason))
+    assert row.marks == ["waived: "]
+    (row,) = compare_sets(rs(ok), rs(blank, error))
+    assert (row.verdict, row.marks) == ("error", ["error: boom"])
+    (row,) = compare_sets(rs(waived), rs(ok))
+    assert (row.verdict, row.test) == ("added", "")
+    diag = measured("probe", "p", "cv", "", "none", [1.0, 1.1]).to_dict()
+    (row,) = compare_sets(rs(diag), rs({**diag, "samples": [9.0, 9.9], "value": 9.45}))
+    assert (row.test, row.verdict, row.change) == ("informational", "same", None)
+
+
+def test_run_medians_are_the_units_from_two_runs_against_eight() -> None:
+    """2 runs against 8: the smallest p is 2 / C(10, 2) = 0.044 <= 0.05, so the runs are
+    the units; 4 against 4 at alpha exactly their smallest p (2 / 70) too."""
+    (row,) = compare_sets(runs_of([100.0, 101.0]), runs_of([100.0 + i for i in range(8)]))
+    assert row.test == "mann-whitney runs"
+    (row,) = compare_sets(runs_of([100.0, 101.0, 99.0, 100.5]),
+                          runs_of([100.0, 101.0, 99.0, 100.5]), alpha=min_p_value(4, 4))
+    assert row.test == "mann-whitney runs"
+
+
+def test_noise_applies_to_positive_values_only() -> None:
+    from kvbench.noise import Spread
+    from kvbench.schema import record_key
+
+    def one(value: float) -> ResultSet:
+        rec = measured("run", "r", "q", "", "lower", [value], {}, {"exact": "yes"})
+        return ResultSet(Path("x"), records=[{**rec.to_dict(), "env_id": "e1"}])
+
+    noise = {record_key(one(1.0).records[0]): Spread(0.1, 5)}
+    (row,) = compare_sets(one(0.5), one(0.5), noise=noise)
+    assert row.noise is not None and row.test == "run noise"
+    for base, new in ((0.0, 1.0), (1.0, 0.0)):
+        (row,) = compare_sets(one(base), one(new), noise=noise)
+        assert row.noise is None and row.test == "threshold-only"
