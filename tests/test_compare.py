@@ -614,3 +614,16 @@ def test_noise_applies_to_positive_values_only() -> None:
     for base, new in ((0.0, 1.0), (1.0, 0.0)):
         (row,) = compare_sets(one(base), one(new), noise=noise)
         assert row.noise is None and row.test == "threshold-only"
+
+
+def test_format_and_glob_messages_in_full() -> None:
+    from kvbench.compare import check_format, check_globs
+
+    check_format("json")
+    with pytest.raises(KvbenchError) as e:
+        check_format("csv")
+    assert str(e.value) == "unknown format 'csv' (table, markdown, json)"
+    a, b = ResultSet(Path("a.jsonl"), records=[]), ResultSet(Path("b.jsonl"), records=[])
+    with pytest.raises(KvbenchError) as e:
+        check_globs(["bw*"], b, a, b)
+    assert str(e.value) == "--metric 'bw*' matches no quantity of a.jsonl or b.jsonl"
