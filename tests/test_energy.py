@@ -46,7 +46,7 @@ def test_gpu_energy_is_the_run_devices(current: int, bus: int, handle: str,
     nv.mj[handle] += 2500  # only the run's GPU did work: 2.5 J
     m.stop()
     (rec,) = [r for r in m.records("full", {}, 5) if r.params["where"] == "accel"]
-    assert rec.status == "ok" and rec.value == pytest.approx(2.5 / 5)
+    assert rec.status == "ok" and rec.value == pytest.approx(2.5 / 5) and m.gpu_why == ""
     assert rec.method["counter"] == f"NVML total energy of cuda:{current} at PCI " \
                                     f"00000000:{bus:02x}:00.0"
 
@@ -90,7 +90,8 @@ def test_rapl_sums_packages_per_token_with_its_method(tmp_path) -> None:
         "full", "energy_per_token", "J/token", "lower")
     assert host.value == pytest.approx(0.5, rel=1e-12) and host.params == {"batch": 2,
                                                                             "where": "host"}
-    assert host.method["joules"] == pytest.approx(4.0, rel=1e-12)
+    assert host.method["joules"] == pytest.approx(4.0, rel=1e-12) and host.kind == "run"
+    assert (accel.kind, accel.name, accel.metric) == ("run", "full", "energy_per_token")
     assert host.method["counter"] == "RAPL package energy_uj"
     assert host.method["per"] == ("timed run (prefill + decode): counter difference / 8 "
                                   "generated tokens")
@@ -131,3 +132,13 @@ def test_gpu_without_nvml_module_is_waived(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails
     m = Meter(cuda=True)
     assert m.gpu is None and m.gpu_why == "nvidia-ml-py not installed (pip install kvbench[gpu])"
+
+
+@pytest.mark.parametrize("uj", [1_000_000, 1_500_000])
+def test_rapl_no_or_little_energy_is_not_a_wrap(tmp_path, uj: int) -> None:
+    a = _pkg(tmp_path, 0, 1_000_000)
+    m = Meter(tmp_path)
+    m.start()
+    (a / "energy_uj").write_text(f"{uj}\n")  # 0 J, then 0.5 J: no wrap
+    m.stop()
+    assert m.j["host"] == pytest.approx((uj - 1_000_000) * 1e-6, abs=1e-12)
