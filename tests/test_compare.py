@@ -627,3 +627,43 @@ def test_format_and_glob_messages_in_full() -> None:
     with pytest.raises(KvbenchError) as e:
         check_globs(["bw*"], b, a, b)
     assert str(e.value) == "--metric 'bw*' matches no quantity of a.jsonl or b.jsonl"
+
+
+def test_mann_whitney_caps_and_branches_by_hand() -> None:
+    # U at the centre: both tails 2/3, p capped at 1
+    assert mann_whitney_p([2.0], [1.0, 3.0]) == 1.0
+    # ties, var = 4/12 (5 - 24/12) = 1: z = (|1 - 2| - 0.5) / 1
+    assert mann_whitney_p([1.0, 1.0], [1.0, 2.0]) == pytest.approx(
+        math.erfc(0.5 / math.sqrt(2)), rel=1e-12)
+
+    def normal(n1: int, n2: int) -> float:  # x all below y: U = 0
+        z = (n1 * n2 / 2 - 0.5) / math.sqrt(n1 * n2 / 12 * (n1 + n2 + 1))
+        return math.erfc(z / math.sqrt(2))
+
+    below = [float(i) for i in range(100)]
+    # exact up to n1 n2 = 2500: 2 / C(n1 + n2, n1); the normal approximation beyond it
+    assert mann_whitney_p(below[:50], [100.0 + i for i in range(50)]) == pytest.approx(
+        2 / math.comb(100, 50), rel=1e-9)
+    assert mann_whitney_p(below[:41], [100.0 + i for i in range(61)]) == pytest.approx(
+        normal(41, 61), rel=1e-12)
+    assert mann_whitney_p(below[:51], [100.0 + i for i in range(51)]) == pytest.approx(
+        normal(51, 51), rel=1e-12)
+
+
+def test_a_p_value_equal_to_alpha_is_not_significant() -> None:
+    base, new = tight(100.0, "higher"), tight(112.0, "higher")
+    (row,) = compare_sets(base, new)
+    assert row.verdict == "improved" and 0 < row.p_value < 0.05
+    (row,) = compare_sets(base, new, alpha=row.p_value)
+    assert row.verdict == "noise"
+
+
+def test_marks_only_where_both_files_hold_the_quantity() -> None:
+    a = {**measured("probe", "p", "m", "s", "lower", [1.0, 2.0], version="1").to_dict(),
+         "env_id": "e1"}
+    b = {**a, "version": "2", "env_id": "e2"}
+    (row,) = compare_sets(ResultSet(Path("x"), records=[a]), ResultSet(Path("y"), records=[b]))
+    assert row.marks == ["env differs", "version differs"]
+    (missing,) = compare_sets(ResultSet(Path("x"), records=[a]),
+                              ResultSet(Path("y"), records=[{**b, "metric": "n"}]))[:1]
+    assert missing.verdict == "missing" and missing.marks == []
