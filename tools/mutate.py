@@ -90,8 +90,9 @@ MODULES: dict[str, Spec] = {
     "hwmodel": Spec("kvbench/hwmodel/project.py", ("tests/test_hwmodel.py", "-k",
                                                    "project or scale or hardware_this"),
                     OTHER, group="hwmodel"),
-    "breakdown": Spec("kvbench/runtime/breakdown.py", ("tests/test_trace.py",), OTHER,
-                      group="runtime"),
+    # test_trace's strategy runs take minutes here: its breakdown tests
+    "breakdown": Spec("kvbench/runtime/breakdown.py", ("tests/test_trace.py", "-k",
+                                                       "breakdown"), OTHER, group="runtime"),
     # test_shadow's strategy runs take minutes here: its two unit tests and the arithmetic
     "shadow": Spec("kvbench/runtime/shadow.py", (
         "tests/test_shadow_arith.py", "tests/test_shadow.py::test_reference_runs_between_steps",
