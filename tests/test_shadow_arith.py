@@ -154,3 +154,29 @@ def test_recall_over_fewer_keys_than_ten_and_calls_forwarded() -> None:
     shadow.flush()  # every key is in the top 10 of 4: 3 of 4 attended
     assert _filed(ctx.counters, "topk_recall") == {(0, 0): pytest.approx(0.75)}
     assert ("input", 0, (1, 2, 8)) in inner.log
+
+
+def test_the_shadow_files_under_attention_with_its_own_reference_counters() -> None:
+    """Outputs of norm well below 1 (v scaled by 1e-4): the error is still |f - 1|; the
+    reference counts into counters of its own, shaped like the run's."""
+    ctx = _ctx(1)
+    c = ctx.counters
+    inner = Scaled(NoParams(), ctx)
+    shadow = Shadow(inner, ctx)
+    assert shadow.p is inner.p and isinstance(shadow.ref.p, NoParams)
+    own = shadow.ref.ctx.counters
+    assert own is not c and (own.kv_heads, own.elem_bytes, own.cuda) == (HKV, 4, False)
+    g = torch.Generator().manual_seed(7)
+    q, k, v = _qkv(g, 4)
+    shadow.prefill(0, q, k, v * 1e-4)
+    c.step = 1
+    shadow.decode(0, *_qkv(g, 1))
+    inner.mask = torch.ones(1, HQ, 5, dtype=torch.bool)
+    shadow.flush()
+    wheres = {(qn, w) for qn, w, _, _ in c.series() if qn in ("rel_error", "topk_recall")}
+    assert wheres == {("rel_error", "attention"), ("topk_recall", "attention")}
+    assert _filed(c, "rel_error")[(0, 0)] == pytest.approx(1.0, rel=1e-5)
+    # the run counts the strategy's prefill (4 tokens) and decode (5); the reference's
+    # calls (4 + 5) go to its own counters, whose step stays 0
+    assert (c.step_total("tokens", "accel", 0), c.step_total("tokens", "accel", 1)) == (4, 5)
+    assert own.step_total("tokens", "accel", 0) == 9
