@@ -172,3 +172,25 @@ def test_check_pages_edges_pass() -> None:
     with pytest.raises(KvbenchError) as e:
         check_layers(5, 4)
     assert str(e.value) == "--dense-layers 5: the model runs 4 layers"
+
+
+def test_attend_selected_backends_float64_on_torch_float32_native() -> None:
+    """float64 tensors take the torch path (the native kernel is float32), and the backend
+    each call ran is what the record's method.backend will say."""
+    from kvbench.kernels import cpu
+    from kvbench.kernels.attention import backend_use
+
+    torch.manual_seed(3)
+    q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
+    pos, lens = torch.tensor([[[1, 4, 7, 0], [0, 2, 3, 8]]]), torch.tensor([[3, 4]])
+    want = _reference(q, k, v, pos, lens)
+    backend_use(reset=True)
+    out, _ = attend_selected(q.double(), k.double(), v.double(), pos, lens, Counters(2, 8))
+    assert out.dtype == torch.float64 and torch.allclose(out, want, atol=1e-12)
+    assert backend_use(reset=True) == {"decode": "torch-pages"}
+    out, _ = attend_selected(q, k, v.double(), pos, lens, Counters(2, 4))  # mixed: torch
+    assert backend_use(reset=True) == {"decode": "torch-pages"}
+    if cpu.native_ok(q):
+        out, _ = attend_selected(q, k, v, pos, lens, Counters(2, 4))
+        assert torch.allclose(out.double(), want, atol=1e-5)
+        assert backend_use(reset=True) == {"decode": "native-pages"}
