@@ -194,3 +194,19 @@ def test_attend_selected_backends_float64_on_torch_float32_native() -> None:
         out, _ = attend_selected(q, k, v, pos, lens, Counters(2, 4))
         assert torch.allclose(out.double(), want, atol=1e-5)
         assert backend_use(reset=True) == {"decode": "native-pages"}
+
+
+def test_digests_update_page_aligned_and_within_one_page() -> None:
+    torch.manual_seed(4)
+    k = torch.randn(1, 2, 12, 3)
+    d = Digests(1, 2, 12, 3, 4, "minmax", torch.device("cpu"), torch.float32)
+    d.update(k, 0, 4)  # exactly one whole page: the others untouched
+    assert torch.equal(d.lo[:, :, 0], k[:, :, 0:4].amin(-2))
+    assert not d.lo[:, :, 1:].any() and not d.hi[:, :, 1:].any()
+    d.update(k, 4, 6)  # page 1 partial
+    d.update(k, 6, 7)  # still within page 1: no whole page
+    assert torch.equal(d.lo[:, :, 1], k[:, :, 4:7].amin(-2))
+    d.update(k, 7, 12)  # pages 1 and 2 whole
+    for p in range(3):
+        assert torch.equal(d.lo[:, :, p], k[:, :, 4 * p:4 * p + 4].amin(-2))
+        assert torch.equal(d.hi[:, :, p], k[:, :, 4 * p:4 * p + 4].amax(-2))
