@@ -196,3 +196,46 @@ def test_breakdown_waives_query_cosine_of_random_weights() -> None:
     (real,) = derived("x", {"weights": "gguf"}, [1.0], c)
     assert real.value == 0.9 and real.direction == "higher"
     assert list(derived("x", {}, [0.0], Counters(1, 2))) == []  # nothing counted, no time
+
+
+def test_breakdown_records_fields_in_full() -> None:
+    """Every record's identity, unit, direction, params and method, as written."""
+    out = _breakdown()
+    p = {"layers": 2, "batch": 2}
+    step = {"per": "decode step, summed over layers", "statistic": "median"}
+    want = {
+        "bytes_moved_per_step@h2d": ("B", "none", {**p, "where": "h2d"}, step),
+        "pages_recalled_per_step": ("pages", "none", p, {
+            **step, "per": "decode step: pages summed over layers, sequences and KV heads"}),
+        "cpu_compute_ratio_per_step": ("ratio", "lower", p, {
+            **step, "per": "decode step: tokens attended on the host / budget, mean over the "
+                           "layers that report it"}),
+        "tokens_attended_per_step@accel": ("tokens/layer", "none", {**p, "where": "accel"}, {
+            "per": "decode step: tokens attended per layer and sequence, mean over the run's "
+                   "2 layers and 2 sequences", "statistic": "median"}),
+        "accel_idle_share": ("ratio", "lower", p, {
+            "per": "sum over decode steps / sum of decode step times"}),
+    }
+    for key, (unit, direction, params, method) in want.items():
+        r = out[key]
+        assert (r.kind, r.name, r.unit, r.direction, r.params, r.method) == (
+            "run", "x", unit, direction, params, method), key
+    assert all(r.kind == "run" and r.name == "x" for r in out.values())
+    sel = out["selected_fraction"]
+    assert (sel.unit, sel.direction, sel.params) == ("ratio", "none", p)
+    assert sel.method["per"] == "(layer, KV head): selected / host-resident entries"
+    err = out["attention_rel_error"]
+    assert (err.unit, err.params) == ("ratio", p)
+    assert err.method["statistic"] == "median over layers of the mean over decode steps"
+
+
+def test_breakdown_tokens_on_host_and_pnm() -> None:
+    from kvbench.runtime.breakdown import derived
+
+    c = Counters(kv_heads=1, elem_bytes=2, n_layers=1)
+    c.step = 1
+    for where, v in (("host", 6.0), ("pnm", 8.0), ("disk", 1.0)):
+        c.add("tokens", where, v)
+    got = {r.params["where"]: r.samples for r in derived("x", {"layers": 1, "batch": 2}, [1.0],
+                                                          c)}
+    assert got == {"host": [3.0], "pnm": [4.0]}
