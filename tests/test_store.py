@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 
 from kvbench.errors import KvbenchError
+from kvbench.paths import shown
 from kvbench.schema import SCHEMA_VERSION, measured, not_measured
 from kvbench.store import ResultWriter, load, to_dataframe
 
@@ -448,7 +449,9 @@ def test_load_when_the_os_refuses_to_look(tmp_path: Path) -> None:
     (tmp_path / "f").write_text("x")
     with pytest.raises(KvbenchError) as e:
         load(tmp_path / "f" / "child.jsonl")
-    assert str(e.value) == f"result file '{tmp_path / 'f' / 'child.jsonl'}': Not a directory"
+    # paths.shown: a long path (pytest-xdist's tmp folders) is cut in the middle
+    assert str(e.value) == f"result file '{shown(tmp_path / 'f' / 'child.jsonl')}': Not a " \
+                           "directory"
 
 
 def test_check_results_out_blank_file_and_unusable_paths(tmp_path: Path, monkeypatch) -> None:
@@ -461,12 +464,12 @@ def test_check_results_out_blank_file_and_unusable_paths(tmp_path: Path, monkeyp
     (tmp_path / "f").write_text("x")
     with pytest.raises(KvbenchError) as e:
         check_results_out(tmp_path / "f" / "r.jsonl", "--into")
-    assert str(e.value) == f"--into '{tmp_path / 'f' / 'r.jsonl'}': Not a directory"
+    assert str(e.value) == f"--into '{shown(tmp_path / 'f' / 'r.jsonl')}': Not a directory"
     monkeypatch.setattr(store, "RESULTS_DIR", tmp_path / "f")
     with pytest.raises(KvbenchError) as e:
         check_results_out(None)
-    assert str(e.value) == f"the results folder '{tmp_path / 'f'}' is not a folder: give a " \
-                           "folder path"
+    assert str(e.value) == f"the results folder '{shown(tmp_path / 'f')}' is not a folder: " \
+                           "give a folder path"
 
 
 def test_slim_reads_past_a_dropped_trace_and_gzip_has_no_timestamp(tmp_path: Path) -> None:

@@ -37,7 +37,7 @@ from kvbench.errors import KvbenchError
 # The smoke's KV-bound parameters (tools/gpu-smoke E8) at this script's 2K context: budgets
 # of 256 tokens in 16-token pages, one dense layer, so that 3 of 4 layers are sparse
 SCALED: dict[str, Any] = {"gpu_share": 0.125, "budget_tokens": 256, "page_size": 16,
-                          "dense_layers": 1, "resident_blocks": 4, "skew_tokens": 64}
+                          "dense_layers": 1, "resident_blocks": 4}
 SYNC_TEXT = "synchroniz"  # torch's warning: "called a synchronizing CUDA operation"
 
 
