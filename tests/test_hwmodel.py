@@ -366,3 +366,16 @@ def test_energy_meter_reads_rapl_with_wraparound_and_waives_without(tmp_path: Pa
     none.stop()
     (host,) = [r for r in none.records("full", {}, 1) if r.params["where"] == "host"]
     assert host.status == "waived" and "RAPL not exposed" in host.reason
+
+
+def test_probes_are_refused_where_no_profile_is_built_from_them(tmp_path: Path,
+                                                               capsys) -> None:
+    """--probes only builds 'this': given with a named profile it was silently ignored."""
+    probes = tmp_path / "p.jsonl"
+    probes.write_text("not kvbench\n")
+    assert_usage_error(cli(["hardware", "show", "h100-sxm", "--probes", str(probes)], capsys),
+                       "--probes: only 'this' is built from probe files; 'h100-sxm' is not")
+    assert_usage_error(cli(["project", str(probes), "--hardware", "h100-sxm", "--probes",
+                            str(probes), "--out", str(tmp_path / "o.jsonl")], capsys),
+                       "--probes: only --hardware this is built from probe files")
+    assert not (tmp_path / "o.jsonl").exists()

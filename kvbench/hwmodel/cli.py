@@ -72,6 +72,8 @@ def show(name: str, probe_files: list[Path]) -> None:
 
     from kvbench.console import console
 
+    require(not probe_files or name == "this", f"--probes: only 'this' is built from probe "
+            f"files; '{name}' is not")
     p = resolve(name, probe_files)
     t = Table(title=f"hardware profile {p.name} ({p.path})")
     for col in ("field", "value", "source"):
@@ -141,6 +143,8 @@ def project(results: Path, hardware: list[str], probe_files: list[Path], memory:
     from kvbench.store import load as load_results
 
     check_results_out(out)
+    require(not probe_files or "this" in hardware, "--probes: only --hardware this is built "
+            "from probe files")
     recs, n_runs = projected(load_results(results).records, str(results), hardware,
                              probe_files, memory, target, carried, gpus, pnms, skip)
     path = out or default_out_path("project")
