@@ -643,11 +643,11 @@ def test_mann_whitney_caps_and_branches_by_hand() -> None:
     below = [float(i) for i in range(100)]
     # exact up to n1 n2 = 2500: 2 / C(n1 + n2, n1); the normal approximation beyond it
     assert mann_whitney_p(below[:50], [100.0 + i for i in range(50)]) == pytest.approx(
-        2 / math.comb(100, 50), rel=1e-9)
+        2 / math.comb(100, 50), rel=1e-9, abs=0)  # no absolute slack: p ~ 1e-29
     assert mann_whitney_p(below[:41], [100.0 + i for i in range(61)]) == pytest.approx(
-        normal(41, 61), rel=1e-12)
+        normal(41, 61), rel=1e-12, abs=0)
     assert mann_whitney_p(below[:51], [100.0 + i for i in range(51)]) == pytest.approx(
-        normal(51, 51), rel=1e-12)
+        normal(51, 51), rel=1e-12, abs=0)
 
 
 def test_a_p_value_equal_to_alpha_is_not_significant() -> None:
