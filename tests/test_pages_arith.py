@@ -210,3 +210,14 @@ def test_digests_update_page_aligned_and_within_one_page() -> None:
     for p in range(3):
         assert torch.equal(d.lo[:, :, p], k[:, :, 4 * p:4 * p + 4].amin(-2))
         assert torch.equal(d.hi[:, :, p], k[:, :, 4 * p:4 * p + 4].amax(-2))
+
+
+def test_torch_selected_batch_of_two() -> None:
+    torch.manual_seed(8)
+    q, k, v = (torch.randn(2, 4, 1, 8, dtype=torch.float64),
+               torch.randn(2, 2, 6, 8, dtype=torch.float64),
+               torch.randn(2, 2, 6, 8, dtype=torch.float64))
+    pos = torch.tensor([[[0, 1, 2], [3, 4, 5]], [[5, 0, 0], [1, 3, 0]]])
+    lens = torch.tensor([[3, 3], [1, 2]])
+    out, _ = _torch_selected(q, k, v, pos, lens)
+    assert torch.allclose(out, _reference(q, k, v, pos, lens), atol=1e-12)
