@@ -239,3 +239,32 @@ def test_breakdown_tokens_on_host_and_pnm() -> None:
     got = {r.params["where"]: r.samples for r in derived("x", {"layers": 1, "batch": 2}, [1.0],
                                                           c)}
     assert got == {"host": [3.0], "pnm": [4.0]}
+
+
+def test_breakdown_shares_below_one_second_and_the_remaining_fields() -> None:
+    from kvbench.runtime.breakdown import derived
+
+    c = Counters(kv_heads=1, elem_bytes=2, n_layers=1)
+    c.step = 1
+    c.add("time", "accel_idle", 0.1)
+    c.add("time", "bookkeeping.x", 0.2)
+    c.add("tokens", "host_resident", 10.0)
+    c.add("tokens", "host_selected.h0", 5.0)
+    c.add("pred_overlap", "attention", 0.7)
+    c.add("pred_error", "attention", 0.3)
+    c.add("q_cosine", "attention", 0.9)
+    out = {r.metric: r for r in derived("x", {"weights": "random"}, [0.5], c)}
+    assert out["accel_idle_share"].samples == [pytest.approx(0.2, rel=1e-12)]
+    book = out["bookkeeping_share"]  # a step of 0.5 s: shares are still taken
+    assert (book.unit, book.direction, book.params, book.samples) == (
+        "ratio", "lower", {"weights": "random"}, [pytest.approx(0.4, rel=1e-12)])
+    assert out["selected_fraction"].method["statistic"] == "median"
+    overlap = out["predicted_block_overlap"]
+    assert (overlap.direction, overlap.samples) == ("higher", [0.7])
+    assert out["predicted_query_rel_error"].direction == "lower"
+    cos = out["query_cosine"]
+    assert (cos.kind, cos.name, cos.status, cos.params) == ("run", "x", "waived",
+                                                            {"weights": "random"})
+    assert cos.reason == "random weights: the predicted query's cosine is meaningless"
+    none = {r.metric for r in derived("x", {}, [0.0], c)}
+    assert not {"accel_idle_share", "bookkeeping_share"} & none  # no time: no share
