@@ -13,6 +13,7 @@ import fnmatch
 import hashlib
 import itertools
 import json
+import re
 import shlex
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,7 +58,7 @@ def units(suite: Suite, only: str | None = None) -> list[Unit]:
     matches the glob `only`; brackets in it are literal, as in the labels
     ('quest[*budget_tokens=64]*'), so `*` and `?` are its only wildcards."""
     if only is not None:
-        only = only.replace("[", "\0").replace("]", "[]]").replace("\0", "[[]")
+        only = re.sub(r"[][]", r"[\g<0>]", only)  # '[' -> '[[]', ']' -> '[]]'
     out = []
     for case in suite.cases:
         keys = list(case.sweep)
