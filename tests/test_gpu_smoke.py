@@ -26,7 +26,7 @@ from kvbench.runtime.run import RunConfig, resolve
 from kvbench.strategies import STRATEGIES
 
 ROOT = Path(__file__).resolve().parent.parent
-CHUNKS = "ABCD"
+CHUNKS = "ABCDS"
 
 
 def _dry(chunk: str) -> list[list[str]]:
