@@ -132,7 +132,8 @@ def _run(name: str, params: object, accel: torch.device, dtype: torch.dtype,
     from kvbench.models.weights import load
     from kvbench.runtime.run import decode_run
 
-    model = load(SPEC, "random", 3, dtype, accel, seed=1).model
+    # drawn on the CPU and moved: a CUDA generator draws other weights from the same seed
+    model = load(SPEC, "random", 3, dtype, CPU, seed=1).model.to(accel)
     rows = torch.randint(0, 100, (2, 51 + steps),
                          generator=torch.Generator().manual_seed(0)).to(accel)
     c = ctx(accel, 51 + steps, dtype, model)

@@ -153,6 +153,7 @@ def test_run_config_defaults_match_cli() -> None:
 
 
 @pytest.mark.gpu
+@needs_bundled
 def test_gpu_run_and_hf_comparison(tmp_path: Path) -> None:
     """On a GPU: full attention at batch 8 on the bundled model next to transformers, and
     the accelerator's allocator peak recorded (not run on the CPU-only development box)."""

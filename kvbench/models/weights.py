@@ -159,6 +159,7 @@ def _random(spec: ModelSpec, n_layers: int, dtype: torch.dtype, device: torch.de
     # cast while on meta, then allocate: the device holds dtype's bytes only (an fp32
     # model materialised first would need twice bf16's, more than check_fit counted)
     model = _meta(spec, n_layers).to(dtype).to_empty(device=device)
+    # drawn by `device`'s generator: one seed gives other weights on CUDA than on the CPU
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
