@@ -386,25 +386,52 @@ def _serve_sim(cfg: object, out: Path | None) -> None:
     wrote(path)
 
 
+_ADDED: list[tuple[typer.Typer, object]] = []  # the commands _add_registered_commands added
+_BUILT: dict[tuple[tuple[str, ...], tuple[str, ...]], object] = {}
+
+
 def _add_registered_commands() -> None:
+    """The registered probes and strategies (and the commands built from config classes) as
+    commands of `app`, replacing those an earlier call added."""
     from kvbench import plan
     from kvbench.options import config_command
+    from kvbench.prefix.serve import ServeConfig
     from kvbench.probes import PROBES, probe_command
     from kvbench.runtime.command import make_command
     from kvbench.strategies import STRATEGIES
 
-    for cls in PROBES.all():
-        probe_app.command(cls.name, help=cls.summary())(probe_command(cls))
-    for cls in STRATEGIES.all():
-        run_app.command(cls.name, help=cls.summary())(make_command(cls))
-    from kvbench.prefix.serve import ServeConfig
+    for typer_app, info in _ADDED:
+        typer_app.registered_commands.remove(info)
+    _ADDED.clear()
 
+    def add(typer_app: typer.Typer, name: str, help: str, fn: object) -> None:
+        typer_app.command(name, help=help)(fn)
+        _ADDED.append((typer_app, typer_app.registered_commands[-1]))
+
+    for cls in PROBES.all():
+        add(probe_app, cls.name, cls.summary(), probe_command(cls))
+    for cls in STRATEGIES.all():
+        add(run_app, cls.name, cls.summary(), make_command(cls))
     doc = ("TTFT vs batch under a TTFT SLO, recompute vs prefix cache per tier (CXL "
            "KV-storage paper Fig. 1c), and a Poisson serving simulation driven by it.")
-    app.command("serve-sim", help=doc)(config_command([(ServeConfig, None)], _serve_sim, doc))
+    add(app, "serve-sim", doc, config_command([(ServeConfig, None)], _serve_sim, doc))
     doc = "Capacity and cost of GPU / CXL-PNM configurations (projected; CXL-PNM Fig. 1a, Table 3)."
-    app.command("plan", help=doc)(config_command([(plan.PlanConfig, None)], plan.run, doc,
-                                                 results=False))  # --out: a JSON file
+    add(app, "plan", doc, config_command([(plan.PlanConfig, None)], plan.run, doc,
+                                         results=False))  # --out: a JSON file
+
+
+def command() -> typer.core.TyperGroup:
+    """`kvbench` as a click command, built once per set of registered probes and strategies
+    (building it takes about 0.2 s; a test may register more)."""
+    from kvbench.probes import PROBES
+    from kvbench.strategies import STRATEGIES
+
+    key = (tuple(c.name for c in PROBES.all()), tuple(c.name for c in STRATEGIES.all()))
+    if key not in _BUILT:
+        _add_registered_commands()
+        _BUILT.clear()
+        _BUILT[key] = typer.main.get_command(app)
+    return _BUILT[key]
 
 
 def _is_abort(e: BaseException) -> bool:
@@ -435,8 +462,7 @@ def main(argv: list[str] | None = None) -> None:
             argv.insert(i + 1, "local")
             break
     try:
-        _add_registered_commands()
-        code = app(args=argv, prog_name="kvbench", standalone_mode=False)
+        code = command().main(args=argv, prog_name="kvbench", standalone_mode=False)
     except KvbenchError as e:
         print(f"kvbench: error: {e}", file=sys.stderr)
         sys.exit(2)

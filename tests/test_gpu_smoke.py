@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 import torch
-import typer
 
 from kvbench.options import collect
 from kvbench.probes import PROBES
@@ -43,10 +42,9 @@ def commands() -> dict[str, list[list[str]]]:
 
 @pytest.fixture(scope="module")
 def cli() -> Any:
-    from kvbench.cli import _add_registered_commands, app
+    from kvbench.cli import command
 
-    _add_registered_commands()
-    return typer.main.get_command(app)
+    return command()
 
 
 def _parse(root: Any, argv: list[str]) -> tuple[list[str], dict[str, Any]]:

@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 from kvbench.store import load, read_lines, slim
+from kvbench.strategies import STRATEGIES, variants
 
 HERE = Path(__file__).parent
 KEEP = ("trace.q_cosine", "trace.cpu_ratio", "trace.pages", "trace.pred_error",
@@ -123,9 +124,16 @@ def _budget(r: dict) -> int | None:
 
 
 def _label(r: dict) -> str:
-    if r["name"] != "scout":
-        return r["name"]
-    return "scout" if r["params"].get("precompute", True) else "scout, no precompute"
+    """The row's strategy with the variant that ran; a record of a strategy that has variants
+    now but ran before they existed is named by its version."""
+    name, variant = r["name"], r["params"].get("variant")
+    if name == "scout":
+        return "scout" if r["params"].get("precompute", True) else "scout, no precompute"
+    if variant:
+        return f"{name} ({variant})"
+    if variants(STRATEGIES.get(name).params):
+        return f"{name} (v{r['version']}, before variants)"
+    return name
 
 
 def _baselines(metric: str, **proto: object) -> list[dict]:
@@ -143,7 +151,9 @@ def _same(pool: list[dict], metric: str, r: dict, **extra: object) -> list[dict]
     """Records of `metric` from r's run (same strategy and params, plus `extra`)."""
     want = {**{k: v for k, v in r["params"].items() if k != "where"}, **extra}
     return [x for x in pool if x["metric"] == metric and x["name"] == r["name"]
-            and x["status"] == "ok" and all(x["params"].get(k) == v for k, v in want.items())]
+            and x["status"] == "ok" and x["version"] == r["version"]
+            and x["params"].get("variant") == r["params"].get("variant")
+            and all(x["params"].get(k) == v for k, v in want.items())]
 
 
 def _tokens(pool: list[dict], r: dict) -> float:
