@@ -166,6 +166,21 @@ def test_counting_counts_every_op_and_each_kind_of_sync() -> None:
         with torch.inference_mode(), Counting() as c:
             fn()
         assert c.syncs == 0, what
+    for what, fn in cases.items():  # a CUDA run's count: host tensors stall nothing
+        with torch.inference_mode(), Counting(cuda_only=True) as c:
+            fn()
+        assert c.syncs == 0 and c.ops > 0, what
+
+
+@pytest.mark.gpu
+def test_cuda_run_counts_the_reads_of_cuda_tensors_only() -> None:
+    """On CUDA: a scalar read or `.tolist()` of a CUDA tensor is a sync under cuda_only, the
+    same read of a host tensor beside it is not."""
+    x, h = torch.randn(4, 8, device="cuda"), torch.randn(4, 8)
+    with torch.inference_mode(), Counting(cuda_only=True) as c:
+        float(x.sum()), float(h.sum()), x.sum(0).tolist(), h.sum(0).tolist()
+        x.to("cpu"), h.to("cuda")
+    assert c.syncs == 3 and c.syncs_by_op["Tensor.tolist"] == 1, c.syncs_by_op
 
 
 def test_memories_in_parallel_bound_by_the_busiest_one_memory_adds() -> None:

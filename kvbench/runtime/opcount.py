@@ -18,10 +18,12 @@ strategy's worker threads, e.g. hgca's evictions, are not counted):
            interleave without output_size, indexing or index_put with a bool mask), whole-
            tensor comparisons answered on the host (equal, allclose), tensor-to-Python
            conversions (`.tolist()`, `.numpy()`: a TorchFunctionMode) and, on CUDA, blocking
-           copies from the device to the host. Counted the same on a CPU run, where none of
-           them stalls anything, so a CPU test catches what would stall a GPU. Explicit
-           `torch.cuda.synchronize()` / event or stream waits are not dispatched ops and are
-           not counted.
+           copies from the device to the host. On a CUDA run only those that read a CUDA
+           tensor count (a scalar read of a host tensor stalls nothing); on a CPU run every
+           one counts, where none of them stalls anything, so a CPU test catches what could
+           stall a GPU (an upper bound: some of those tensors live on the host there).
+           Explicit `torch.cuda.synchronize()` / event or stream waits are not dispatched
+           ops and are not counted.
 """
 
 from __future__ import annotations
@@ -50,6 +52,17 @@ def _arg(func: Any, args: tuple, kwargs: dict, name: str) -> Any:
     names = [a.name for a in func._schema.arguments]
     i = names.index(name) if name in names else -1
     return args[i] if 0 <= i < len(args) else kwargs.get(name)
+
+
+def _on_cuda(args: tuple, kwargs: dict) -> bool:
+    """Whether a tensor among the arguments (or in a list of them) lives on a CUDA device."""
+    import torch
+
+    for a in (*args, *kwargs.values()):
+        for t in (a if isinstance(a, (list, tuple)) else (a,)):
+            if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+                return True
+    return False
 
 
 def syncs(func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
@@ -91,7 +104,8 @@ class _Ops(TorchDispatchMode):
         out = func(*args, **kwargs)
         c, name = self.counting, f"aten.{func.overloadpacket.__name__}"
         c.by_op[name] += 1
-        if not c.converting and syncs(func, args, kwargs, out):
+        if not c.converting and syncs(func, args, kwargs, out) \
+                and (not c.cuda_only or _on_cuda(args, kwargs)):
             c.syncs_by_op[name] += 1
         return out
 
@@ -110,7 +124,8 @@ class _Conversions(TorchFunctionMode):
         if name not in CONVERSIONS:
             return func(*args, **(kwargs or {}))
         c = self.counting
-        c.syncs_by_op[f"Tensor.{name}"] += 1
+        if not c.cuda_only or _on_cuda(args, kwargs or {}):
+            c.syncs_by_op[f"Tensor.{name}"] += 1
         c.converting += 1
         try:
             return func(*args, **(kwargs or {}))
@@ -120,9 +135,11 @@ class _Conversions(TorchFunctionMode):
 
 class Counting:
     """Context: counts the ops and syncs (module docstring) of the code it runs on this
-    thread; `by_op` and `syncs_by_op` name them (aten packet, or Tensor.tolist/numpy)."""
+    thread; `by_op` and `syncs_by_op` name them (aten packet, or Tensor.tolist/numpy).
+    `cuda_only`: only syncs that read a CUDA tensor (a CUDA run's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cuda_only: bool = False) -> None:
+        self.cuda_only = cuda_only
         self.by_op: Counter[str] = Counter()
         self.syncs_by_op: Counter[str] = Counter()
         self.converting = 0  # inside a conversion
@@ -155,8 +172,9 @@ def count_step(model: Any, strategy: Any, seq: Any, sync: Callable[[], None]) ->
     inner.begin_step(counters.step)
     pos = seq.shape[1] - 1
     model.strategy = inner
+    cuda = any(p.device.type == "cuda" for p in model.parameters())
     try:
-        with Counting() as counting:
+        with Counting(cuda_only=cuda) as counting:
             model(seq[:, pos:pos + 1], pos)
         sync()
     finally:
@@ -180,6 +198,8 @@ def records(name: str, params: dict[str, ParamValue], counted: Counting | str,
                     "top_ops": dict(counted.by_op.most_common(12))})
     yield measured("run", name, "syncs_per_step", "syncs", "lower", [counted.syncs], params,
                    {**how, "counted": "ops that wait for device results on the host "
-                                      "(kvbench.runtime.opcount.syncs), run's thread",
+                                      "(kvbench.runtime.opcount.syncs), run's thread, "
+                                      + ("those reading a CUDA tensor" if counted.cuda_only
+                                         else "every one (CPU run: an upper bound of a GPU's)"),
                     "ops": dict(counted.syncs_by_op)})
 

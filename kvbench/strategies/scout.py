@@ -427,7 +427,7 @@ class Scout(Strategy):
         self.ratios[layer].append(ratio)
         if q_pred is not None:
             cos = F.cosine_similarity(q_pred.float(), q.float(), dim=-1)  # [B, Hq, 1]
-            c.add("q_cosine", "predicted", float(cos.mean()))
+            c.add("q_cosine", "predicted", cos.mean())  # read at the step's end: no sync
             if p.pred_error:
                 self._pred_error(layer, q, pages, out, n_tot)
         self.last[layer] = pages
