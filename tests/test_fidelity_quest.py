@@ -162,6 +162,41 @@ def test_dense_layers_attend_every_token() -> None:
     assert s.attended(0).all()
 
 
+@pytest.mark.parametrize("variant", ["authors", "kernel"])
+def test_a_steps_work_dense_at_a_covering_budget_and_sparse_below(variant: str) -> None:
+    """What one step files, counted in the test: at a budget of every page (48 tokens in 6
+    pages of 8; authors' rounding keeps 6 of 6 only for a context of whole pages) the dense
+    path: every token attended on the accelerator, its K and V read, no selection timed, no
+    digest read; at 2 pages the selection timed as bookkeeping and the pages' digests read
+    beside the KV of the selected tokens."""
+    elem = 4
+    for budget, dense in ((48, True), (16, False)):
+        g = torch.Generator().manual_seed(5)
+        extra = {"sinks": 1} if variant == "kernel" else {}
+        s = Quest(QuestParams(variant=variant, budget_tokens=budget, page_size=8,
+                              dense_layers=1, **extra), _ctx(48))
+        c = s.ctx.counters
+        k = torch.randn(B, HKV, 47, D, generator=g)
+        s.prefill(1, torch.randn(B, HQ, 47, D, generator=g), k, k.clone())
+        c.step = 1
+        kn = torch.randn(B, HKV, 1, D, generator=g)
+        s.decode(1, torch.randn(B, HQ, 1, D, generator=g), kn, kn.clone())
+        read, select = c.step_total("bytes_read", "accel", 1), c.step_total("time",
+                                                                            "bookkeeping.select", 1)
+        if dense:
+            assert s.last[1] is None and select == 0.0
+            assert c.step_total("tokens", "accel", 1) == B * 48
+            assert read == 2 * B * HKV * 48 * D * elem
+            continue
+        lens = s.last[1][1]
+        assert select > 0.0 and int(lens.max()) == (24 if variant == "authors" else 16)  # 3+
+        digests = 2 * B * HKV * 6 * D * elem  # lo and hi of 6 pages per (sequence, KV head)
+        # each selection row (a KV head's, or a query head's under authors) reads its K and V
+        assert read == pytest.approx(float(lens.sum()) * 2 * D * elem + digests)
+        if variant == "kernel":  # the sink page is always kept
+            assert bool((s.attended(1)[:, :, :8]).all())
+
+
 TINY = ["--model", "smollm2-135m", "--weights", "random", "--layers", "3", "--prompt-len",
         "40", "--gen-len", "2"]
 
