@@ -373,7 +373,10 @@ def _h2o_reference(steps, budget: int, n_recent: int, hq: int, hkv: int):
     heads, then the latest n_recent positions plus the highest-scoring others, budget in
     all. Each decode step: the new token joins (score 0), every query head of the group
     attends all kept tokens, their weights are added, and when budget + 1 are kept the
-    lowest-scoring token older than the latest n_recent is dropped. Returns the outputs
+    lowest-scoring token older than the latest n_recent is dropped. A later step of T > 1
+    tokens (a next turn's chunk) appends them after the kept tokens: each new query attends
+    the kept tokens and the new ones up to itself, all weights are added, and over budget the
+    latest n_recent plus the highest-scoring others are kept. Returns the outputs
     [step] -> [B, Hq, T, D] and the kept positions [step][b][h] after each step."""
     q0, k0, v0 = (t.double() for t in steps[0])
     b, _, p, d = q0.shape
@@ -397,58 +400,110 @@ def _h2o_reference(steps, budget: int, n_recent: int, hq: int, hkv: int):
             keys[bi][h] = {j: (k0[bi, h, j], v0[bi, h, j]) for j in range(p)}
     outs.append(out)
     sets.append([[set(kept[bi][h]) for h in range(hkv)] for bi in range(b)])
-    for t, (q, k, v) in enumerate(steps[1:], start=p):
+    t = p
+    for q, k, v in steps[1:]:
         q, k, v = q.double(), k.double(), v.double()
-        out = torch.zeros(b, hq, 1, d, dtype=torch.float64)
+        n_new = q.shape[2]
+        out = torch.zeros(b, hq, n_new, d, dtype=torch.float64)
         for bi in range(b):
             for h in range(hkv):
                 row = kept[bi][h]
-                row[t] = 0.0
-                keys[bi][h][t] = (k[bi, h, 0], v[bi, h, 0])
+                for i in range(n_new):
+                    row[t + i] = 0.0
+                    keys[bi][h][t + i] = (k[bi, h, i], v[bi, h, i])
                 pos = sorted(row)
                 kk = torch.stack([keys[bi][h][j][0] for j in pos])
                 vv = torch.stack([keys[bi][h][j][1] for j in pos])
                 for qh in range(g * h, g * h + g):
-                    w = torch.softmax(kk @ q[bi, qh, 0] / d ** 0.5, dim=0)
-                    out[bi, qh, 0] = w @ vv
-                    for j, wj in zip(pos, w.tolist(), strict=True):
-                        row[j] += wj
-                if len(row) == budget + 1:
+                    for i in range(n_new):  # the kept tokens, then the new ones up to i
+                        upto = len(pos) - n_new + i + 1
+                        w = torch.softmax(kk[:upto] @ q[bi, qh, i] / d ** 0.5, dim=0)
+                        out[bi, qh, i] = w @ vv[:upto]
+                        for j, wj in zip(pos[:upto], w.tolist(), strict=True):
+                            row[j] += wj
+                if n_new == 1 and len(row) == budget + 1:
                     old = [j for j in row if j < t + 1 - n_recent]
                     del row[min(old, key=lambda j: row[j])]
+                elif n_new > 1 and len(row) > budget:
+                    recent = {j for j in row if j >= t + n_new - n_recent}
+                    others = sorted((j for j in row if j not in recent), key=lambda j: -row[j])
+                    keep = recent | set(others[:budget - len(recent)])
+                    kept[bi][h] = {j: row[j] for j in sorted(keep)}
+        t += n_new
         outs.append(out)
         sets.append([[set(kept[bi][h]) for h in range(hkv)] for bi in range(b)])
     return outs, sets
 
 
-def test_h2o_decode_eviction_matches_a_float64_reference(device: torch.device) -> None:
-    """Issue 30: H2O at a budget of 10 (4 recent) over a 16-token prompt and 12 decode
-    steps, batch 2: every step's output equals the float64 reference's (which keeps its own
-    scores and evicts by them, independent of the strategy's kept set), and the strategy
-    keeps exactly the reference's positions per row after every step. Rows come to differ
-    (eviction is per head)."""
-    steps = inputs(16, 12, batch=2, seed=5)
-    s = make("h2o", H2OParams(gpu_tokens=10, recent=0.4), layers=1, batch=2, max_len=40,
-             device=device)
-    assert (s.budget, s.n_recent) == (10, 4)
+def _h2o_rows(s, batch: int) -> list[list[set[int]]]:
+    """The positions layer 0 of an H2O strategy keeps, per (sequence, KV head)."""
+    n, pos, free = s.n[0], s.pos[0], s.free[0]
+    rows = []
+    for bi in range(batch):
+        row = []
+        for h in range(SPEC.n_kv_heads):
+            held = pos[bi, h, :n].tolist()
+            if free is not None:  # the slot freed this step no longer counts
+                del held[int(free[bi, h])]
+            row.append(set(held))
+        rows.append(row)
+    return rows
+
+
+def test_h2o_next_turn_after_evictions_matches_the_reference() -> None:
+    """A second turn's 5-token chunk appended after decode steps that evicted (the cache
+    holds a freed slot, compacted before the append), then more decode steps: outputs and
+    kept positions equal the float64 reference's at every step, the kept tokens' keys are
+    those of their positions (compaction moved whole rows), and each step files the tokens
+    it attended and its scores' upkeep."""
+    steps = inputs(16, 9, batch=2, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    chunk = tuple(torch.randn(2, h, 5, SPEC.head_dim, generator=gen)
+                  for h in (SPEC.n_heads, SPEC.n_kv_heads, SPEC.n_kv_heads))
+    steps = [*steps[:5], chunk, *steps[5:]]
+    s = make("h2o", H2OParams(gpu_tokens=10, recent=0.4), layers=1, batch=2, max_len=48)
     ref_outs, ref_sets = _h2o_reference(steps, 10, 4, SPEC.n_heads, SPEC.n_kv_heads)
+    keys = torch.cat([k for _, k, _ in steps], dim=2)  # [B, Hkv, 30, D] by position
+    for i, (q, k, v) in enumerate(steps):
+        s.ctx.counters.step = i
+        fn = s.prefill if i == 0 else s.decode if q.shape[2] == 1 else s.append
+        if i and q.shape[2] > 1:
+            assert s.free[0] is not None  # a freed slot to compact
+        out = fn(0, q, k, v)
+        assert (out.double() - ref_outs[i]).abs().max() < 1e-5, i
+        assert _h2o_rows(s, 2) == ref_sets[i], i
+        # its work: the kept tokens and the new ones attended, the scores' upkeep timed
+        attended = (len(ref_sets[i - 1][0][0]) if i else 0) + q.shape[2]
+        assert s.ctx.counters.step_total("tokens", "accel", i) == 2 * attended, i
+        assert s.ctx.counters.step_total("time", "bookkeeping.scores", i) > 0, i
+        n = s.n[0]
+        held = s.pos[0][:, :, :n]
+        want = keys.gather(2, held[..., None].expand(-1, -1, -1, SPEC.head_dim))
+        assert torch.equal(s.k[0][:, :, :n], want), i
+
+
+@pytest.mark.parametrize("prompt, gen, budget, recent", [(16, 12, 10, 4), (4, 24, 8, 2)])
+def test_h2o_decode_eviction_matches_a_float64_reference(device: torch.device, prompt: int,
+                                                         gen: int, budget: int,
+                                                         recent: int) -> None:
+    """Issue 30: H2O over `prompt` tokens and `gen` decode steps, batch 2: every step's
+    output equals the float64 reference's (which keeps its own scores and evicts by them,
+    independent of the strategy's kept set), and the strategy keeps exactly the reference's
+    positions per row after every step. Rows come to differ (eviction is per head). With a
+    4-token prompt under a budget of 8, the decode steps' own weights decide every eviction."""
+    steps = inputs(prompt, gen, batch=2, seed=5)
+    s = make("h2o", H2OParams(gpu_tokens=budget, recent=recent / budget), layers=1, batch=2,
+             max_len=prompt + gen + 4, device=device)
+    assert (s.budget, s.n_recent) == (budget, recent)
+    ref_outs, ref_sets = _h2o_reference(steps, budget, recent, SPEC.n_heads, SPEC.n_kv_heads)
     got_sets = []
     for i, (q, k, v) in enumerate(steps):
         s.ctx.counters.step = i
         out = (s.prefill if i == 0 else s.decode)(0, q.to(device), k.to(device), v.to(device))
         assert (out.cpu().double() - ref_outs[i]).abs().max() < 1e-5, i
-        n, pos, free = s.n[0], s.pos[0], s.free[0]
-        rows = []
-        for bi in range(2):
-            row = []
-            for h in range(SPEC.n_kv_heads):
-                held = pos[bi, h, :n].tolist()
-                if free is not None:  # the slot freed this step no longer counts
-                    del held[int(free[bi, h])]
-                row.append(set(held))
-            rows.append(row)
+        rows = _h2o_rows(s, 2)
         assert rows == ref_sets[i], i
         got_sets.append(rows)
-    assert all(len(x) == 10 for r in ref_sets for row in r for x in row)
+    assert all(len(x) == budget for r in ref_sets[-gen // 2:] for row in r for x in row)
     last = got_sets[-1]
     assert len({frozenset(x) for row in last for x in row}) > 1  # per-head eviction
