@@ -206,6 +206,43 @@ def test_streaming_attends_sinks_and_recent_window(device: torch.device) -> None
         assert torch.allclose(outs[i][0], ref, atol=1e-5)
 
 
+def test_streaming_next_turn_keeps_sinks_and_ring_across_the_chunk() -> None:
+    """Budget 8 (2 sinks, a ring of 6), prompt 12, 3 decode steps, a second turn's 7-token
+    chunk appended (more than the ring: its first token falls out), 3 more decode steps. At
+    every step each query attends, in float64 done here, the positions held before it (the
+    sinks and the ring's latest; a decode step's own token already in the ring) plus the new
+    tokens up to itself, and the step files those tokens as attended on the accelerator."""
+    sinks, ring = 2, 6
+    steps = inputs(12, 6, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    chunk = tuple(torch.randn(2, h, 7, SPEC.head_dim, generator=gen)
+                  for h in (SPEC.n_heads, SPEC.n_kv_heads, SPEC.n_kv_heads))
+    steps = [*steps[:4], chunk, *steps[4:]]
+    s = make("streaming", StreamingParams(gpu_tokens=sinks + ring, sinks=sinks), layers=1,
+             max_len=40)
+    ks = torch.cat([st[1] for st in steps], dim=2).double()
+    vs = torch.cat([st[2] for st in steps], dim=2).double()
+    g, t0 = SPEC.n_heads // SPEC.n_kv_heads, 0
+    for i, (q, k, v) in enumerate(steps):
+        s.ctx.counters.step = i
+        out = (s.prefill if i == 0 else s.decode if q.shape[2] == 1 else s.append)(0, q, k, v)
+        n_new = q.shape[2]
+        # a decode step's token takes its ring slot first (the budget counts it); a chunk
+        # is attended beside the whole cache and trimmed after
+        last = t0 + 1 - ring if i and n_new == 1 else t0 - ring
+        held = [j for j in range(t0) if j < sinks or j >= last]
+        for qi in range(n_new):
+            pos = held + list(range(t0, t0 + qi + 1))
+            for h in range(SPEC.n_heads):
+                kk, vv = ks[:, h // g, pos], vs[:, h // g, pos]  # [B, m, D]
+                w = torch.softmax(kk @ q[:, h, qi, :, None].double() / SPEC.head_dim ** 0.5,
+                                  dim=1)
+                want = (w * vv).sum(dim=1)
+                assert (out[:, h, qi].double() - want).abs().max() < 1e-5, (i, qi, h)
+        assert s.ctx.counters.step_total("tokens", "accel", i) == 2 * (len(held) + n_new), i
+        t0 += n_new
+
+
 def test_h2o_keeps_budget_recent_and_heavy_hitters() -> None:
     """Each row holds budget tokens: the recent window plus the top accumulated scores;
     outputs equal dense attention over exactly the kept tokens (per head)."""
