@@ -25,7 +25,7 @@ from kvbench.runtime.run import RunConfig, resolve
 from kvbench.strategies import STRATEGIES
 
 ROOT = Path(__file__).resolve().parent.parent
-CHUNKS = "ABCDS"
+CHUNKS = "ABCDSR"
 
 
 def _dry(chunk: str) -> list[list[str]]:
