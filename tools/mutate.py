@@ -87,7 +87,8 @@ MODULES: dict[str, Spec] = {
                                    "device_setup", "RooflineProbe.run",
                                    "RooflineProbe._points", "RooflineProbe._linear"),
                      group="probes"),
-    "hwmodel": Spec("kvbench/hwmodel/project.py", ("tests/test_hwmodel.py", "-k",
+    "hwmodel": Spec("kvbench/hwmodel/project.py", ("tests/test_hwmodel.py",
+                                                   "tests/test_project_records.py", "-k",
                                                    "project or scale or hardware_this"),
                     OTHER, group="hwmodel"),
     # test_trace's strategy runs take minutes here: its breakdown tests

@@ -1,0 +1,185 @@
+"""`kvbench project`'s records, every metric computed by hand in the test (issue 30): a run of
+four steps whose stage graph is one accelerator computation, then one pageable H2D copy, then
+one host task of measured seconds, each waiting for the one before (the first for the last
+of the step before), so a step's time is the sum of the three and each resource's busy time
+is its own task's."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvbench.errors import KvbenchError
+from kvbench.hwmodel import project
+from kvbench.hwmodel.profile import parse, replicate
+from kvbench.hwmodel.scale import Shape
+from kvbench.models import get_spec
+from kvbench.runtime.trace import COLUMNS, TRACE_VERSION, WORK
+
+# per step (0 is the prefill): accelerator FLOPs at 1 TFLOP/s, H2D bytes at 5 GB/s, host s
+WORK_OF = {0: (2e9, 1e7, 1e-3), 1: (1e9, 5e6, 2e-3), 2: (3e9, 1.5e7, 0.5e-3),
+           3: (1e9, 1e7, 1e-3)}
+MS = {s: (f / 1e12, m / 5e9, c) for s, (f, m, c) in WORK_OF.items()}  # seconds of each
+PROFILE = {"name": "mine",
+           "accel": {"memory_gbps": 100.0, "peak_tflops": 1.0, "attention_gbps": 50.0,
+                     "launch_us": 1.0},
+           "host": {"attention_gbps": 10.0, "launch_us": 2.0, "idle_w": 5.0, "peak_w": 25.0},
+           "h2d": {"pageable": 5.0}, "d2h": {"pageable": 5.0},
+           "power": {"accel_idle_w": 10.0, "accel_peak_w": 110.0, "pnm_idle_w": 1.0,
+                     "pnm_peak_w": 3.0},
+           "price": {"usd_per_hour": 3.6, "pnm_usd_per_hour": 0.36}}
+PARAMS = {"model": "smollm2-135m", "layers": 30, "batch": 2, "prompt_len": 16, "gen_len": 3,
+          "dtype": "float32"}
+
+
+def _row(i: int, res: str, op: str, after: list[int], **work: float) -> list:
+    return [i, 0, res, op, *(work.get(w, 0.0) for w in WORK), after, False]
+
+
+def _trace(name: str = "quest", command: str = "kvbench run quest", **params: object
+           ) -> list[dict]:
+    """The run's trace.tasks records, one per step, ids unique across steps."""
+    out = []
+    for step, (f, m, c) in WORK_OF.items():
+        i = 10 * step
+        rows = [_row(i, "accel", "head", [i - 8] if step else [], flops=f),  # after the last
+                _row(i + 1, "h2d", "copy", [i], bytes_moved=m, copies=1.0),
+                _row(i + 2, "host", "bookkeeping", [i + 1], seconds=c)]
+        out.append({"schema_version": 1, "kind": "run", "name": name, "metric": "trace.tasks",
+                    "unit": "tasks", "direction": "none", "status": "ok", "value": 1.0,
+                    "provenance": "measured", "command": command, "time": "t0",
+                    "env_id": "e0", "version": "2",
+                    "params": {**PARAMS, **params, "step": step},
+                    "method": {"trace_version": TRACE_VERSION, "columns": list(COLUMNS),
+                               "tasks": rows}})
+    return out
+
+
+def _by_metric(recs: list) -> dict[tuple[str, str | None], object]:
+    out = {}
+    for r in recs:
+        key = (r.metric, r.params.get("where"))
+        assert key not in out, key
+        out[key] = r
+    return out
+
+
+@pytest.mark.parametrize("skip", [0, 1])
+def test_every_projected_metric_equals_its_hand_computation(skip: int) -> None:
+    prof = parse(PROFILE, "p.toml")
+    recs = list(project.records(_trace(), prof, "pageable", skip=skip))
+    got = _by_metric(recs)
+    steps = [s for s in (1, 2, 3) if s > skip]
+    t = {s: sum(MS[s]) for s in MS}
+    total = sum(t[s] for s in steps)
+    busy_accel, busy_host = sum(MS[s][0] for s in steps), sum(MS[s][2] for s in steps)
+    tokens = 2 * len(steps)
+    want = {
+        ("ttft", None): [t[0]],
+        ("tbt", None): [t[s] for s in steps],
+        ("decode_tokens_per_s", None): [2 / t[s] for s in steps],
+        ("accel_idle_share", None): [1 - busy_accel / total],
+        ("carried_share", None): [MS[s][2] / t[s] for s in steps],
+        ("link_seconds_per_step", "h2d"): [MS[s][1] for s in steps],
+        ("link_bytes_per_step", "h2d"): [WORK_OF[s][1] for s in steps],
+        ("energy_per_token", None): [(10 * total + 100 * busy_accel + 5 * total
+                                      + 20 * busy_host + 1 * total) / tokens],
+        ("tokens_per_usd", None): [tokens / ((3.6 + 0.36) * total / 3600)],
+    }
+    assert set(got) == set(want)  # no d2h or cxl rows: nothing moved there
+    for key, samples in want.items():
+        r = got[key]
+        assert r.samples == pytest.approx(samples, rel=1e-9), key
+        assert r.provenance == "projected" and r.version == "2", key
+        assert r.params == {**PARAMS, "hardware": "mine", "bookkeeping": "measured",
+                            **({"where": "h2d"} if key[1] else {}),
+                            **({"energy_devices": "accel,host,pnm"}
+                               if key[0] == "energy_per_token" else {})}, key
+    m = got[("tbt", None)].method
+    assert m["profile"] == "mine" and m["profile_file"] == "p.toml"
+    assert m["host_memory"] == "pageable" and m["skipped_steps"] == skip
+    assert (m["source_run"], m["source_time"], m["source_env"]) == ("kvbench run quest",
+                                                                    "t0", "e0")
+    assert m["carried_over"] == project.CARRIED and m["trace_version"] == TRACE_VERSION
+    assert got[("tbt", None)].direction == "lower"
+    assert got[("decode_tokens_per_s", None)].direction == "higher"
+    assert got[("tokens_per_usd", None)].direction == "higher"
+    assert got[("carried_share", None)].unit == "ratio"
+
+
+def test_dropped_bookkeeping_replicas_and_a_profile_without_power() -> None:
+    """--bookkeeping none leaves the host seconds out; 2 GPUs halve the accelerator's and
+    the links' times and double their power and price; no power: energy waived."""
+    base = parse(PROFILE, "p.toml")
+    got = _by_metric(list(project.records(_trace(), base, "pageable", carried=False)))
+    assert got[("tbt", None)].samples == pytest.approx([MS[s][0] + MS[s][1] for s in (1, 2, 3)])
+    assert got[("carried_share", None)].samples == [0.0, 0.0, 0.0]
+    assert got[("tbt", None)].method["carried_over"] == project.DROPPED
+    assert got[("tbt", None)].params["bookkeeping"] == "none"
+
+    two = replicate(base, 2, 1)
+    got = _by_metric(list(project.records(_trace(), two, "pageable")))
+    tbt = [MS[s][0] / 2 + MS[s][1] / 2 + MS[s][2] for s in (1, 2, 3)]
+    assert got[("tbt", None)].samples == pytest.approx(tbt)
+    assert got[("tbt", None)].params["hardware"] == "mine:2gpu+1pnm"
+    assert (got[("tbt", None)].params["gpus"], got[("tbt", None)].params["pnms"]) == (2, 1)
+    total, accel = sum(tbt), sum(MS[s][0] / 2 for s in (1, 2, 3))
+    host = sum(MS[s][2] for s in (1, 2, 3))
+    joules = 20 * total + 200 * accel + 5 * total + 20 * host + 1 * total
+    assert got[("energy_per_token", None)].value == pytest.approx(joules / 6)
+    assert got[("tokens_per_usd", None)].value == pytest.approx(6 / ((7.2 + 0.36) * total
+                                                                     / 3600))
+
+    bare = parse({k: v for k, v in PROFILE.items() if k not in ("power", "price")}, "b.toml")
+    got = _by_metric(list(project.records(_trace(), bare, "pageable")))
+    energy = got[("energy_per_token", None)]
+    assert energy.status == "waived" and energy.provenance == "projected"
+    assert "'mine' has no power figures" in energy.reason
+    assert ("tokens_per_usd", None) not in got
+
+
+def test_a_scaled_projection_is_labelled_with_its_target_and_source() -> None:
+    prof = parse(PROFILE, "p.toml")
+    target = Shape(get_spec("llama-2-7b"), 8, 2048, 64, 2)
+    got = _by_metric(list(project.records(_trace(), prof, "pinned", target)))
+    p = got[("tbt", None)].params
+    assert {k: p[k] for k in ("model", "layers", "layers_total", "batch", "prompt_len",
+                              "gen_len", "dtype", "weights")} == {
+        "model": "llama-2-7b", "layers": 32, "layers_total": 32, "batch": 8,
+        "prompt_len": 2048, "gen_len": 64, "dtype": "float16", "weights": "projected"}
+    assert got[("tbt", None)].method["scaled_from"].startswith(
+        "smollm2-135m (30 layers), batch 2, prompt 16, 3 steps, float32;")
+    assert got[("decode_tokens_per_s", None)].samples == pytest.approx(
+        [8 / x for x in got[("tbt", None)].samples])
+    assert project.source_shape({**PARAMS, "dtype": "bfloat16"}).elem == 2
+    assert project.source_shape({**PARAMS, "dtype": "float64"}).elem == 8
+    assert project.source_shape(PARAMS) == Shape(get_spec("smollm2-135m"), 2, 16, 3, 4)
+
+
+def test_runs_group_by_strategy_command_and_params_not_step() -> None:
+    recs = _trace() + _trace(batch=4) + _trace("hgca", "kvbench run hgca")
+    recs.append({**recs[0], "metric": "tbt"})  # not a trace: ignored
+    grouped = project.runs(recs, "f.jsonl")
+    assert sorted(len(v) for v in grouped.values()) == [4, 4, 4]
+    assert sorted(k[0] for k in grouped) == ["hgca", "quest", "quest"]
+    assert all({r["params"]["step"] for r in v} == {0, 1, 2, 3} for v in grouped.values())
+
+    old = [{**recs[0], "metric": "trace.time"}]
+    with pytest.raises(KvbenchError, match=r"f\.jsonl: an older trace .* re-run with "
+                                           r"`kvbench run STRATEGY --out FILE`"):
+        project.runs(old, "f.jsonl")
+    with pytest.raises(KvbenchError, match=r"f\.jsonl: no run trace to project"):
+        project.runs([{**recs[0], "kind": "probe"}], "f.jsonl")
+    stale = [{**recs[0], "method": {**recs[0]["method"], "trace_version": 1}}]
+    with pytest.raises(KvbenchError, match=rf"f\.jsonl: trace version 1; kvbench project "
+                                           rf"reads version {TRACE_VERSION}"):
+        project.runs(stale, "f.jsonl")
+
+
+def test_project_run_skips_steps_and_reads_every_records_tasks() -> None:
+    prof = parse(PROFILE, "p.toml")
+    pre, dec = project.project_run(_trace(), prof, "pageable", skip=2)
+    assert pre.step == 0 and pre.seconds == pytest.approx(sum(MS[0]))
+    assert [s.step for s in dec] == [3] and dec[0].seconds == pytest.approx(sum(MS[3]))
+    assert math.isclose(dec[0].moved["h2d"], WORK_OF[3][1])
