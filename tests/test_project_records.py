@@ -148,8 +148,11 @@ def test_a_scaled_projection_is_labelled_with_its_target_and_source() -> None:
                               "gen_len", "dtype", "weights")} == {
         "model": "llama-2-7b", "layers": 32, "layers_total": 32, "batch": 8,
         "prompt_len": 2048, "gen_len": 64, "dtype": "float16", "weights": "projected"}
-    assert got[("tbt", None)].method["scaled_from"].startswith(
-        "smollm2-135m (30 layers), batch 2, prompt 16, 3 steps, float32;")
+    assert got[("tbt", None)].method["scaled_from"] == (
+        "smollm2-135m (30 layers), batch 2, prompt 16, 3 steps, float32; the strategy's "
+        "selection statistics (share of the context attended and moved per step and layer) "
+        "carried over (kvbench.hwmodel.scale)")
+    assert got[("tbt", None)].method["host_memory"] == "pinned"
     assert got[("decode_tokens_per_s", None)].samples == pytest.approx(
         [8 / x for x in got[("tbt", None)].samples])
     assert project.source_shape({**PARAMS, "dtype": "bfloat16"}).elem == 2
