@@ -5,6 +5,7 @@ thread count, and the records waived for pairs and memory kinds this machine can
 from __future__ import annotations
 
 import ctypes
+import math
 
 import pytest
 
@@ -88,3 +89,97 @@ def test_waived_records_for_pairs_and_memory_this_machine_lacks() -> None:
         ("probe", "bandwidth", "bandwidth", "waived", "pinned memory needs CUDA "
          "(cudaHostRegister)", {"src": "host:0", "dst": "host:1", "memory": "pinned",
                                 "threads": 2})]  # none for gpu:0->gpu:1: device memory
+
+
+def test_copies_per_sample_from_the_fastest_of_three_calibrations() -> None:
+    """iters = ceil(SAMPLE_S / fastest per-copy time so far), 1 to 2^22, after 3 samples."""
+    seen: list[int] = []
+
+    def sample(times: list[float]):
+        it = iter(times)
+        return lambda iters: seen.append(iters) or next(it)
+
+    def want(per: float) -> int:
+        return math.ceil(_copy.SAMPLE_S / per)
+
+    assert _copy.SAMPLE_S == 2e-3
+    assert _copy.copies_per_sample(sample([4e-6, 1e-6, 8e-6])) == want(1e-6)  # the fastest
+    assert seen == [1, want(4e-6), want(1e-6)]
+    seen.clear()
+    assert _copy.copies_per_sample(sample([1e-13, 1e-13, 1e-13])) == 1 << 22  # capped
+    assert _copy.copies_per_sample(sample([3e-3, 5e-3, 4e-3])) == 1  # one copy is enough
+    assert _copy.copies_per_sample(sample([0.0, 0.0, 0.0])) == 1 << 22  # no zero division
+    assert _copy.copies_per_sample(sample([3e-7, 9e-7, 9e-7])) == want(3e-7) == 6667
+
+
+def test_calibrated_times_the_sample_at_its_copies_under_the_policy(monkeypatch) -> None:
+    got: list[tuple] = []
+    monkeypatch.setattr(_copy, "time_native", lambda fn, policy: got.append((fn(), policy)))
+    calls: list[int] = []
+    _copy.calibrated(lambda iters: calls.append(iters) or 1e-6)("POLICY")
+    assert calls == [1, 2001, 2001, 2001] and got == [(1e-6, "POLICY")]
+
+
+@pytest.mark.parametrize("windows, hop", [(1, 1), (2, 1), (3, 2), (4, 3), (10, 7), (12, 7),
+                                          (100, 61), (1000, 619)])
+def test_coprime_hop(windows: int, hop: int) -> None:
+    """Near windows x 0.618, at least 2, the first coprime with windows at or above it."""
+    assert _copy.coprime_hop(windows) == hop
+
+
+def test_jobs_split_a_copy_or_scatter_a_latency_window() -> None:
+    """Bandwidth: n = min(threads, size / 64) threads, chunks of size/n rounded down to a
+    line, the last thread the rest, stride = size; latency: one fenced thread, stride rounded
+    up to a line, windows over the buffer, a coprime hop. Per route, on the route's CPUs."""
+    from kvbench.native import lib
+
+    c = _copy.HostCopier(Pair(H0, H0), "pageable", 1 << 16, 3, True)
+    try:
+        (sb, db, cpus), (sb2, db2, _) = c.routes
+        jobs, n = c._jobs(1000, False)
+        assert n == 6  # 3 threads x 2 routes
+        rows = [(j.dst, j.src, j.chunk, j.stride, j.windows, j.hop, j.start, j.ncpus, j.fence)
+                for j in jobs]
+        w = (1 << 16) // 1000  # (span - size) // stride + 1
+        assert rows[:3] == [(db.ptr + o, sb.ptr + o, k, 1000, w, 1, 0, len(cpus), 0)
+                            for o, k in ((0, 320), (320, 320), (640, 360))]
+        assert rows[3][:2] == (db2.ptr, sb2.ptr)
+        assert [jobs[k].cpus[i] for k in range(n) for i in range(jobs[k].ncpus)] == \
+            [x for _ in range(6) for x in cpus]
+        jobs, n = c._jobs(100, False)
+        assert n == 2 and [jobs[k].chunk for k in range(n)] == [100, 100]  # 100 // 64 = 1
+        jobs, n = c._jobs(100, True)
+        windows = ((1 << 16) - 100) // 128 + 1
+        assert n == 2 and (jobs[0].chunk, jobs[0].stride, jobs[0].windows, jobs[0].hop,
+                           jobs[0].fence) == (100, 128, windows,
+                                              _copy.coprime_hop(windows), 1)
+        assert c.bytes_per_copy(100) == 200
+        assert c.so is lib() and c.cpus == sorted(set(cpus))
+    finally:
+        c.close()
+
+
+def test_sampler_is_seconds_per_copy_and_refuses_a_failed_thread(monkeypatch) -> None:
+    c = _copy.HostCopier(Pair(H0, H0), "pageable", 1 << 16, 2, False)
+    try:
+        ns = [8000]
+        asked: list[tuple] = []
+
+        class So:
+            def kvb_copy_jobs(self, jobs, njobs, iters):
+                asked.append((njobs, iters))
+                for k in range(njobs):
+                    jobs[k].allowed = 5 - k
+                return ns[0]
+
+        c.so = So()
+        sample = c.sampler(4096)
+        assert sample(4) == pytest.approx(8000e-9 / 4) and asked == [(2, 4)]
+        assert c.cpus_per_thread == 4  # the fewest any thread could run on
+        ns[0] = 0
+        with pytest.raises(_copy.KvbenchError, match=r"^native copy threads could not be "
+                                                      r"created$"):
+            sample(1)
+        assert c.cpus_per_thread == 4
+    finally:
+        c.close()
