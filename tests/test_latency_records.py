@@ -1,0 +1,104 @@
+"""`kvbench probe latency`'s records exactly (issue 30): every timing replaced by a known one,
+so each record's unit, scale, params and method are checked against numbers written here;
+the chase buffer's size rule; a chase that cannot be built."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbench.memory import runner_cpus
+from kvbench.probes import _copy, latency
+from kvbench.probes.latency import LatencyConfig, LatencyProbe, chase_bytes
+from kvbench.timing import DEFAULT, PASSES, QUICK, Policy, Timing
+
+SECONDS = (2e-9, 3e-9, 4e-9)
+
+
+@pytest.fixture
+def timed(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """Every chase and copy measured as SECONDS; returns (what, size, latency, policy) per
+    call: 'chase' for a node's pointer chase, 'copy' for a copier's measure."""
+    calls: list[tuple] = []
+
+    def fake(what: str, size: int, lat: bool | None):
+        def measure(policy: Policy) -> Timing:
+            calls.append((what, size, lat, policy))
+            return Timing(SECONDS, "fake", policy.warmup)
+        return measure
+
+    monkeypatch.setattr(latency, "calibrated", lambda sample: fake("chase", 0, None))
+    monkeypatch.setattr(_copy.HostCopier, "measure",
+                        lambda self, size, latency=False: fake("copy", size, latency))
+    return calls
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_records_carry_the_timings_in_their_units(timed: list[tuple], quick: bool) -> None:
+    config = LatencyConfig(src="host:0", dst="host:0", sizes="1,64", memory="both",
+                           chase_size="64K", quick=quick)
+    recs = list(LatencyProbe().run(config))
+    waived, chase, *copies = recs
+    assert (waived.kind, waived.name, waived.metric, waived.status, waived.params) == (
+        "probe", "latency", "copy_latency", "waived",
+        {"src": "host:0", "dst": "host:0", "memory": "pinned"})  # pinned needs CUDA here
+    ns = [x * 1e9 for x in SECONDS] * PASSES
+    assert (chase.kind, chase.name, chase.metric, chase.unit, chase.direction) == (
+        "probe", "latency", "load_latency", "ns", "lower")
+    assert chase.params == {"node": "host:0", "size": 65536}
+    assert chase.samples == pytest.approx(ns, rel=1e-12) and chase.value == pytest.approx(3.0)
+    cpus = runner_cpus(0, "/")
+    assert {k: chase.method[k] for k in ("cpu", "runner_node", "per")} == {
+        "cpu": cpus[0], "runner_node": 0, "per": "dependent load over a random cyclic "
+        "permutation of 64-byte lines (transparent huge pages advised)"}
+    assert chase.method["placement"] and chase.method["timer"] == "fake"
+    assert [(r.metric, r.unit, r.direction, r.params) for r in copies] == [
+        ("copy_latency", "us", "lower", {"src": "host:0", "dst": "host:0", "direction": "h2h",
+                                         "memory": "pageable", "size": s}) for s in (1, 64)]
+    for r in copies:
+        assert r.samples == pytest.approx([x * 1e6 for x in SECONDS] * PASSES, rel=1e-12)
+        assert r.method["per"] == "one isolated copy" and r.method["placement"]
+    # each quantity in every pass, the copies at latency (one fenced thread), the policy's
+    # share of the run's
+    policy = (QUICK if quick else DEFAULT).share(PASSES)
+    assert sorted((w, s, lat) for w, s, lat, _ in timed) == sorted(
+        [("chase", 0, None)] * PASSES + [("copy", 1, True)] * PASSES
+        + [("copy", 64, True)] * PASSES)
+    assert {p.warmup for *_, p in timed} == {policy.warmup, 0}
+    assert {(p.min_reps, p.max_reps, p.max_time_s) for *_, p in timed} == {
+        (policy.min_reps, policy.max_reps, policy.max_time_s)}
+
+
+def test_a_chase_that_cannot_be_built_is_an_error_record(timed, monkeypatch) -> None:
+    from kvbench import native
+
+    real = native.lib()
+
+    class So:
+        def __getattr__(self, name: str):
+            return getattr(real, name)
+
+        def kvb_chase_build(self, *args: object) -> int:
+            return 1
+
+    monkeypatch.setattr(native, "lib", lambda: So())
+    config = LatencyConfig(src="host:0", dst="host:0", sizes="1", memory="pageable",
+                           chase_size="64K", quick=True)
+    chase = next(r for r in LatencyProbe().run(config) if r.metric == "load_latency")
+    assert (chase.kind, chase.name, chase.status, chase.reason, chase.params) == (
+        "probe", "latency", "error", "out of memory building the chase",
+        {"node": "host:0", "size": 65536})
+
+
+def test_chase_buffer_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--chase-size rounded down to whole 64-byte lines, at least 2; else 4 x LLC of the
+    configured root, at least 64 MiB."""
+    assert chase_bytes(LatencyConfig(chase_size="1K")) == 1024
+    assert chase_bytes(LatencyConfig(chase_size="200")) == 192
+    assert chase_bytes(LatencyConfig(chase_size="10")) == 128
+    roots: list[object] = []
+    monkeypatch.setattr(latency, "llc_bytes", lambda root: roots.append(root) or llc[0])
+    llc = [32 << 20]
+    assert chase_bytes(LatencyConfig(root="/sys-fake")) == 128 << 20
+    llc = [1 << 20]
+    assert chase_bytes(LatencyConfig()) == 64 << 20
+    assert roots == ["/sys-fake", "/"]
