@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from kvbench.memory import Endpoint
+from kvbench.memory import Endpoint, runner_cpus
 from kvbench.probes import _copy
 from kvbench.probes._copy import NO_GPU, Pair, Plan, host_memcpy_ref, open_copier
 
@@ -148,6 +148,9 @@ def test_jobs_split_a_copy_or_scatter_a_latency_window() -> None:
             [x for _ in range(6) for x in cpus]
         jobs, n = c._jobs(100, False)
         assert n == 2 and [jobs[k].chunk for k in range(n)] == [100, 100]  # 100 // 64 = 1
+        jobs, n = c._jobs(128, False)
+        assert n == 4 and [jobs[k].chunk for k in range(n)] == [64, 64, 64, 64]  # 2 lines
+        assert len(c._cpu_sets) == 3 * 2 and all(x is not None for x in c._cpu_sets)
         jobs, n = c._jobs(100, True)
         windows = ((1 << 16) - 100) // 128 + 1
         assert n == 2 and (jobs[0].chunk, jobs[0].stride, jobs[0].windows, jobs[0].hop,
@@ -155,6 +158,7 @@ def test_jobs_split_a_copy_or_scatter_a_latency_window() -> None:
                                               _copy.coprime_hop(windows), 1)
         assert c.bytes_per_copy(100) == 200
         assert c.so is lib() and c.cpus == sorted(set(cpus))
+        assert cpus == runner_cpus(0, "/") and len(c.buffers) == 4  # both routes' buffers
     finally:
         c.close()
 
@@ -167,14 +171,14 @@ def test_sampler_is_seconds_per_copy_and_refuses_a_failed_thread(monkeypatch) ->
 
         class So:
             def kvb_copy_jobs(self, jobs, njobs, iters):
-                asked.append((njobs, iters))
+                asked.append((njobs, iters, jobs[0].fence))
                 for k in range(njobs):
                     jobs[k].allowed = 5 - k
                 return ns[0]
 
         c.so = So()
         sample = c.sampler(4096)
-        assert sample(4) == pytest.approx(8000e-9 / 4) and asked == [(2, 4)]
+        assert sample(4) == pytest.approx(8000e-9 / 4) and asked == [(2, 4, 0)]  # no fence
         assert c.cpus_per_thread == 4  # the fewest any thread could run on
         ns[0] = 0
         with pytest.raises(_copy.KvbenchError, match=r"^native copy threads could not be "
@@ -183,3 +187,32 @@ def test_sampler_is_seconds_per_copy_and_refuses_a_failed_thread(monkeypatch) ->
         assert c.cpus_per_thread == 4
     finally:
         c.close()
+
+
+def test_measure_and_sweep_hand_their_sampler_and_policy_on(monkeypatch) -> None:
+    """measure: a bandwidth sampler unless latency is asked for; sweep: every size's sampler
+    at its copies per sample, in time_rounds under the policy, in PASSES slices."""
+    c = _copy.HostCopier(Pair(H0, H0), "pageable", 1 << 16, 1, False)
+    try:
+        made: list[tuple] = []
+        c.sampler = lambda size, latency=False: made.append((size, latency)) or (
+            lambda iters: iters / 2**30)
+        monkeypatch.setattr(_copy, "calibrated", lambda sample: ("calibrated", sample(7)))
+        assert c.measure(64) == ("calibrated", 7 / 2**30) and c.measure(32, True)
+        assert made == [(64, False), (32, True)]
+        monkeypatch.setattr(_copy, "copies_per_sample", lambda sample: round(sample(1) * 2**30) + 4)
+        rounds: list[tuple] = []
+        monkeypatch.setattr(_copy, "time_rounds", lambda fns, policy, slices: rounds.append(
+            ([f() for f in fns], policy, slices)) or ["t64", "t128"])
+        assert c.sweep([64, 128], "POLICY") == {64: ("t64", 5), 128: ("t128", 5)}
+        assert rounds == [([5 / 2**30, 5 / 2**30], "POLICY", _copy.PASSES)]
+    finally:
+        c.close()
+
+
+def test_plan_defaults_and_bad_memory_kind() -> None:
+    assert _copy.make_plan("host:0", "host:0", "1K", "pageable") == \
+        _copy.make_plan("host:0", "host:0", "1K", "pageable", "/")
+    with pytest.raises(_copy.KvbenchError, match=r"^unknown memory kind 'nope' \(pageable, "
+                                                  r"pinned or both\)$"):
+        _copy.make_plan("host:0", "host:0", "1K", "nope")
