@@ -33,10 +33,22 @@ def timed(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
 
 
 @pytest.mark.parametrize("quick", [True, False])
-def test_records_carry_the_timings_in_their_units(timed: list[tuple], quick: bool) -> None:
+def test_records_carry_the_timings_in_their_units(timed: list[tuple], quick: bool,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    opened: list[tuple] = []
+    real_open, real_buffer = latency.open_copier, latency.HostBuffer
+    monkeypatch.setattr(latency, "open_copier",
+                        lambda *args: opened.append(args) or real_open(*args))
+    monkeypatch.setattr(latency, "HostBuffer", lambda node, size, **kw: opened.append(
+        ("buffer", node, size, kw)) or real_buffer(node, size, **kw))
     config = LatencyConfig(src="host:0", dst="host:0", sizes="1,64", memory="both",
                            chase_size="64K", quick=quick)
     recs = list(LatencyProbe().run(config))
+    # the chase buffer with huge pages advised; one copier per pair and memory kind, one
+    # thread, one way, buffers for the largest size
+    pair = _copy.Pair(latency.Endpoint("host", 0), latency.Endpoint("host", 0))
+    assert opened == [("buffer", 0, 65536, {"hugepages": True}),
+                      (pair, "pageable", 64, 1, False, "/")]
     waived, chase, *copies = recs
     assert (waived.kind, waived.name, waived.metric, waived.status, waived.params) == (
         "probe", "latency", "copy_latency", "waived",
@@ -66,6 +78,35 @@ def test_records_carry_the_timings_in_their_units(timed: list[tuple], quick: boo
     assert {p.warmup for *_, p in timed} == {policy.warmup, 0}
     assert {(p.min_reps, p.max_reps, p.max_time_s) for *_, p in timed} == {
         (policy.min_reps, policy.max_reps, policy.max_time_s)}
+
+
+def test_a_chase_sample_is_nanoseconds_per_load_in_steps_of_8(monkeypatch) -> None:
+    """sample(iters): at least 64 dependent loads, rounded up to the C loop's 8 per step,
+    on the runner CPU; the native nanoseconds over the loads."""
+    from kvbench import native
+
+    real = native.lib()
+    loads: list[tuple[int, int]] = []
+
+    class So:
+        def __getattr__(self, name: str):
+            return getattr(real, name)
+
+        def kvb_chase(self, cursor: object, n: int, cpu: int) -> int:
+            loads.append((n, cpu))
+            return 1000 * n
+
+    monkeypatch.setattr(native, "lib", lambda: So())
+    samples: list = []
+    monkeypatch.setattr(latency, "calibrated", lambda sample: samples.append(sample) or (
+        lambda policy: Timing(SECONDS, "fake", 0)))
+    config = LatencyConfig(src="host:0", dst="host:0", sizes="1", memory="pageable",
+                           chase_size="64K", quick=True)
+    list(LatencyProbe().run(config))
+    (sample,) = samples
+    assert [sample(n) for n in (1, 64, 65, 100, 104)] == pytest.approx([1e-6] * 5)
+    cpu = runner_cpus(0, "/")[0]
+    assert loads == [(64, cpu), (64, cpu), (72, cpu), (104, cpu), (104, cpu)]
 
 
 def test_a_chase_that_cannot_be_built_is_an_error_record(timed, monkeypatch) -> None:
