@@ -208,16 +208,17 @@ def test_streaming_attends_sinks_and_recent_window(device: torch.device) -> None
 
 def test_streaming_next_turn_keeps_sinks_and_ring_across_the_chunk() -> None:
     """Budget 8 (2 sinks, a ring of 6), prompt 12, 3 decode steps, a second turn's 7-token
-    chunk appended (more than the ring: its first token falls out), 3 more decode steps. At
+    chunk appended (more than the ring: its first token falls out), then a 3-token chunk
+    that attends what the first left in the ring, 3 more decode steps. At
     every step each query attends, in float64 done here, the positions held before it (the
     sinks and the ring's latest; a decode step's own token already in the ring) plus the new
     tokens up to itself, and the step files those tokens as attended on the accelerator."""
     sinks, ring = 2, 6
     steps = inputs(12, 6, seed=3)
     gen = torch.Generator().manual_seed(4)
-    chunk = tuple(torch.randn(2, h, 7, SPEC.head_dim, generator=gen)
-                  for h in (SPEC.n_heads, SPEC.n_kv_heads, SPEC.n_kv_heads))
-    steps = [*steps[:4], chunk, *steps[4:]]
+    chunks = [tuple(torch.randn(2, h, t, SPEC.head_dim, generator=gen)
+                    for h in (SPEC.n_heads, SPEC.n_kv_heads, SPEC.n_kv_heads)) for t in (7, 3)]
+    steps = [*steps[:4], *chunks, *steps[4:]]
     s = make("streaming", StreamingParams(gpu_tokens=sinks + ring, sinks=sinks), layers=1,
              max_len=40)
     ks = torch.cat([st[1] for st in steps], dim=2).double()
@@ -414,13 +415,14 @@ def _h2o_reference(steps, budget: int, n_recent: int, hq: int, hkv: int):
     tokens (a next turn's chunk) appends them after the kept tokens: each new query attends
     the kept tokens and the new ones up to itself, all weights are added, and over budget the
     latest n_recent plus the highest-scoring others are kept. Returns the outputs
-    [step] -> [B, Hq, T, D] and the kept positions [step][b][h] after each step."""
+    [step] -> [B, Hq, T, D], the kept positions [step][b][h] after each step and their
+    scores [step][b][h] -> {position: score}."""
     q0, k0, v0 = (t.double() for t in steps[0])
     b, _, p, d = q0.shape
     g = hq // hkv
     kept = [[{} for _ in range(hkv)] for _ in range(b)]
     keys = [[{} for _ in range(hkv)] for _ in range(b)]  # position -> (k, v)
-    outs, sets = [], []
+    outs, sets, scores = [], [], []
     out = torch.zeros(b, hq, p, d, dtype=torch.float64)
     for bi in range(b):
         for h in range(hkv):
@@ -437,6 +439,7 @@ def _h2o_reference(steps, budget: int, n_recent: int, hq: int, hkv: int):
             keys[bi][h] = {j: (k0[bi, h, j], v0[bi, h, j]) for j in range(p)}
     outs.append(out)
     sets.append([[set(kept[bi][h]) for h in range(hkv)] for bi in range(b)])
+    scores.append([[dict(kept[bi][h]) for h in range(hkv)] for bi in range(b)])
     t = p
     for q, k, v in steps[1:]:
         q, k, v = q.double(), k.double(), v.double()
@@ -469,7 +472,8 @@ def _h2o_reference(steps, budget: int, n_recent: int, hq: int, hkv: int):
         t += n_new
         outs.append(out)
         sets.append([[set(kept[bi][h]) for h in range(hkv)] for bi in range(b)])
-    return outs, sets
+        scores.append([[dict(kept[bi][h]) for h in range(hkv)] for bi in range(b)])
+    return outs, sets, scores
 
 
 def _h2o_rows(s, batch: int) -> list[list[set[int]]]:
@@ -499,7 +503,8 @@ def test_h2o_next_turn_after_evictions_matches_the_reference() -> None:
                   for h in (SPEC.n_heads, SPEC.n_kv_heads, SPEC.n_kv_heads))
     steps = [*steps[:5], chunk, *steps[5:]]
     s = make("h2o", H2OParams(gpu_tokens=10, recent=0.4), layers=1, batch=2, max_len=48)
-    ref_outs, ref_sets = _h2o_reference(steps, 10, 4, SPEC.n_heads, SPEC.n_kv_heads)
+    ref_outs, ref_sets, ref_scores = _h2o_reference(steps, 10, 4, SPEC.n_heads,
+                                                    SPEC.n_kv_heads)
     keys = torch.cat([k for _, k, _ in steps], dim=2)  # [B, Hkv, 30, D] by position
     for i, (q, k, v) in enumerate(steps):
         s.ctx.counters.step = i
@@ -509,6 +514,15 @@ def test_h2o_next_turn_after_evictions_matches_the_reference() -> None:
         out = fn(0, q, k, v)
         assert (out.double() - ref_outs[i]).abs().max() < 1e-5, i
         assert _h2o_rows(s, 2) == ref_sets[i], i
+        free = s.free[0]
+        for bi in range(2):  # every kept token's accumulated score, the chunk's included
+            for h in range(SPEC.n_kv_heads):
+                got = {int(p): float(x) for j, (p, x) in enumerate(zip(
+                    s.pos[0][bi, h, :s.n[0]], s.score[0][bi, h, :s.n[0]], strict=True))
+                    if free is None or j != int(free[bi, h])}
+                want = ref_scores[i][bi][h]
+                assert got.keys() == want.keys(), (i, bi, h)
+                assert all(abs(got[k] - want[k]) < 1e-4 for k in want), (i, bi, h)
         # its work: the kept tokens and the new ones attended, the scores' upkeep timed
         attended = (len(ref_sets[i - 1][0][0]) if i else 0) + q.shape[2]
         assert s.ctx.counters.step_total("tokens", "accel", i) == 2 * attended, i
@@ -532,7 +546,8 @@ def test_h2o_decode_eviction_matches_a_float64_reference(device: torch.device, p
     s = make("h2o", H2OParams(gpu_tokens=budget, recent=recent / budget), layers=1, batch=2,
              max_len=prompt + gen + 4, device=device)
     assert (s.budget, s.n_recent) == (budget, recent)
-    ref_outs, ref_sets = _h2o_reference(steps, budget, recent, SPEC.n_heads, SPEC.n_kv_heads)
+    ref_outs, ref_sets, _ = _h2o_reference(steps, budget, recent, SPEC.n_heads,
+                                           SPEC.n_kv_heads)
     got_sets = []
     for i, (q, k, v) in enumerate(steps):
         s.ctx.counters.step = i
