@@ -186,8 +186,8 @@ def run(names: list[str], jobs: int) -> None:
         meta = ws / "mutants" / (spec.source + ".meta")
         before = _verdicts(ws, spec) if meta.exists() else {}
         runs = [list(spec.functions)] if not before else [] if spec.functions else [[]]
-        redo = [k for k, v in before.items() if v in ("survived", "no tests")
-                or (spec.functions and v == "not checked")]
+        # not checked: never run, or reset by mutmut when the module's test list changed
+        redo = [k for k, v in before.items() if v in ("survived", "no tests", "not checked")]
         for names_ in runs + ([redo] if redo else []):
             done = subprocess.run([mutmut, "run", "--max-children", str(jobs), *names_],
                                   cwd=ws, env=env, capture_output=True, text=True)
