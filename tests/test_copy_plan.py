@@ -156,6 +156,9 @@ def test_jobs_split_a_copy_or_scatter_a_latency_window() -> None:
         assert n == 2 and (jobs[0].chunk, jobs[0].stride, jobs[0].windows, jobs[0].hop,
                            jobs[0].fence) == (100, 128, windows,
                                               _copy.coprime_hop(windows), 1)
+        jobs, n = c._jobs(128, True)  # a whole line: no padding; one thread even so
+        assert n == 2 and (jobs[0].chunk, jobs[0].stride) == (128, 128)
+        assert c._jobs(1000, True)[1] == 2
         assert c.bytes_per_copy(100) == 200
         assert c.so is lib() and c.cpus == sorted(set(cpus))
         assert cpus == runner_cpus(0, "/") and len(c.buffers) == 4  # both routes' buffers

@@ -63,9 +63,10 @@ def test_records_carry_the_timings_in_their_units(timed: list[tuple], quick: boo
         "cpu": cpus[0], "runner_node": 0, "per": "dependent load over a random cyclic "
         "permutation of 64-byte lines (transparent huge pages advised)"}
     assert chase.method["placement"] and chase.method["timer"] == "fake"
-    assert [(r.metric, r.unit, r.direction, r.params) for r in copies] == [
-        ("copy_latency", "us", "lower", {"src": "host:0", "dst": "host:0", "direction": "h2h",
-                                         "memory": "pageable", "size": s}) for s in (1, 64)]
+    assert [(r.name, r.metric, r.unit, r.direction, r.params) for r in copies] == [
+        ("latency", "copy_latency", "us", "lower",
+         {"src": "host:0", "dst": "host:0", "direction": "h2h", "memory": "pageable", "size": s})
+        for s in (1, 64)]
     for r in copies:
         assert r.samples == pytest.approx([x * 1e6 for x in SECONDS] * PASSES, rel=1e-12)
         assert r.method["per"] == "one isolated copy" and r.method["placement"]
