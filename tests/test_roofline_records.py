@@ -49,6 +49,7 @@ def test_every_record_of_a_cpu_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every quantity timed as SECONDS (the function itself never runs): each record's
     samples are its formula over those seconds, in its unit, with its parameters."""
     policies: list[Policy] = []
+    monkeypatch.setattr(roofline, "LINEAR_BYTES", 8 << 20)  # 3 copies of the MLP weight
     monkeypatch.setattr(roofline, "time_host", lambda fn, policy: policies.append(policy)
                         or Timing(SECONDS, "fake", policy.warmup))
     config = RooflineConfig(model="smollm2-135m", tokens=64, batch=2, matmul=64,
@@ -81,7 +82,8 @@ def test_every_record_of_a_cpu_run(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (r.unit, r.params) == ("GB/s", {"device": "cpu", "bytes": size,
                                            "how": "torch copy_, read+write"})
     one = spec.hidden * spec.ffn * 4
-    weights = math.ceil(roofline.LINEAR_BYTES / one) * one  # copies cycled per call
+    weights = math.ceil((8 << 20) / one) * one  # copies cycled per call
+    assert weights == 3 * one
     for rows in (1, 2):
         r = by["linear_gbps", None, rows]
         assert r.samples == pytest.approx([weights / x / 1e9 for x in SECONDS] * PASSES)
