@@ -25,12 +25,17 @@ PROFILE = {"name": "mine",
            "accel": {"memory_gbps": 100.0, "peak_tflops": 1.0, "attention_gbps": 50.0,
                      "launch_us": 1.0},
            "host": {"attention_gbps": 10.0, "launch_us": 2.0, "idle_w": 5.0, "peak_w": 25.0},
-           "h2d": {"pageable": 5.0}, "d2h": {"pageable": 5.0},
+           "h2d": {"pageable": 5.0, "pinned": 10.0}, "d2h": {"pageable": 5.0, "pinned": 10.0},
            "power": {"accel_idle_w": 10.0, "accel_peak_w": 110.0, "pnm_idle_w": 1.0,
                      "pnm_peak_w": 3.0},
            "price": {"usd_per_hour": 3.6, "pnm_usd_per_hour": 0.36}}
 PARAMS = {"model": "smollm2-135m", "layers": 30, "batch": 2, "prompt_len": 16, "gen_len": 3,
           "dtype": "float32"}
+UNITS = {"ttft": ("s", "lower"), "tbt": ("s", "lower"),
+         "decode_tokens_per_s": ("tokens/s", "higher"), "accel_idle_share": ("ratio", "lower"),
+         "carried_share": ("ratio", "none"), "link_seconds_per_step": ("s", "none"),
+         "link_bytes_per_step": ("B", "none"), "energy_per_token": ("J/token", "lower"),
+         "tokens_per_usd": ("tokens/$", "higher")}
 
 
 def _row(i: int, res: str, op: str, after: list[int], **work: float) -> list:
@@ -91,6 +96,7 @@ def test_every_projected_metric_equals_its_hand_computation(skip: int) -> None:
     for key, samples in want.items():
         r = got[key]
         assert r.samples == pytest.approx(samples, rel=1e-9), key
+        assert (r.kind, r.name, r.unit, r.direction) == ("run", "quest", *UNITS[key[0]]), key
         assert r.provenance == "projected" and r.version == "2", key
         assert r.params == {**PARAMS, "hardware": "mine", "bookkeeping": "measured",
                             **({"where": "h2d"} if key[1] else {}),
@@ -102,10 +108,7 @@ def test_every_projected_metric_equals_its_hand_computation(skip: int) -> None:
     assert (m["source_run"], m["source_time"], m["source_env"]) == ("kvbench run quest",
                                                                     "t0", "e0")
     assert m["carried_over"] == project.CARRIED and m["trace_version"] == TRACE_VERSION
-    assert got[("tbt", None)].direction == "lower"
-    assert got[("decode_tokens_per_s", None)].direction == "higher"
-    assert got[("tokens_per_usd", None)].direction == "higher"
-    assert got[("carried_share", None)].unit == "ratio"
+    assert m["model"] == "kvbench.hwmodel.schedule"
 
 
 def test_dropped_bookkeeping_replicas_and_a_profile_without_power() -> None:
@@ -161,20 +164,28 @@ def test_a_scaled_projection_is_labelled_with_its_target_and_source() -> None:
 
 
 def test_runs_group_by_strategy_command_and_params_not_step() -> None:
-    recs = _trace() + _trace(batch=4) + _trace("hgca", "kvbench run hgca")
-    recs.append({**recs[0], "metric": "tbt"})  # not a trace: ignored
+    other = {**_trace()[0], "metric": "tbt"}  # not a trace: skipped, the rest still read
+    probe = {**_trace()[0], "kind": "probe"}
+    phased = [{**r, "params": {**r["params"], "phase": "decode"}} for r in _trace()]
+    recs = [other, probe, *_trace(), *_trace(batch=4), *_trace("hgca", "kvbench run hgca"),
+            *_trace(command="kvbench run quest --again"), *phased]
     grouped = project.runs(recs, "f.jsonl")
-    assert sorted(len(v) for v in grouped.values()) == [4, 4, 4]
-    assert sorted(k[0] for k in grouped) == ["hgca", "quest", "quest"]
+    # the phased run is the first one (step and phase are not part of a run's identity);
+    # the same parameters under another command are another run
+    assert sorted(len(v) for v in grouped.values()) == [4, 4, 4, 8]
+    assert sorted(k[:2] for k in grouped) == [
+        ("hgca", "kvbench run hgca"), ("quest", "kvbench run quest"),
+        ("quest", "kvbench run quest"), ("quest", "kvbench run quest --again")]
     assert all({r["params"]["step"] for r in v} == {0, 1, 2, 3} for v in grouped.values())
 
-    old = [{**recs[0], "metric": "trace.time"}]
+    base = _trace()[0]
+    old = [{**base, "metric": "trace.time"}]
     with pytest.raises(KvbenchError, match=r"f\.jsonl: an older trace .* re-run with "
                                            r"`kvbench run STRATEGY --out FILE`"):
         project.runs(old, "f.jsonl")
     with pytest.raises(KvbenchError, match=r"f\.jsonl: no run trace to project"):
-        project.runs([{**recs[0], "kind": "probe"}], "f.jsonl")
-    stale = [{**recs[0], "method": {**recs[0]["method"], "trace_version": 1}}]
+        project.runs([probe], "f.jsonl")
+    stale = [{**base, "method": {**base["method"], "trace_version": 1}}]
     with pytest.raises(KvbenchError, match=rf"f\.jsonl: trace version 1; kvbench project "
                                            rf"reads version {TRACE_VERSION}"):
         project.runs(stale, "f.jsonl")
@@ -186,3 +197,36 @@ def test_project_run_skips_steps_and_reads_every_records_tasks() -> None:
     assert pre.step == 0 and pre.seconds == pytest.approx(sum(MS[0]))
     assert [s.step for s in dec] == [3] and dec[0].seconds == pytest.approx(sum(MS[3]))
     assert math.isclose(dec[0].moved["h2d"], WORK_OF[3][1])
+
+
+def test_memory_kind_dtype_and_target_shape_reach_the_timer() -> None:
+    """Pinned copies at the profile's pinned rate; a float16 run at the float16 peak; a
+    scaled target's dtype (float32 for 4-byte elements, else float16) sets the peak too."""
+    prof = parse({**PROFILE, "accel": {**PROFILE["accel"],
+                                       "peak_tflops": {"float32": 1.0, "float16": 2.0}}}, "p")
+    got = _by_metric(list(project.records(_trace(), prof, "pinned")))
+    assert got[("tbt", None)].samples == pytest.approx(
+        [MS[s][0] + MS[s][1] / 2 + MS[s][2] for s in (1, 2, 3)])  # 10 GB/s pinned
+    assert got[("tbt", None)].method["host_memory"] == "pinned"
+    half = _by_metric(list(project.records(_trace(dtype="float16"), prof, "pageable")))
+    assert half[("tbt", None)].samples == pytest.approx(
+        [MS[s][0] / 2 + MS[s][1] + MS[s][2] for s in (1, 2, 3)])
+    spec = get_spec("llama-2-7b")
+    accel = {}
+    for elem in (4, 2):
+        pre, dec = project.project_run(_trace(), prof, "pageable", Shape(spec, 8, 64, 3, elem))
+        accel[elem] = sum(s.busy["accel"] for s in [pre, *dec])
+    # the same FLOPs at half the peak (the scaled graph's launches, equal for both, aside)
+    assert accel[4] / accel[2] == pytest.approx(2, rel=1e-2)
+    got = _by_metric(list(project.records(_trace(), prof, "pageable",
+                                          Shape(spec, 8, 64, 3, 4))))
+    assert got[("tbt", None)].params["dtype"] == "float32"
+
+
+def test_a_trace_without_prefill_or_decode() -> None:
+    prof = parse(PROFILE, "p.toml")
+    pre, dec = project.project_run(_trace()[1:], prof, "pageable")
+    assert (pre.step, pre.seconds) == (0, 0.0) and [s.step for s in dec] == [1, 2, 3]
+    with pytest.raises(KvbenchError, match=r"^run quest has no decode step in its trace$"):
+        list(project.records(_trace()[:1], prof, "pageable"))
+    assert project.source_shape({k: v for k, v in PARAMS.items() if k != "dtype"}).elem == 4
