@@ -138,8 +138,20 @@ def test_dropped_bookkeeping_replicas_and_a_profile_without_power() -> None:
     got = _by_metric(list(project.records(_trace(), bare, "pageable")))
     energy = got[("energy_per_token", None)]
     assert energy.status == "waived" and energy.provenance == "projected"
-    assert "'mine' has no power figures" in energy.reason
+    assert (energy.name, energy.reason) == ("quest", "hardware profile 'mine' has no power "
+                                                     "figures")
+    assert energy.params == {**PARAMS, "hardware": "mine", "bookkeeping": "measured"}
     assert ("tokens_per_usd", None) not in got
+
+    # only peak powers and a GPU price: idle draws and the PNM's price count as 0
+    sparse = parse({**{k: v for k, v in PROFILE.items() if k not in ("power", "price")},
+                    "host": {"attention_gbps": 10.0, "launch_us": 2.0},
+                    "power": {"accel_peak_w": 110.0, "pnm_peak_w": 3.0},
+                    "price": {"usd_per_hour": 3.6}}, "s.toml")
+    got = _by_metric(list(project.records(_trace(), sparse, "pageable")))
+    total, accel = sum(sum(MS[s]) for s in (1, 2, 3)), sum(MS[s][0] for s in (1, 2, 3))
+    assert got[("energy_per_token", None)].value == pytest.approx(110 * accel / 6)
+    assert got[("tokens_per_usd", None)].value == pytest.approx(6 / (3.6 * total / 3600))
 
 
 def test_a_scaled_projection_is_labelled_with_its_target_and_source() -> None:
@@ -214,6 +226,29 @@ def test_memory_kind_dtype_and_target_shape_reach_the_timer() -> None:
     got = _by_metric(list(project.records(_trace(), prof, "pageable",
                                           Shape(get_spec("llama-2-7b"), 8, 64, 3, 4))))
     assert got[("tbt", None)].params["dtype"] == "float32"
+    unscaled = [sum(MS[s]) for s in (1, 2, 3)]
+    assert got[("tbt", None)].samples != pytest.approx(unscaled)  # the target's graph ran
+
+
+def test_links_without_a_copy_in_some_steps() -> None:
+    """A D2H copy in step 2 only and a CXL read in steps 1 and 3: each link's records name
+    it, with 0 for the steps it was idle."""
+    recs = _trace()
+    for r in recs:
+        step = r["params"]["step"]
+        i = 10 * step
+        if step == 2:
+            r["method"]["tasks"].append(_row(i + 3, "d2h", "copy", [i + 2], bytes_moved=5e6,
+                                             copies=1.0))
+        if step in (1, 3):
+            r["method"]["tasks"].append(_row(i + 4, "cxl", "read", [i + 2], bytes_moved=2e7,
+                                             copies=1.0))
+    prof = parse({**PROFILE, "cxl": {"pageable": 20.0}}, "p")
+    got = _by_metric(list(project.records(recs, prof, "pageable")))
+    assert got[("link_bytes_per_step", "d2h")].samples == [0.0, 5e6, 0.0]
+    assert got[("link_seconds_per_step", "d2h")].samples == pytest.approx([0.0, 1e-3, 0.0])
+    assert got[("link_bytes_per_step", "cxl")].samples == [2e7, 0.0, 2e7]
+    assert got[("link_seconds_per_step", "cxl")].samples == pytest.approx([1e-3, 0.0, 1e-3])
 
 
 def test_a_trace_without_prefill_or_decode() -> None:
@@ -223,3 +258,9 @@ def test_a_trace_without_prefill_or_decode() -> None:
     with pytest.raises(KvbenchError, match=r"^run quest has no decode step in its trace$"):
         list(project.records(_trace()[:1], prof, "pageable"))
     assert project.source_shape({k: v for k, v in PARAMS.items() if k != "dtype"}).elem == 4
+    phased = [{**r, "params": {**r["params"], "phase": "decode"}} for r in _trace()]
+    got = _by_metric(list(project.records(phased, prof, "pageable")))
+    assert "phase" not in got[("tbt", None)].params  # a step's label, not the run's
+    # an older trace record before the run's tasks does not hide them
+    older = {**_trace()[0], "metric": "trace.time"}
+    assert [len(v) for v in project.runs([older, *_trace()], "f").values()] == [4]
