@@ -187,6 +187,9 @@ def run(names: list[str], jobs: int) -> None:
         # and the survivors (a test written since may kill them).
         meta = ws / "mutants" / (spec.source + ".meta")
         before = _verdicts(ws, spec) if meta.exists() else {}
+        if before:  # map the tests afresh: mutmut keeps the first run's test-to-function map,
+            # so a test function written since would not run against the mutants it reaches
+            (ws / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
         runs = [list(spec.functions)] if not before else [] if spec.functions else [[]]
         # not checked: never run, or reset by mutmut when the module's test list changed
         redo = [k for k, v in before.items() if v in ("survived", "no tests", "not checked")]
