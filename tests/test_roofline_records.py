@@ -66,8 +66,9 @@ def test_every_record_of_a_cpu_run(monkeypatch: pytest.MonkeyPatch) -> None:
 
     for s, (f, b) in work.items():
         r = by["intensity", s, None]
-        assert (r.unit, r.direction, r.provenance, r.samples) == ("FLOP/B", "none",
-                                                                    "projected", [f / b])
+        assert (r.name, r.unit, r.direction, r.provenance, r.samples) == (
+            "roofline", "FLOP/B", "none", "projected", [f / b])
+        assert r.method == {"formula": "4*B*H*D*visible pairs / (Q+O+K+V bytes)"}
         assert r.params == {**base, "dtype": "float32", "stage": s}
         r = by["attention_tflops", s, None]
         assert r.samples == pytest.approx([f / x / 1e12 for x in SECONDS] * PASSES)
@@ -97,3 +98,21 @@ def test_every_record_of_a_cpu_run(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(policies) == PASSES * (1 + 1 + 2 + 3)
     assert {(p.min_reps, p.max_reps, p.min_time_s, p.max_time_s) for p in policies} == {
         (policy.min_reps, policy.max_reps, policy.min_time_s, policy.max_time_s)}
+    assert sorted({p.warmup for p in policies}) == [0, 1]  # one warm-up, in the first pass
+
+
+@pytest.mark.parametrize("field, value, ok", [
+    ("tokens", 32, True), ("tokens", 31, False), ("batch", 1, True), ("batch", 0, False),
+    ("matmul", 1, True), ("matmul", 0, False), ("cuda_matmul", 1, True),
+    ("cuda_matmul", 0, False)])
+def test_run_bounds(field: str, value: int, ok: bool, monkeypatch) -> None:
+    """At least 32 tokens, batch and matmul sizes of 1 or more: the edge passes its check
+    (the run stops in _points, stubbed), one below is refused with the one message."""
+    monkeypatch.setattr(RooflineProbe, "_points", lambda *a: [])
+    config = RooflineConfig(model="smollm2-135m", **{field: value})
+    if ok:
+        assert [r.metric for r in RooflineProbe().run(config)] == ["intensity"] * 3
+    else:
+        with pytest.raises(KvbenchError, match=r"^tokens must be >= 32, batch and matmul "
+                                               r"sizes positive$"):
+            list(RooflineProbe().run(config))
