@@ -41,5 +41,11 @@ def show_record(rec: Record) -> None:
     console.print(f"{head}: {value_text(rec.value, rec.unit, rec.stats)}{label}")
 
 
+def markdown_table(head: list[str], rows: list[list[str]]) -> list[str]:
+    """Lines of a Markdown table; a '|' inside a cell is escaped."""
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+            *("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows)]
+
+
 def wrote(path: Path) -> None:
     console.print(f"results: [cyan]{path}[/]", soft_wrap=True)  # a path to copy, unbroken

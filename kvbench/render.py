@@ -9,7 +9,7 @@ from typing import Any
 from rich.table import Table
 
 from kvbench.compare import Row, common_shift, rows_to_json
-from kvbench.console import console, params_text
+from kvbench.console import console, markdown_table, params_text
 from kvbench.units import format_bytes
 
 
@@ -62,8 +62,8 @@ def markdown_tables() -> str:
 
     out = []
     for reg, what in ((PROBES, "what it measures"), (STRATEGIES, "what it does")):
-        out += [f"| {reg.kind} | {what} |", "|---|---|"]
-        out += [f"| `{c.name}` | {c.summary()} |" for c in reg.all()]
+        out += markdown_table([reg.kind, what], [[f"`{c.name}`", c.summary()]
+                                                 for c in reg.all()])
         out.append("")
     return "\n".join(out[:-1])
 
@@ -138,10 +138,7 @@ def compare_output(rows: list[Row], fmt: str, threshold: float, alpha: float) ->
                           "common_shift": asdict(shift) if shift else None,
                           "rows": rows_to_json(rows)}, indent=2, default=str))
     elif fmt == "markdown":
-        print("| " + " | ".join(_HEAD) + " |")
-        print("|" + "---|" * len(_HEAD))
-        for r in rows:
-            print("| " + " | ".join(c.replace("|", "\\|") for c in _cells(r)) + " |")
+        print("\n".join(markdown_table(_HEAD, [_cells(r) for r in rows])))
         print(f"\n{summary}")
     else:
         t = Table()

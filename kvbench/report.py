@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvbench.console import params_text, value_text
+from kvbench.console import markdown_table, params_text, value_text
 from kvbench.plots import pyplot, save
 from kvbench.plots.budget import budget_figures
 from kvbench.schema import RecordKey, record_key
@@ -148,7 +148,7 @@ def samples_figure(group: Group, out_dir: Path) -> list[Figure]:
     return [Figure(f"{group.title}: samples per quantity", path, commands(group.ok()))]
 
 
-def accuracytable(records: list[dict[str, Any]], machines: dict[str, str] | None = None
+def accuracy_table(records: list[dict[str, Any]], machines: dict[str, str] | None = None
                    ) -> list[list[str]]:
     """Rows [strategy, params, perplexity, reference, change] with the full-attention
     reference at the same parameters minus the strategy's own (HGCA Table 1), from the same
@@ -206,7 +206,7 @@ def build(files: list[Path], fig_dir: Path) -> Report:
                                         commands(runs)))
     labels = {eid: machine_label(env) for eid, env in envs.items()}
     machines = labels if len(set(labels.values())) > 1 else {}
-    return Report(files, envs, groups, warnings, accuracytable(runs, machines), summary,
+    return Report(files, envs, groups, warnings, accuracy_table(runs, machines), summary,
                   machines)
 
 
@@ -246,9 +246,7 @@ def record_row(r: dict[str, Any], machine: str | None = None) -> list[str]:
 
 def markdown(rep: Report, fig_rel: Path | None) -> str:
     def table(head: list[str], rows: list[list[str]]) -> list[str]:
-        out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        return [*out, *("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |"
-                        for row in rows), ""]
+        return [*markdown_table(head, rows), ""]
 
     cols = ["name", "metric", "params", "value", "status"]
     lines = [f"# kvbench report: {', '.join(p.name for p in rep.files)}", ""]

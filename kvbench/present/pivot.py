@@ -22,6 +22,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvbench.console import markdown_table
 from kvbench.errors import KvbenchError
 
 PER_RECORD = ("where", "layer", "phase")  # parameters that split one run into records
@@ -251,9 +252,7 @@ class Table:
         if self.ref is not None:
             out += [f"Reference ({', '.join(f'{k} {v}' for k, v in p.reference.items())}): "
                     f"{format(self.ref['value'], p.fmt)}", ""]
-        heads, rows = self.grid()
-        out += ["| " + " | ".join(heads) + " |", "|---" * len(heads) + "|"]
-        out += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
+        out += markdown_table(*self.grid())
         if p.rank:
             out += ["", f"Ranking at each {p.columns} ({p.rank} is better):", ""]
             for c in cols:
