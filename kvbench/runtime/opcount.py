@@ -172,9 +172,8 @@ def count_step(model: Any, strategy: Any, seq: Any, sync: Callable[[], None]) ->
     inner.begin_step(counters.step)
     pos = seq.shape[1] - 1
     model.strategy = inner
-    cuda = any(p.device.type == "cuda" for p in model.parameters())
-    try:
-        with Counting(cuda_only=cuda) as counting:
+    try:  # the run's tokens live where its model does
+        with Counting(cuda_only=seq.device.type == "cuda") as counting:
             model(seq[:, pos:pos + 1], pos)
         sync()
     finally:
