@@ -97,6 +97,14 @@ def bundled():
     return load(get_spec("smollm2-135m"), "bundled", 30, torch.float32, torch.device("cpu"))
 
 
+def trace_row(i: int, res: str, op: str, after: list[int], **work: float) -> list:
+    """One row of a trace.tasks record (kvbench.runtime.trace.COLUMNS): task i of layer 0 on
+    `res`, its work (the WORK names, 0 where not given), the tasks it waits for; foreground."""
+    from kvbench.runtime.trace import WORK
+
+    return [i, 0, res, op, *(work.get(w, 0.0) for w in WORK), after, False]
+
+
 def ancestors(tasks: list, i: int) -> set[int]:
     """Ids of every task that task i waits for, transitively, in a stage graph
     (kvbench.runtime.trace: each task's `after`)."""

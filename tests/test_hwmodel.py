@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import assert_usage_error, cli
+from conftest import assert_usage_error, cli, trace_row
 
 from kvbench.cli import main
 from kvbench.hwmodel.profile import Curve, load, names, parse, rows
@@ -107,12 +107,6 @@ def _trace_file(path: Path, rows_: list[list], version: int = 2) -> Path:
     return path
 
 
-def _row(i: int, res: str, op: str, after: list[int], **work: float) -> list:
-    from kvbench.runtime.trace import WORK
-
-    return [i, 0, res, op, *(work.get(w, 0.0) for w in WORK), after, False]
-
-
 def test_project_on_a_toml_profile_writes_labelled_projected_records(tmp_path: Path) -> None:
     prof = tmp_path / "p.toml"
     prof.write_text('name = "mine"\n[accel]\nmemory_gbps = 100.0\npeak_tflops = 1.0\n'
@@ -120,8 +114,8 @@ def test_project_on_a_toml_profile_writes_labelled_projected_records(tmp_path: P
                     'launch_us = 2.0\n[h2d]\npageable = 5.0\n[d2h]\npageable = 5.0\n'
                     '[power]\naccel_idle_w = 10.0\naccel_peak_w = 110.0\n')
     src = _trace_file(tmp_path / "run.jsonl",
-                      [_row(0, "accel", "head", [], flops=3e9, launches=0.0),  # 3 ms
-                       _row(1, "accel", "bookkeeping", [0], seconds=1e-3)])  # carried 1 ms
+                      [trace_row(0, "accel", "head", [], flops=3e9, launches=0.0),  # 3 ms
+                       trace_row(1, "accel", "bookkeeping", [0], seconds=1e-3)])  # carried 1 ms
     out = tmp_path / "proj.jsonl"
     with pytest.raises(SystemExit) as e:
         main(["project", str(src), "--hardware", str(prof), "--out", str(out)])
@@ -157,10 +151,10 @@ def _probe_file(path: Path) -> Path:
 def test_hardware_this_from_probe_records(tmp_path: Path) -> None:
     probes = _probe_file(tmp_path / "probes.jsonl")
     src = _trace_file(tmp_path / "run.jsonl", [
-        _row(0, "accel", "pre", [], flops=2e6, bytes_read=8e6, launches=5.0),  # 1 ms + 20 us
-        _row(1, "h2d", "copy", [0], bytes_moved=2048.0, copies=2.0),  # 2 x 1 KiB at 1 GB/s
-        _row(2, "host", "attention", [1], bytes_read=4096.0, launches=1.0),  # shares the CPU
-        _row(3, "pnm", "attention", [], bytes_read=8e5)])  # the PNM role: this CPU, 0.1 ms
+        trace_row(0, "accel", "pre", [], flops=2e6, bytes_read=8e6, launches=5.0),  # 1 ms + 20 us
+        trace_row(1, "h2d", "copy", [0], bytes_moved=2048.0, copies=2.0),  # 2 x 1 KiB at 1 GB/s
+        trace_row(2, "host", "attention", [1], bytes_read=4096.0, launches=1.0),  # shares the CPU
+        trace_row(3, "pnm", "attention", [], bytes_read=8e5)])  # the PNM role: this CPU, 0.1 ms
     out = tmp_path / "proj.jsonl"
     with pytest.raises(SystemExit) as e:
         main(["project", str(src), "--hardware", "this", "--probes", str(probes),
@@ -212,7 +206,7 @@ def _v1_file(path: Path) -> Path:
 ])
 def test_project_bad_input_exits_2(case: str, message: str, tmp_path: Path, capsys,
                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    src = _trace_file(tmp_path / "run.jsonl", [_row(0, "accel", "head", [], flops=1.0)])
+    src = _trace_file(tmp_path / "run.jsonl", [trace_row(0, "accel", "head", [], flops=1.0)])
     hw, extra = "a6000-pcie4", []
     if case == "unknown":
         hw = "nope"
@@ -226,7 +220,7 @@ def test_project_bad_input_exits_2(case: str, message: str, tmp_path: Path, caps
     elif case == "v1":
         _v1_file(src)
     elif case == "old-version":
-        _trace_file(src, [_row(0, "accel", "head", [], flops=1.0)], version=1)
+        _trace_file(src, [trace_row(0, "accel", "head", [], flops=1.0)], version=1)
     elif case == "this-no-calibration":  # nor --probes: `kvbench calibrate` (test_calibrate)
         hw = "this"
         monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path / "cache"))
@@ -288,7 +282,7 @@ def test_bad_profile_field_is_refused_by_name(command: str, table: str, line: st
     prof = tmp_path / "bad.toml"
     prof.write_text(_profile_toml(table, line))
     out = tmp_path / "o.jsonl"
-    src = _trace_file(tmp_path / "run.jsonl", [_row(0, "accel", "head", [], flops=1.0)])
+    src = _trace_file(tmp_path / "run.jsonl", [trace_row(0, "accel", "head", [], flops=1.0)])
     argv = (["hardware", "show", str(prof)] if command == "show" else
             ["project", str(src), "--hardware", str(prof), "--out", str(out)])
     assert_usage_error(cli(argv, capsys), f"hardware profile {prof}: {message}")

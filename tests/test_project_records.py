@@ -9,13 +9,14 @@ from __future__ import annotations
 import math
 
 import pytest
+from conftest import trace_row
 
 from kvbench.errors import KvbenchError
 from kvbench.hwmodel import project
 from kvbench.hwmodel.profile import parse, replicate
 from kvbench.hwmodel.scale import Shape
 from kvbench.models import get_spec
-from kvbench.runtime.trace import COLUMNS, TRACE_VERSION, WORK
+from kvbench.runtime.trace import COLUMNS, TRACE_VERSION
 
 # per step (0 is the prefill): accelerator FLOPs at 1 TFLOP/s, H2D bytes at 5 GB/s, host s
 WORK_OF = {0: (2e9, 1e7, 1e-3), 1: (1e9, 5e6, 2e-3), 2: (3e9, 1.5e7, 0.5e-3),
@@ -38,19 +39,15 @@ UNITS = {"ttft": ("s", "lower"), "tbt": ("s", "lower"),
          "tokens_per_usd": ("tokens/$", "higher")}
 
 
-def _row(i: int, res: str, op: str, after: list[int], **work: float) -> list:
-    return [i, 0, res, op, *(work.get(w, 0.0) for w in WORK), after, False]
-
-
 def _trace(name: str = "quest", command: str = "kvbench run quest", **params: object
            ) -> list[dict]:
     """The run's trace.tasks records, one per step, ids unique across steps."""
     out = []
     for step, (f, m, c) in WORK_OF.items():
         i = 10 * step
-        rows = [_row(i, "accel", "head", [i - 8] if step else [], flops=f),  # after the last
-                _row(i + 1, "h2d", "copy", [i], bytes_moved=m, copies=1.0),
-                _row(i + 2, "host", "bookkeeping", [i + 1], seconds=c)]
+        rows = [trace_row(i, "accel", "head", [i - 8] if step else [], flops=f),  # after the last
+                trace_row(i + 1, "h2d", "copy", [i], bytes_moved=m, copies=1.0),
+                trace_row(i + 2, "host", "bookkeeping", [i + 1], seconds=c)]
         out.append({"schema_version": 1, "kind": "run", "name": name, "metric": "trace.tasks",
                     "unit": "tasks", "direction": "none", "status": "ok", "value": 1.0,
                     "provenance": "measured", "command": command, "time": "t0",
@@ -238,10 +235,10 @@ def test_links_without_a_copy_in_some_steps() -> None:
         step = r["params"]["step"]
         i = 10 * step
         if step == 2:
-            r["method"]["tasks"].append(_row(i + 3, "d2h", "copy", [i + 2], bytes_moved=5e6,
+            r["method"]["tasks"].append(trace_row(i + 3, "d2h", "copy", [i + 2], bytes_moved=5e6,
                                              copies=1.0))
         if step in (1, 3):
-            r["method"]["tasks"].append(_row(i + 4, "cxl", "read", [i + 2], bytes_moved=2e7,
+            r["method"]["tasks"].append(trace_row(i + 4, "cxl", "read", [i + 2], bytes_moved=2e7,
                                              copies=1.0))
     prof = parse({**PROFILE, "cxl": {"pageable": 20.0}}, "p")
     got = _by_metric(list(project.records(recs, prof, "pageable")))
