@@ -43,6 +43,7 @@ from kvbench.errors import KvbenchError, require
 from kvbench.present.pivot import PER_RECORD, TOP_LEVEL, Extra, PaperTable, Pivot, Table
 from kvbench.store import REPO_ROOT
 from kvbench.suite_spec import tomllib  # tomli on Python 3.10
+from kvbench.timing import Stats
 
 EXPERIMENTS = REPO_ROOT / "experiments"
 _HEAD = {"name", "title", "setup", "suites", "records", "keep_traces", "aliases"}
@@ -124,6 +125,10 @@ def _pivot(raw: dict[str, Any], i: int, path: Path) -> Pivot:
         if isinstance(kw["metric"], list):
             kw["metric"] = tuple(kw["metric"])
         kw["ratios"] = tuple(tuple(r) for r in kw.get("ratios", ()))
+        stats = {"value", *(f.name for f in dataclasses.fields(Stats))}
+        for got in [kw.get("statistic", "value"), *(e.statistic for e in extras)]:
+            require(got in stats, f"{where}: statistic '{got}': one of "
+                    f"{', '.join(sorted(stats))}")
         return Pivot(**kw, extras=extras, paper=paper)
     except (TypeError, KeyError) as e:
         raise KvbenchError(f"{where}: {e}") from None
@@ -191,6 +196,7 @@ def _check_names(exp: Experiment) -> None:
     known = _known_params() | set(exp.aliases) | {"hardware", "bookkeeping", "gpus", "pnms"}
     for t in exp.tables:
         filters = [t.where, t.reference or {}]
+        filters += [e.where for e in t.extras]
         for key in [*t.rows, t.columns, *(k for f in filters for k in f)]:
             require(key in known, f"{exp.path.name}: table '{t.title}': unknown parameter "
                     f"'{key}'")
@@ -227,7 +233,7 @@ def render(exp: Experiment) -> str:
     md = [f"# {exp.title}", "",
           f"Rendered by `kvbench experiment render {exp.name}` from {_rel(exp.path)} and the "
           "records "
-          "in " + ", ".join(f"`{p.name}`" for p in exp.records if p.exists()) + "; runs: "
+          "in " + ", ".join(f"`{_rel(p)}`" for p in exp.records if p.exists()) + "; runs: "
           + (", ".join(f"`{_rel(s)}`" for s in exp.suites) or "none") + ".",
           ""]
     if exp.setup:

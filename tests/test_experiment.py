@@ -4,6 +4,7 @@ and bad declarations refused with one line before anything runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -89,6 +90,27 @@ def test_an_extra_with_several_records_needs_sum_over(toy: experiment.Experiment
     t = Table(pivot, RECORDS, toy.aliases)
     with pytest.raises(KvbenchError, match="2 records of 'tokens_attended_per_step'"):
         t.cell(t.cells[("h2o", 64)], 64)
+    host = dataclasses.replace(pivot, extras=(Extra("tokens_attended_per_step",
+                                                     where={"where": "host"}),))
+    t = Table(host, RECORDS, toy.aliases)
+    assert t.cell(t.cells[("h2o", 64)], 64).endswith(", 5")  # the host's record alone
+    assert t.cell(t.cells[("quest (variant authors)", 64)], 64).startswith("12.500")
+    assert t.cell(t.cells[("quest (variant authors)", 64)], 64).count(",") == 0  # no host
+
+
+def test_a_per_layer_table_shows_the_statistic_asked_for(toy: experiment.Experiment) -> None:
+    """A trace record's value is its median over steps; `statistic = "mean"` shows the
+    mean, one column per layer, and a record without that statistic is refused."""
+    pivot = Pivot(title="t", metric="trace.pages", rows=("name",), columns="layer",
+                  statistic="mean", change=False)
+    t = Table(pivot, RECORDS, toy.aliases)
+    assert {k: r["value"] for k, r in t.cells.items()} == {("quest", 0): 2.0,
+                                                           ("quest", 1): 4.0}
+    assert Table(dataclasses.replace(pivot, statistic="value"), RECORDS,
+                 toy.aliases).cells[("quest", 0)]["value"] == 0
+    with pytest.raises(KvbenchError, match=r"statistic 'p10' is not in the stats of quest "
+                                           r"trace\.pages"):
+        Table(dataclasses.replace(pivot, statistic="p10"), RECORDS, toy.aliases)
 
 
 @pytest.mark.parametrize("name", experiment.names())
@@ -112,6 +134,11 @@ BAD = [
     ("[[table]]\ntitle = \"t\"\nmetric = \"perplexity\"\nrows = \"name\"\ncolumns = \"batch\"\n"
      "colour = 1", "unknown key 'colour'"),
     ("oops = 1", "unknown key 'oops'"),
+    ("[[table]]\ntitle = \"t\"\nmetric = \"perplexity\"\nrows = \"name\"\ncolumns = \"batch\"\n"
+     "statistic = \"avg\"", "statistic 'avg': one of cv, iqr, max, mean, median"),
+    ("[[table]]\ntitle = \"t\"\nmetric = \"perplexity\"\nrows = \"name\"\ncolumns = \"batch\"\n"
+     "[[table.extra]]\nmetric = \"top10_recall\"\nwhere = { lyaer = 1 }",
+     "table 't': unknown parameter 'lyaer'"),
 ]
 
 

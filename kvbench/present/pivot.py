@@ -38,6 +38,9 @@ class Extra:
     label: str = ""
     unit: str = ""
     sum_over: str | None = None  # add the run's records that differ in this parameter
+    where: dict[str, Any] = field(default_factory=dict)  # only the run's records matching
+    # (e.g. `{ where = "h2d.recall" }`: one link's bytes of a metric recorded per link)
+    statistic: str = "value"  # or one of the record's stats, as Pivot.statistic
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,9 @@ class Pivot:
     # per-layer metrics (trace.*): a run's records reduced to one value, "sum" or "mean"
     # of each record's mean over steps; None: one record per run
     reduce: str | None = None
+    # the value a cell shows: the record's `value`, or one of its `stats` ("mean": the mean
+    # over steps of a per-layer trace record, whose value is the median)
+    statistic: str = "value"
     spread: bool = False  # each value with its p10-p90 over samples
     every_key: bool = False  # row labels give every row key's value ("8 / 8 / 64"), not only
     # the first and the keys that vary under it
@@ -102,7 +108,12 @@ def run_key(r: dict[str, Any]) -> tuple:
 
 
 def _shown(key: str, value: Any) -> str:
-    return str(value)[:7] if key == "git_commit" else str(value)
+    """A row key's value in a label: commits short, floats to 4 digits, "" as "-"."""
+    if key == "git_commit":
+        return str(value)[:7]
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "-" if value == "" else str(value)
 
 
 def _label(r: dict[str, Any], keys: tuple[str, ...], aliases: dict,
@@ -140,6 +151,8 @@ class Table:
             self.by_run[run_key(r)][r["metric"]].append(r)
         ref = pivot.reference
         mains = [r for r in ok if r["metric"] in self.metrics]
+        if pivot.statistic != "value":
+            mains = [self._statistic(r) for r in mains]
         # the reference per column (a reference run without the column: one for all)
         self.refs: dict[Any, dict[str, Any]] = {}
         for r in (r for r in mains if ref and _matches(r, ref, aliases)):
@@ -170,6 +183,14 @@ class Table:
             self.cells[key] = r
         self.records = [x for r in mains for x in self._run_records(r)]
 
+    def _statistic(self, r: dict[str, Any], statistic: str | None = None) -> dict[str, Any]:
+        statistic = statistic or self.p.statistic
+        got = (r.get("stats") or {}).get(statistic)
+        if got is None:
+            raise KvbenchError(f"table '{self.p.title}': statistic '{statistic}' is "
+                               f"not in the stats of {r['name']} {r['metric']}")
+        return {**r, "value": got}
+
     def _reduced(self, mains: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """One record per run: the `reduce` of its records' means over steps."""
         if self.p.reduce not in ("sum", "mean"):
@@ -189,13 +210,16 @@ class Table:
         return [x for recs in self.by_run[run_key(r)].values() for x in recs]
 
     def extra(self, r: dict[str, Any], e: Extra) -> float | None:
-        recs = self.by_run[run_key(r)].get(e.metric, [])
+        recs = [x for x in self.by_run[run_key(r)].get(e.metric, [])
+                if _matches(x, e.where, self.aliases)]
         if not recs:
             return None
         if e.sum_over is None and len(recs) > 1:
             raise KvbenchError(f"table '{self.p.title}': {len(recs)} records of "
                                f"'{e.metric}' in one run; set sum_over")
-        return sum(x["value"] for x in recs)
+        if e.statistic == "value":
+            return sum(x["value"] for x in recs)
+        return sum(self._statistic(x, e.statistic)["value"] for x in recs)
 
     def cell(self, r: dict[str, Any] | None, col: Any) -> str:
         if r is None:
