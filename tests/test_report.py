@@ -259,3 +259,29 @@ def test_a_sweep_shows_what_varies_as_columns_and_on_every_row() -> None:
     whats = {row[0] for row in headlines(recs)}
     assert "quest on m (accel (?)) budget_tokens=64 pages=4" in whats
     assert "h2o on m (accel (?)) gpu_tokens=128" in whats
+
+
+def test_a_parameter_only_later_runs_have_still_tells_rows_apart() -> None:
+    """A run recorded before a strategy had `variant` lacks the parameter: it is a value of
+    its own whatever the records' order, so the earlier and the later run get two rows (the
+    report of results/page-sparse refused to pivot perplexity before), and two versions with
+    equal parameters are told apart by `version`."""
+    from kvbench.present.sweep import sweep_tables
+
+    def run(name: str, value: float, version: str = "1", **params: object) -> dict:
+        return {"kind": "run", "name": name, "metric": "perplexity", "unit": "ppl",
+                "direction": "lower", "value": value, "status": "ok", "version": version,
+                "provenance": "measured", "samples": [value],
+                "params": {"model": "m", "mode": "eval", **params}}
+
+    recs = [run("hgca", 18.0, "3", gpu_tokens=64), run("hgca", 15.8, "5", gpu_tokens=64,
+                                                         variant="authors"),
+            run("hgca", 16.6, "3", gpu_tokens=128), run("quest", 21.4, "1", budget_tokens=64),
+            run("quest", 16.1, "1", budget_tokens=128), run("quest", 23.0, "2", budget_tokens=64)]
+    for order in (recs, recs[::-1]):
+        (table,), notes = sweep_tables(order)
+        assert notes == []
+        head, rows = table.grid()
+        assert head == ["name / version", "budget 64", "budget 128"]  # version sets variant
+        assert rows == [["hgca (version 3)", "18", "16.6"], ["hgca (version 5)", "15.8", "-"],
+                        ["quest (version 1)", "21.4", "16.1"], ["quest (version 2)", "23", "-"]]

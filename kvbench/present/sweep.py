@@ -26,18 +26,25 @@ KNOBS = ("budget", "batch", "prompt_len", "context", "depth", "gen_len")
 
 
 def varying(records: list[dict[str, Any]]) -> dict[str, set[str]]:
-    """Per strategy, the parameters (aliases applied) that take several values."""
+    """Per strategy, the parameters (aliases applied) and `version` that take several
+    values; a parameter some of its records lack varies (absent is a value)."""
+    rows = [(r["name"], {**{_ALIAS_OF.get(k, k): v for k, v in (r.get("params") or {}).items()
+                            if k not in _IGNORED}, "version": r.get("version")})
+            for r in records]
+    keys: dict[str, set[str]] = defaultdict(set)
+    for name, p in rows:
+        keys[name] |= set(p)
     values: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
-    for r in records:
-        p = {_ALIAS_OF.get(k, k): v for k, v in (r.get("params") or {}).items()
-             if k not in _IGNORED}
-        for k in set(p) | set(values[r["name"]]):
-            values[r["name"]][k].add(repr(p.get(k)))
+    for name, p in rows:
+        for k in keys[name]:
+            values[name][k].add(repr(p.get(k)))
     return {name: {k for k, vals in by.items() if len(vals) > 1}
             for name, by in values.items()}
 
 
 def _value(r: dict[str, Any], key: str) -> str:
+    if key == "version":
+        return repr(r.get("version"))
     p = r.get("params") or {}
     return repr(next((p[k] for k in ALIASES.get(key, (key,)) if k in p), None))
 
