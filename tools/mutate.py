@@ -78,7 +78,8 @@ MODULES: dict[str, Spec] = {
                                   "LatencyProbe.run", "LatencyProbe._copy_record",
                                   "LatencyProbe._chase"), group="probes"),
     "attention": Spec("kvbench/probes/attention.py", ("tests/test_probe_attention.py",
-                                                       "tests/test_attention_records.py"), OTHER,
+                                                       "tests/test_attention_records.py",
+                                                       "tests/test_attention_parts.py"), OTHER,
                       functions=_in("kvbench.probes.attention", "_ints", "grid", "modes",
                                     "_groups", *(f"AttentionProbe.{m}" for m in (
                                         "run", "_time", "_copies", "_copy_records", "_point",
