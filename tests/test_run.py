@@ -174,13 +174,13 @@ def test_cuda_greedy_tokens_equal_transformers_generate() -> None:
     """On CUDA, float32, batch 2: the tokens kvbench's full attention decodes greedily from
     the bundled model (the prefill's and 16 decode steps') are transformers' greedy
     `generate` on the same prompt, token for token; and `--compare-hf`'s record of the run
-    (kvbench.runtime.command.compare_hf) reports that agreement as 1.0."""
+    (kvbench.runtime.engine.compare_hf) reports that agreement as 1.0."""
     import torch
 
     from kvbench.models import get_spec
     from kvbench.models.weights import load
-    from kvbench.runtime.command import compare_hf
     from kvbench.runtime.context import Counters, RunContext
+    from kvbench.runtime.engine import compare_hf
     from kvbench.runtime.run import decode_run
     from kvbench.strategies import STRATEGIES
 

@@ -2,27 +2,26 @@
 
 Each command has the shared run options (RunConfig fields) followed by the strategy's own
 parameters (fields of its `params` dataclass, help from the field's "help" metadata) and
-`--out`. `execute` is the whole run: validate, refuse what cannot fit, load, warm up, run
-with a progress bar, store the records, optionally time transformers' `generate` on the
-same prompt side by side (`--compare-hf`), and print a summary table.
+`--out`. `execute` is the command around the engine (kvbench.runtime.engine.run: validate,
+refuse what cannot fit, load, warm up, decode, count, optionally time transformers'
+`generate` side by side): a loading status, notes, a progress bar, SIGTERM/SIGINT stopping
+after the step in progress, the records stored and a summary table printed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import typer
 
-from kvbench.errors import KvbenchError, require
 from kvbench.runtime.run import RunConfig
-from kvbench.schema import Record, measured, not_measured
-from kvbench.strategies import Strategy, supports_append
-from kvbench.timing import GC_OFF, gc_off
+from kvbench.schema import Record
+from kvbench.strategies import Strategy
 
 _HELP = {
     "model": "Model spec name (see `kvbench list`).",
@@ -74,175 +73,44 @@ def make_command(cls: type[Strategy]) -> Callable[..., None]:
 
 
 def execute(cls: type[Strategy], sparams: Any, cfg: RunConfig, out: Path | None) -> Path:
-    """Run `cls` on the configured model and store its records; returns the result file."""
-    import torch
+    """Run `cls` (kvbench.runtime.engine.run) with a loading status, notes, a progress bar
+    and SIGTERM/SIGINT stopping after the step in progress; store the records, print the
+    summary; returns the result file (a run stopped early: exit 128 + the signal)."""
     from rich.progress import Progress
 
     from kvbench.console import err_console
     from kvbench.envinfo import collect_env
-    from kvbench.kernels.attention import backend_use
-    from kvbench.models.weights import load
-    from kvbench.runtime.context import Counters, RunContext
-    from kvbench.runtime.run import (
-        check_fit,
-        decode_run,
-        peak_memory,
-        read_text,
-        records,
-        resolve,
-        run_params,
-        token_rows,
-    )
+    from kvbench.runtime.engine import Hooks, run
     from kvbench.store import ResultWriter, default_out_path
 
-    require(cfg.turns <= 1 or supports_append(cls), f"--turns {cfg.turns}: strategy "
-            f"'{cls.name}' has no append (multi-turn); it runs single-turn only")
-    require(cfg.threads >= 0, f"--threads {cfg.threads}: 0 (torch's default) or more")
-    spec, layers, device, dtype, weights = resolve(cfg)
-    from kvbench.runtime.machine import machine_defaults
-    from kvbench.runtime.shadow import Shadow
+    colour = {"note": "cyan", "warning": "yellow"}
+    stop = Interrupts()
+    with contextlib.ExitStack() as live:
+        def progress(what: str, total: int) -> Callable[[], None]:
+            # the decode steps only: a signal stops them after the one in progress
+            live.enter_context(stop)
+            bar = live.enter_context(Progress(console=err_console, transient=True))
+            err_console.print(f"decoding {total} steps (SIGTERM or Ctrl-C: stop after the "
+                              "current step and store the records so far, marked partial)")
+            task = bar.add_task(what, total=total)
+            return lambda: bar.advance(task)
 
-    layers, notes = machine_defaults(spec, cfg.layers, layers, device, weights, dtype.itemsize,
-                                     cfg.prompt_len, cfg.gen_len)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    cuda = device.type == "cuda"
-    from kvbench.runtime import bound, opcount
-
-    bw = bound.stored(cuda) if cfg.bandwidth == "calibration" else None
-    sparams, warnings = cls.for_run(sparams, cfg.seq_len)
-    fit = check_fit(spec, layers, cfg, cls, sparams, device, dtype)
-    text = read_text(cfg.text)
-    cache = None
-    if cfg.prefix_cache:
-        from kvbench.prefix.turns import PrefixTurns, open_cache, tier_info
-
-        cache = open_cache(cfg, cls, spec, layers, dtype, device)
-    with err_console.status(f"loading {spec.name} ({weights} weights, {layers} layers)"):
-        loaded = load(spec, weights, layers, dtype, device, cfg.seed)
-    p, g, turns, length = cfg.prompt_len, cfg.gen_len, cfg.turns, cfg.seq_len
-    if cfg.mode == "passkey":
-        from kvbench.runtime import passkey
-
-        rows, answers, _ = passkey.build(loaded.encode, cfg.batch, p, cfg.depth, cfg.seed,
-                                         spec.vocab, cfg.task)
-        need = max(len(a) for a in answers)
-        require(g + 1 >= need, f"--gen-len {g}: the {cfg.task} answers take up to {need} "
-                f"tokens; pass --gen-len {need - 1} or more")
-        rows = rows.to(device)
-    else:
-        rows = token_rows(loaded.encode(text), cfg.batch, length if cfg.mode == "eval" else
-                          turns * p, spec.vocab,
-                          f"--text '{cfg.text}'" if cfg.text else "the default text").to(device)
-    mode = "generate" if cfg.mode == "passkey" else cfg.mode
-    model = loaded.model
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
-
-    def start(max_len: int, shadow: bool = True) -> Strategy:
-        counters = Counters(spec.n_kv_heads, dtype.itemsize, cuda, layers)
-        ctx = RunContext(spec, layers, cfg.batch, max_len, dtype, device,
-                         torch.device("cpu"), counters, model)
-        strategy = cls(sparams, ctx)
-        # per-layer error against full attention on the same inputs (nil for full itself)
-        if shadow and cfg.mode == "eval" and cls.name != "full":
-            strategy = Shadow(strategy, ctx)
-        model.setup(strategy, counters, max_len)
-        return strategy
-
-    # untimed warm-up (one-time allocations, kernel selection) on a cache of the real run's
-    # size, since strategies check their geometry (windows, blocks) against it
-    warm = min(p, 16)
-    decode_run(model, start(length), rows[:, :turns * warm], min(g, 2), "generate", sync,
-               turns=turns)
-    model.strategy = None  # release the warm-up cache before the timed run allocates its own
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    strategy = start(length)
-    for note in notes:  # once every input is known to be valid (bad input: one line)
-        err_console.print(f"[cyan]note:[/] {note}")
-    for warning in warnings:
-        err_console.print(f"[yellow]warning:[/] {warning}")
-    backend_use(reset=True)
-    turns_hook = None
-    if cache is not None:
-        turns_hook = PrefixTurns(cache, model, lambda: start(length, shadow=False),
-                                 lambda: model.setup(strategy, strategy.ctx.counters, length),
-                                 sync, cfg.prefix_reps, p, g)
-    from kvbench.runtime.energy import Meter
-
-    meter = Meter(cuda=cuda)
-    meter.start()
-    with Interrupts() as stop, Progress(console=err_console, transient=True) as bar, gc_off():
-        err_console.print(f"decoding {turns * g} steps (SIGTERM or Ctrl-C: stop after the "
-                          "current step and store the records so far, marked partial)")
-        task = bar.add_task(f"{cls.name}: decode", total=turns * g)
-        outcome = decode_run(model, strategy, rows, g, mode, sync,
-                             lambda: bar.advance(task) or stop.signum is not None, turns,
-                             turns_hook.between if turns_hook else None)
-    sync()
-    meter.stop()
-    backend = backend_use(reset=True)  # attention backend per phase of the timed run
-    shadowed = isinstance(strategy, Shadow)
-    if shadowed:  # the last step's reference attention (outside the timed region)
-        strategy.flush()
-    params = run_params(cfg, spec, layers, device, dtype, weights, sparams)
-    if stop.signum is not None:  # partial: label every record with the steps completed
-        params["steps_completed"] = len(outcome.steps)
-    accuracy = "random weights: accuracy metrics are off" if weights == "random" else ""
-    recs = list(records(cls.name, params, outcome, cfg.batch, accuracy, model.counters,
-                        peak_memory(), shadowed))
-    # after the records above (peak memory read): one untimed step counted, then the
-    # bandwidth probe
-    counted = "interrupted: no step after the timed ones" if stop.signum is not None else \
-        opcount.count_step(model, strategy, outcome.tokens, sync)
-    recs += opcount.records(cls.name, params, counted, model.counters.step)
-    if bw is None:
-        try:
-            bw = bound.probe(cuda, torch.get_num_threads())
-        except KvbenchError as e:
-            bw = f"bandwidth probe: {e}"
-    recs += bound.records(cls.name, params, outcome.steps, model.counters.graph, bw)
-    recs += [measured("run", cls.name, "kv_alloc_bytes", "B", "lower", [fit[f"{w}_bytes"]],
-                      {**params, "where": w}, {"statistic": "exact", "per": "run", "source":
-                      "Strategy.placement: the KV and state the strategy allocates per "
-                      "device (its allocation plan, counted, not sampled)"})
-             for w in ("accel", "host")]
-    recs += meter.records(cls.name, params, cfg.batch * (len(outcome.steps) + turns))
-    if cfg.mode == "passkey":
-        recs += passkey.records(cls.name, params, outcome.tokens, answers, p, accuracy)
-    if turns_hook is not None:
-        recs += turns_hook.records(cls.name, params, tier_info(cache))
-        cache.close()
-    if cfg.compare_hf and stop.signum is None:
-        def again() -> list[float]:  # one more greedy decode of ours, for interleaving
-            with gc_off():
-                return decode_run(model, start(length), rows[:, :p], g, "generate",
-                                  sync).steps
-
-        recs += compare_hf(cls.name, params, loaded.hf_model, rows[:, :p], outcome, again,
-                           device, sync)
-    if stop.signum is not None:
-        why = (f"interrupted by {signal.Signals(stop.signum).name} after "
-               f"{len(outcome.steps)} of {turns * g} decode steps")
-        for rec in recs:
-            rec.method["partial"] = why
+        result = run(cls, sparams, cfg, Hooks(
+            status=err_console.status,
+            say=lambda kind, text: err_console.print(f"[{colour[kind]}]{kind}:[/] {text}"),
+            progress=progress,
+            stop=lambda: None if stop.signum is None else signal.Signals(stop.signum).name))
     path = out or default_out_path(f"run-{cls.name}")
     with ResultWriter(path, collect_env()) as w:
-        for rec in recs:
-            rec.version = cls.version
-            rec.method.setdefault("backend", backend)
-            w.write(rec)
-    summary(recs, params, fit, accuracy)
-    if turns_hook is not None:
+        w.write_all(result.records)
+    summary(result.records, result.params, result.fit, result.accuracy)
+    if result.prefix_turns:
         from kvbench.prefix.render import turn_table
 
-        turn_table(recs)
-    if stop.signum is not None:
-        err_console.print(f"kvbench: {why}; partial records in {path}")
-        raise typer.Exit(128 + stop.signum)
+        turn_table(result.records)
+    if result.interrupted:
+        err_console.print(f"kvbench: {result.interrupted}; partial records in {path}")
+        raise typer.Exit(128 + (stop.signum or 0))
     return path
 
 
@@ -269,69 +137,6 @@ class Interrupts:
     def __exit__(self, *exc: object) -> None:
         for s, handler in self._old.items():
             signal.signal(s, handler)
-
-
-def compare_hf(name: str, params: dict, hf: Any, prompt: Any, ours: Any,
-               again: Callable[[], list[float]], device: Any, sync: Callable[[], None],
-               rounds: int = 3) -> list[Record]:
-    """transformers' greedy `generate` on the same prompt [B, P], dtype and threads.
-
-    A logits processor stamps every step of generate after a device synchronise (it runs
-    once per forward, any batch), so HF's per-step decode times are taken like ours. Ours
-    and transformers' alternate for `rounds` rounds (ours' first round is the run itself)
-    and the bar compares the medians of all per-step rates: robust to a shared machine.
-    """
-    import statistics
-    from itertools import pairwise
-
-    import torch
-
-    if hf is None:
-        return [not_measured("run", name, "hf_decode_tokens_per_s", "waived",
-                             "random weights: no transformers model to compare with", params)]
-    hf.to(device)
-    b, g = prompt.shape[0], len(ours.steps)
-
-    from transformers import LogitsProcessor, LogitsProcessorList
-
-    class Stamps(LogitsProcessor):  # called once per step, after that step's forward
-        def __init__(self) -> None:
-            self.ns: list[int] = []
-
-        def __call__(self, input_ids: Any, scores: Any) -> Any:
-            sync()
-            self.ns.append(time.perf_counter_ns())
-            return scores
-
-    def gen(n: int) -> tuple[list[float], Any]:
-        stamps = Stamps()
-        with gc_off():  # as for ours
-            seq = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                              max_new_tokens=n, min_new_tokens=n, pad_token_id=0,
-                              logits_processor=LogitsProcessorList([stamps]))
-        return [(t1 - t0) * 1e-9 for t0, t1 in pairwise(stamps.ns)], seq
-
-    gen(3)  # warm-up
-    ours_steps, steps = list(ours.steps), []
-    for r in range(rounds):
-        if r:
-            ours_steps += again()
-        hf_steps, seq = gen(g + 1)  # stamp #0 follows the prefill, then one per step
-        steps += hf_steps
-    method = {"timer": "perf_counter_ns", "gc": GC_OFF, "warmup": 1, "reps": len(steps),
-              "rounds": rounds,
-              "statistic": "median", "per": "batch / decode step time (logits-processor stamps)"}
-    hf_rec = measured("run", name, "hf_decode_tokens_per_s", "tokens/s", "higher",
-                      [b / s for s in steps], params, method)
-    ours_rate = statistics.median(b / s for s in ours_steps)
-    p = prompt.shape[1]
-    agree = float((seq[:, p:] == ours.tokens[:, p:p + g + 1]).float().mean())
-    ratio = measured("run", name, "decode_speed_vs_hf", "x", "higher",
-                     [ours_rate / hf_rec.value], params,
-                     {**method, "statistic": "median ours / median transformers",
-                      "greedy_token_agreement": agree if params["mode"] == "generate"
-                      else None})
-    return [hf_rec, ratio]
 
 
 def summary(recs: list[Record], params: dict, fit: dict, accuracy: str) -> None:
