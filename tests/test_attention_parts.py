@@ -85,11 +85,11 @@ def test_groups_fill_a_quarter_of_free_host_memory(monkeypatch: pytest.MonkeyPat
 def test_groups_on_cuda_also_fit_a_quarter_of_free_device_memory(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """With CUDA the host keeps the host KV alone (8 B a token) and the device the whole KV:
-    here the device's quarter (100 of 400 B) closes the groups."""
+    here the device's quarter (96 of 384 B) closes the groups; exactly 96 still fits."""
     import psutil
 
     monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=1 << 40))
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (400, 1 << 40))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (384, 1 << 40))
     a, b, c = _point(5, 0), _point(3, 4), _point(0, 1)  # device 40, 56, 8 B
     assert _groups([a, b, c, a], cuda=True) == [[a, b], [c, a]]
     monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=4 * 32))
@@ -264,6 +264,9 @@ def test_every_bar_with_its_statistic_and_verdict_at_the_limit() -> None:
     short = Point(1, 1, 1, 128, 0, 65535, 1, "float32")
     assert "bar.cpu_dense_over_host_copy" not in {
         r.metric for r in AttentionProbe()._bars(short, {}, res, 2.0, None)}
+    (gpu,) = [r for r in AttentionProbe()._bars(p, {}, {"gpu": (_t(1e-3), 1e9)}, 2.0, 500.0)]
+    assert _who(gpu) == ("probe", "attention", "bar.gpu_decode_over_device_copy", "ratio",
+                         "higher") and gpu.samples == [2.0]
     append = Point(1, 1, 1, 128, 0, 65536, 2, "float32")
     got = {r.metric: r for r in AttentionProbe()._bars(append, {}, res, 2.0, 1.0)}
     assert "bar.cpu_dense_over_host_copy" not in got
@@ -318,10 +321,10 @@ def test_dense_rounds_time_seconds_and_read_the_kv_once(monkeypatch: pytest.Monk
     assert calls == [(buf.data_ptr(), w.p.kv_bytes(16), 1, 1)]
 
 
-def test_a_one_pass_run_at_big_kv_with_every_byte_kept(monkeypatch: pytest.MonkeyPatch
+def test_a_three_pass_run_at_big_kv_with_every_byte_kept(monkeypatch: pytest.MonkeyPatch
                                                        ) -> None:
-    """keep = 1 (every host token) is allowed; one pass at min-time 1 s takes the policy
-    (3 repetitions at least, 50 at most, 4 s at most); at 64 MiB of KV the dense decode is
+    """keep = 1 (every host token) is allowed; three passes at min-time 1 s take the policy
+    (6 repetitions at least, 50 at most, 4 s at most, shared by the passes); at 64 MiB of KV the dense decode is
     held against the best host copy; every record, waived ones too, is the probe's."""
     policies: set = set()
 
@@ -337,11 +340,13 @@ def test_a_one_pass_run_at_big_kv_with_every_byte_kept(monkeypatch: pytest.Monke
         policies.add(policy), [_t(0.01), _t(0.02), _t(0.005)])[1])
     config = AttentionConfig(batch="1", heads="1", kv_heads="1", head_dim="128",
                              gpu_tokens="16", host_tokens="64K", query="1", dtype="float32",
-                             keep=1.0, modes="cpu-dense", threads=1, min_time=1.0, passes=1)
+                             keep=1.0, threads=1, min_time=1.0, passes=3)
     recs = list(AttentionProbe().run(config))
-    assert {r.name for r in recs} == {"attention"}
-    assert policies == {Policy(warmup=1, min_reps=3, min_time_s=1.0, max_reps=50,
-                               max_time_s=4.0).share(1)}
+    assert {r.name for r in recs} == {"attention"}  # the waived GPU modes' too
+    assert {r.params.get("mode") for r in recs if r.status == "waived"} == {
+        "gpu", "gpu-transfer", None}
+    assert policies == {Policy(warmup=1, min_reps=6, min_time_s=1.0, max_reps=50,
+                               max_time_s=4.0).share(3)}
     (bar,) = [r for r in recs if r.metric == "bar.cpu_dense_over_host_copy"]
     host_bw = max(COPY_BYTES / 0.125, COPY_BYTES / 0.375) / 1e9
     assert bar.samples == pytest.approx([BIG_KV / 0.01 / 1e9 / host_bw], rel=1e-12)
