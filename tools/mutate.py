@@ -121,6 +121,7 @@ MODULES: dict[str, Spec] = {
                                            "Streaming.append", "Streaming.decode"),
                       group="strategies"),
     "infinigen": Spec("kvbench/strategies/infinigen.py", ("tests/test_fidelity_infinigen.py",
+                                                         "tests/test_infinigen_steps.py",
                                                          "tests/test_page_strategies.py"),
                       OTHER, functions=_in("kvbench.strategies.infinigen", "InfiniGen.cap",
                                            "InfiniGen.attended", "InfiniGen._partial",
