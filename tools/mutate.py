@@ -129,6 +129,7 @@ MODULES: dict[str, Spec] = {
                                            "InfiniGen.decode", "InfiniGen._ranked"),
                       group="strategies"),
     "arkvale": Spec("kvbench/strategies/arkvale.py", ("tests/test_fidelity_arkvale.py",
+                                                     "tests/test_arkvale_steps.py",
                                                      "tests/test_page_strategies.py"), OTHER,
                     functions=_in("kvbench.strategies.arkvale", "ArkValeParams.topk",
                                   "ArkValeParams.prefill_sinks", *(f"ArkVale.{m}" for m in (
