@@ -1,0 +1,85 @@
+"""HGCA's decode steps through a whole model (issue 30): what each step files per layer,
+computed in the test from the layer's state before the step (the ring's entries, the host
+entries, each KV_ctx row's length): the window attended on the accelerator, the query to the
+host and the host part's output back when a row selected entries, the oldest block evicted
+(K, V and MAW) when the ring fills, the host entries resident and selected; the phases the
+run times; the mask of the last step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvbench.models import ModelSpec
+from kvbench.models.weights import load
+from kvbench.runtime.context import Counters, RunContext
+from kvbench.runtime.run import decode_run
+from kvbench.strategies.hgca import Hgca, HgcaParams
+
+CPU = torch.device("cpu")
+SPEC = ModelSpec("tiny-gqa-4l", "llama", 4, 6, 2, 48, 96, 100, 160, head_dim=20)
+B, HQ, HKV, D, P, STEPS, W, BLOCK = 2, 6, 2, 20, 24, 10, 8, 4
+
+
+@pytest.mark.parametrize(("variant", "beta"), [("authors", 0.5), ("union-ema", 0.01)])
+def test_each_decode_step_files_its_window_host_part_and_eviction(variant: str,
+                                                                   beta: float) -> None:
+    model = load(SPEC, "random", 4, torch.float32, CPU, seed=7).model
+    c = Counters(HKV, 4, False, 4)
+    n = P + STEPS + 1
+    ctx = RunContext(SPEC, 4, B, n, torch.float32, CPU, CPU, c, model)
+    extra = {"keep_min": 2} if variant == "authors" else {}
+    s = Hgca(HgcaParams(variant=variant, gpu_tokens=W, block=BLOCK, beta=beta, cpu_threads=1,
+                        **extra), ctx)
+    assert s.w == W
+    model.setup(s, c, n)
+    before: list[list[tuple]] = []
+
+    def settle() -> None:  # the worker's selections joined: each layer's state
+        state = []
+        for L in s.layers:
+            s._join(L)
+            state.append((L.n, L.n_host, L.lens.clone()))
+        before.append(state)
+
+    rows = torch.randint(0, SPEC.vocab, (B, P), generator=torch.Generator().manual_seed(8))
+    decode_run(model, s, rows, STEPS, "generate", lambda: None,
+               lambda: bool(settle()) and False)
+    series = {(q, w, layer): v for q, w, layer, v in c.series()}
+
+    def at(q: str, w: str, layer: int, step: int) -> float:
+        return series.get((q, w, layer), {}).get(step, 0.0)
+
+    evictions = host_steps = 0
+    for step in range(2, STEPS + 1):  # state before step t: what settle saw after t - 1
+        for layer, (n_res, n_host, lens) in enumerate(before[step - 2]):
+            nmax = int(lens.max()) if n_host else 0
+            full = n_res + 1 == W
+            evictions += full
+            host_steps += nmax > 0
+            q_bytes = B * HQ * D * 4 if nmax else 0.0
+            back = B * HQ * D * 4 + B * HQ * 4 if nmax else 0.0
+            block = 2 * B * HKV * BLOCK * D * 4 + B * HQ * BLOCK * 4 if full else 0.0
+            assert at("tokens", "accel", layer, step) == B * (n_res + 1)
+            assert at("bytes_moved", "d2h", layer, step) == q_bytes + block, (step, layer)
+            assert at("bytes_moved", "h2d", layer, step) == back, (step, layer)
+            assert at("tokens", "host", layer, step) == pytest.approx(
+                B * float(lens.sum()) / lens.numel() if nmax else 0.0)
+            assert at("tokens", "host_resident", layer, step) == B * n_host
+            per_row = lens.view(B, -1).sum(0).tolist() if n_host else []
+            for h, got in enumerate(per_row):
+                assert at("tokens", f"host_selected.h{h}", layer, step) == got
+    assert evictions and host_steps  # both paths ran
+    phases = {w for (q, w, _layer) in series if q == "time"}
+    assert {"bookkeeping.evict", "bookkeeping.issue", "bookkeeping.maw", "bookkeeping.merge",
+            "bookkeeping.handoff", "accel_idle"} <= phases
+    assert any(p.startswith("bookkeeping.") and p not in (
+        "bookkeeping.evict", "bookkeeping.issue", "bookkeeping.maw", "bookkeeping.merge",
+        "bookkeeping.handoff", "bookkeeping.scores") for p in phases)  # the worker's
+    for layer in range(4):
+        mask = s.attended(layer)
+        L = s.layers[layer]
+        nh, nw = L.seen
+        assert mask.dtype == torch.bool and tuple(mask.shape) == (B, HQ, nh + nw)
+        assert bool(mask[:, :, nh:].all())
+        assert int(mask[:, :, :nh].sum()) == int(L.lens.sum()) * (HQ // (L.lens.numel() // B))
