@@ -151,7 +151,8 @@ MODULES: dict[str, Spec] = {
                                   "HgcaParams.window", "LayerKV.keep", "union_keep",
                                   "topk_keep", "column_mean", "ingest_maw"),
                     group="strategies"),
-    "scout": Spec("kvbench/strategies/scout.py", ("tests/test_scout.py",), OTHER,
+    "scout": Spec("kvbench/strategies/scout.py", ("tests/test_scout.py",
+                                                 "tests/test_scout_steps.py"), OTHER,
                   functions=_in("kvbench.strategies.scout", *(f"Scout.{m}" for m in (
                       "attended", "_blocks", "_evict", "_slide", "_issue", "_host", "decode",
                       "_pred_error", "_recall", "_finish"))), group="strategies"),
