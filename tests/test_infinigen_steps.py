@@ -80,8 +80,8 @@ def test_each_layer_files_the_work_of_what_it_chose(dtype: torch.dtype) -> None:
         assert bool((mask.sum(-1) == m).all()) and bool(mask[:, :, n - 1].all())
     assert s.attended(0).dtype == torch.bool and bool(s.attended(0).all())
     assert tuple(s.attended(0).shape) == (B, HQ, n)
-    assert all(v > 0 for layer, v in _by_layer(c, "time", "bookkeeping.speculate",
-                                                step).items() if layer < 3)
+    speculate = _by_layer(c, "time", "bookkeeping.speculate", step)
+    assert {0, 1, 2} <= set(speculate) and all(speculate[layer] > 0 for layer in (0, 1, 2))
     # the prefetch is a look-ahead copy: the attention of the next layer waits for it
     tasks = [t for t in c.graph.tasks if t.step == step]
     for layer in (0, 1, 2):
@@ -90,6 +90,7 @@ def test_each_layer_files_the_work_of_what_it_chose(dtype: torch.dtype) -> None:
                    == 2.0 * B * HQ * sel[layer + 1] * D * elem]
         (att,) = [t for t in tasks if t.layer == layer + 1 and t.op == "attention"]
         assert copy.id in att.after
+        assert att.work["bytes_written"] == B * HQ * D * elem  # the query's, as the output
         assert not any(copy.id in t.after for t in tasks if t.layer == layer)
     assert s.fetched.get(1) is None and s.chosen[1].dtype == torch.int64
 
@@ -104,6 +105,29 @@ def test_the_count_rule_sets_how_many_tokens_each_head_fetches() -> None:
     s, *_ = _run(InfiniGenParams(variant="oracle", budget_tokens=1, dense_layers=1,
                                  skew_tokens=8))
     assert {s.chosen[layer].shape[2] for layer in (1, 2, 3)} == {1}
+
+
+def test_the_authors_speculate_from_the_cap_on_and_fetch_one_more(
+        monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """authors (cap 25 of the 28-token run): rows below the cap (step 1, 24 cached) attend
+    every token; from the cap on (step 2, 25 cached) a speculation fetches n' = count + 1
+    (the current token may take a place), its partial query with the padding zeroed."""
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path))
+    queries: list[object] = []
+    partial = InfiniGen._partial
+
+    def spy(self, layer, x, query=False):
+        queries.append(query) if x.shape[1] == HQ and x.shape[2] == 1 else None
+        return partial(self, layer, x, query)
+
+    monkeypatch.setattr(InfiniGen, "_partial", spy)
+    s, c, _ = _run(InfiniGenParams(budget_tokens=25, alpha=1.0, dense_layers=1))
+    assert queries and set(queries) == {True}
+    for layer in (1, 2, 3):
+        assert _by_layer(c, "tokens", "accel", 1)[layer] == B * (P + 1)  # below the cap
+        assert _by_layer(c, "tokens", "accel", 2)[layer] < B * (P + 2)
+    n = P + STEPS - 1
+    assert s.chosen[3].shape[2] == max(1, min(int(s.count[0]) + 1, 25, n))
 
 
 def test_every_dense_layer_is_full_attention() -> None:
