@@ -82,6 +82,10 @@ def test_each_layer_files_the_work_of_what_it_chose(dtype: torch.dtype) -> None:
     assert tuple(s.attended(0).shape) == (B, HQ, n)
     speculate = _by_layer(c, "time", "bookkeeping.speculate", step)
     assert {0, 1, 2} <= set(speculate) and all(speculate[layer] > 0 for layer in (0, 1, 2))
+    # the speculation (at a layer's input) and its gather and prefetch (after the layer's
+    # attention) are one phase; nothing else is timed apart from attention
+    assert {w for q, w, _, _ in c.series() if q == "time"} == {"attention",
+                                                               "bookkeeping.speculate"}
     # the prefetch is a look-ahead copy: the attention of the next layer waits for it
     tasks = [t for t in c.graph.tasks if t.step == step]
     for layer in (0, 1, 2):
@@ -109,9 +113,10 @@ def test_the_count_rule_sets_how_many_tokens_each_head_fetches() -> None:
 
 def test_the_authors_speculate_from_the_cap_on_and_fetch_one_more(
         monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    """authors (cap 25 of the 28-token run): rows below the cap (step 1, 24 cached) attend
-    every token; from the cap on (step 2, 25 cached) a speculation fetches n' = count + 1
-    (the current token may take a place), its partial query with the padding zeroed."""
+    """authors (cap 25 of the 28-token run, alpha 0: the tokens at or above head 0's
+    maximum): rows below the cap (step 1, 24 cached) attend every token; from the cap on
+    (step 2, 25 cached) a speculation fetches n' = count + 1 (the current token may take a
+    place), its partial query with the padding zeroed."""
     monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path))
     queries: list[object] = []
     partial = InfiniGen._partial
@@ -121,13 +126,16 @@ def test_the_authors_speculate_from_the_cap_on_and_fetch_one_more(
         return partial(self, layer, x, query)
 
     monkeypatch.setattr(InfiniGen, "_partial", spy)
-    s, c, _ = _run(InfiniGenParams(budget_tokens=25, alpha=1.0, dense_layers=1))
+    s, c, _ = _run(InfiniGenParams(budget_tokens=25, alpha=0.0, dense_layers=1))
     assert queries and set(queries) == {True}
     for layer in (1, 2, 3):
         assert _by_layer(c, "tokens", "accel", 1)[layer] == B * (P + 1)  # below the cap
         assert _by_layer(c, "tokens", "accel", 2)[layer] < B * (P + 2)
     n = P + STEPS - 1
+    assert 1 <= int(s.count[0]) < 24  # below the cap: the one more shows
     assert s.chosen[3].shape[2] == max(1, min(int(s.count[0]) + 1, 25, n))
+    assert {w for q, w, _, _ in c.series() if q == "time"} == {"attention",
+                                                               "bookkeeping.speculate"}
 
 
 def test_every_dense_layer_is_full_attention() -> None:
