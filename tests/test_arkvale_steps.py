@@ -19,7 +19,7 @@ from kvbench.strategies.full import Full
 
 CPU = torch.device("cpu")
 SPEC = ModelSpec("tiny-gqa-4l", "llama", 4, 6, 2, 48, 96, 100, 160, head_dim=20)
-B, HQ, HKV, D, S = 2, 6, 2, 20, 8
+B, HQ, HKV, D, S = 3, 6, 2, 20, 8  # batch and KV heads told apart
 
 
 def _run(params: ArkValeParams | None, prompt: int, steps: int, mode: str = "generate",
@@ -82,6 +82,8 @@ def test_a_decode_step_files_its_pages_and_attention() -> None:
         assert h2d.get(layer, 0.0) == 2.0 * r * S * D * elem
         assert tokens[layer] == B * (3 * S + 1)
         assert read[layer] == s.dig[layer].nbytes(4 * S) + 2.0 * B * HKV * (3 * S + 1) * D * elem
+    assert {w for q, w, _, _ in c.series() if q == "time"} == {"attention",
+                                                               "bookkeeping.select"}
     n = 35
     dense = s.attended(0)
     assert dense.dtype == torch.bool and tuple(dense.shape) == (B, HQ, n) and bool(dense.all())
@@ -92,13 +94,24 @@ def test_a_decode_step_files_its_pages_and_attention() -> None:
 
 
 def test_while_the_pool_holds_every_page_everything_is_attended() -> None:
-    s, *_ = _run(ArkValeParams(budget_tokens=32, page_size=S, sinks=1, window_pages=2,
-                               dense_layers=1), prompt=32, steps=0)
+    """Prompt 32 (3 pages, the pool's C, and a full current one): no cut, no digest read;
+    prompt 25 (3 pages and 1 token): decode steps while the pool holds exactly C pages
+    select nothing, read no digest and attend every token."""
+    params = ArkValeParams(budget_tokens=32, page_size=S, sinks=1, window_pages=2,
+                           dense_layers=1)
+    s, c, _ = _run(params, prompt=32, steps=0)
     assert s._split(32) == (3, 8)
     for layer in range(4):
         mask = s.attended(layer)
         assert mask.dtype == torch.bool and tuple(mask.shape) == (B, HQ, 32)
         assert bool(mask.all())
+        assert _layer(c, "bytes_read", "accel", 0)[layer] == 2.0 * B * HKV * 32 * D * 4
+    s, c, _ = _run(params, prompt=25, steps=2)
+    assert s._split(26) == (3, 2)
+    read = _layer(c, "bytes_read", "accel", 1)
+    for layer in (1, 2, 3):
+        assert read[layer] == 2.0 * B * HKV * 26 * D * 4  # 3 pages and 2 tokens, no digest
+        assert bool(s.attended(layer).all())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -120,6 +133,13 @@ def test_a_later_turn_reads_every_page_back_and_is_exact(dtype: torch.dtype) -> 
     nf = (prompt - 1) // S  # pages completed before the second turn's append: 5
     h2d = _layer(c, "bytes_moved", "h2d", 0)
     recalled = _layer(c, "pages", "recalled", 0)
+    tokens, read = _layer(c, "tokens", "accel", 0), _layer(c, "bytes_read", "accel", 0)
+    # the appends attend 48 keys, then 48 + 49 (the first turn's last token fed with the
+    # second prompt); each cuts its pages (5, then 12 > C) after reading their digests
+    for layer in (1, 2, 3):
+        assert tokens[layer] == B * (48 + 97)
+        assert read[layer] == 2.0 * B * HKV * (48 + 97) * D * elem \
+            + s.dig[layer].nbytes(5 * S) + s.dig[layer].nbytes(12 * S)
     for layer in (1, 2, 3):
         assert h2d.get(layer, 0.0) == 2.0 * (nf - s.c) * B * HKV * S * D * elem \
             + 2.0 * recalled.get(layer, 0.0) * S * D * elem
