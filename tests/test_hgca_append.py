@@ -97,6 +97,9 @@ def test_append_reselects_from_host_weights() -> None:
     for r in range(3):
         assert torch.equal(L.ck[0, r, :int(L.lens[r])], hk[0, r, keep[r]])
         assert torch.equal(L.cv[0, r, :int(L.lens[r])], L.hv[0, r, :16][keep[r]])
+    took = [x for q, w, _layer, st in s.ctx.counters.series() if q == "time"
+            and w == "bookkeeping.reselect" for x in st.values()]
+    assert took and all(0 < x < 60 for x in took)  # the worker's seconds, filed at the join
 
 
 def test_ingest_maw_chunks_agree(monkeypatch) -> None:

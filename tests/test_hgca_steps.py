@@ -17,16 +17,20 @@ from kvbench.runtime.run import decode_run
 from kvbench.strategies.hgca import Hgca, HgcaParams
 
 CPU = torch.device("cpu")
+PHASES = {v: {"attention", "accel_idle", "bookkeeping.evict", "bookkeeping.issue",
+              "bookkeeping.maw", "bookkeeping.merge", "bookkeeping.handoff",
+              "bookkeeping.select", "bookkeeping.scores"} for v in ("authors", "union-ema")}
 SPEC = ModelSpec("tiny-gqa-4l", "llama", 4, 6, 2, 48, 96, 100, 160, head_dim=20)
-B, HQ, HKV, D, P, STEPS, W, BLOCK = 2, 6, 2, 20, 24, 10, 8, 4
+B, HQ, HKV, D, STEPS, W, BLOCK = 2, 6, 2, 20, 10, 8, 4
 
 
+@pytest.mark.parametrize("prompt", [24, 6])  # 6: no host entry before the ring first fills
 @pytest.mark.parametrize(("variant", "beta"), [("authors", 0.5), ("union-ema", 0.01)])
-def test_each_decode_step_files_its_window_host_part_and_eviction(variant: str,
-                                                                   beta: float) -> None:
+def test_each_decode_step_files_its_window_host_part_and_eviction(variant: str, beta: float,
+                                                                   prompt: int) -> None:
     model = load(SPEC, "random", 4, torch.float32, CPU, seed=7).model
     c = Counters(HKV, 4, False, 4)
-    n = P + STEPS + 1
+    n = prompt + STEPS + 1
     ctx = RunContext(SPEC, 4, B, n, torch.float32, CPU, CPU, c, model)
     extra = {"keep_min": 2} if variant == "authors" else {}
     s = Hgca(HgcaParams(variant=variant, gpu_tokens=W, block=BLOCK, beta=beta, cpu_threads=1,
@@ -40,9 +44,12 @@ def test_each_decode_step_files_its_window_host_part_and_eviction(variant: str,
         for L in s.layers:
             s._join(L)
             state.append((L.n, L.n_host, L.lens.clone()))
+            if variant == "union-ema":  # the newest entry's MAW started at 0: alpha * weight
+                assert float(L.maw[:, :, (L.tail + L.n - 1) % W].max()) <= s.p.alpha
         before.append(state)
 
-    rows = torch.randint(0, SPEC.vocab, (B, P), generator=torch.Generator().manual_seed(8))
+    rows = torch.randint(0, SPEC.vocab, (B, prompt),
+                         generator=torch.Generator().manual_seed(8))
     decode_run(model, s, rows, STEPS, "generate", lambda: None,
                lambda: bool(settle()) and False)
     series = {(q, w, layer): v for q, w, layer, v in c.series()}
@@ -70,16 +77,28 @@ def test_each_decode_step_files_its_window_host_part_and_eviction(variant: str,
             for h, got in enumerate(per_row):
                 assert at("tokens", f"host_selected.h{h}", layer, step) == got
     assert evictions and host_steps  # both paths ran
+    if prompt < W:
+        assert any(state[1][1] == 0 for state in before)  # steps without host entries
     phases = {w for (q, w, _layer) in series if q == "time"}
-    assert {"bookkeeping.evict", "bookkeeping.issue", "bookkeeping.maw", "bookkeeping.merge",
-            "bookkeeping.handoff", "accel_idle"} <= phases
-    assert any(p.startswith("bookkeeping.") and p not in (
-        "bookkeeping.evict", "bookkeeping.issue", "bookkeeping.maw", "bookkeeping.merge",
-        "bookkeeping.handoff", "bookkeeping.scores") for p in phases)  # the worker's
+    assert phases == PHASES[variant]
+    worker = [v for (q, w, _layer), st in series.items() if q == "time"
+              and w == "bookkeeping.select" for v in st.values()]
+    assert worker and all(0 < x < 60 for x in worker)  # seconds of the worker's selections
+    # the host's attention follows the query's copy to the host (one fork of the layer)
+    tasks = [t for t in c.graph.tasks if t.step == STEPS]
+    for layer in range(4):
+        (att,) = [t for t in tasks if t.layer == layer and t.op == "attention"
+                  and t.resource == "host"] or [None]
+        if att is not None:
+            (copy,) = [t for t in tasks if t.layer == layer and t.resource == "d2h"
+                       and t.work["bytes_moved"] == B * HQ * D * 4]
+            assert copy.id in att.after
     for layer in range(4):
         mask = s.attended(layer)
         L = s.layers[layer]
         nh, nw = L.seen
         assert mask.dtype == torch.bool and tuple(mask.shape) == (B, HQ, nh + nw)
         assert bool(mask[:, :, nh:].all())
-        assert int(mask[:, :, :nh].sum()) == int(L.lens.sum()) * (HQ // (L.lens.numel() // B))
+        # the KV_ctx entries the step saw (the step's own eviction adds newer positions)
+        seen = sum(int((L.cpos[r, :int(L.lens[r])] < nh).sum()) for r in range(L.lens.numel()))
+        assert int(mask[:, :, :nh].sum()) == seen * (HQ // (L.lens.numel() // B))
