@@ -136,3 +136,58 @@ def test_ingest_maw_of_uniform_attention_after_resident_entries() -> None:
     j = torch.arange(12, dtype=torch.float64)
     assert torch.allclose(got[0, :, 5:].double(), ((1 - 0.95 ** (12 - j)) / 16).expand(9, 12),
                           atol=1e-7)
+
+
+@pytest.mark.parametrize("alpha", [0.05, 1.0])
+def test_ingest_maw_replays_the_moving_average_query_by_query(alpha: float) -> None:
+    """Random queries (the scale matters): the MAW equals Alg. 1 line 8 replayed in float64
+    one appended query at a time: MAW <- (1 - alpha) MAW, then + alpha p_ij (n + i + 1) / W
+    for the n + i + 1 keys query i sees; alpha 1 keeps the last query's weights only."""
+    from kvbench.strategies import _hgca_kv
+
+    gen = torch.Generator().manual_seed(6)
+    n, t, w, scale = 5, 7, 16, D ** -0.5
+    q = torch.randn(1, 9, t, D, generator=gen)
+    keys = torch.randn(1, 3, n + t, D, generator=gen)
+    _, lse = dense_attention(q, keys, keys, q_start=n)
+    old = torch.rand(1, 9, n, generator=gen)
+    got = _hgca_kv.ingest_maw(q, keys, lse, n, old, alpha=alpha, w=w, scale=scale)
+    ref = torch.zeros(1, 9, n + t, dtype=torch.float64)
+    ref[:, :, :n] = old.double()
+    kq = keys.double().repeat_interleave(3, dim=1)
+    for i in range(t):
+        seen = n + i + 1
+        p = torch.softmax(q[:, :, i].double()[:, :, None, :] @ kq[:, :, :seen].transpose(-1, -2)
+                          * scale, dim=-1)[:, :, 0]
+        ref *= 1 - alpha
+        ref[:, :, :seen] += alpha * p * seen / w
+    assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-7)
+
+
+def test_topk_keep_groups_of_one_head_keep_their_own_counts() -> None:
+    """head_groups = Hq: every head is its own group, so each keeps as many entries as it
+    has at or above the threshold (no floor), earlier positions first among equals."""
+    from kvbench.strategies._hgca_kv import topk_keep
+
+    weight = torch.tensor([[[0.9, 0.1, 0.8, 0.2], [0.1, 0.2, 0.3, 0.9], [0.6, 0.7, 0.8, 0.9],
+                            [0.0, 0.0, 0.0, 0.1]]])
+    keep = topk_keep(weight, 0.5, groups=4, floor=0)
+    assert keep.dtype == torch.bool
+    assert keep.sum(-1).tolist() == [[2, 1, 4, 0]]
+    assert keep[0, 0].tolist() == [True, False, True, False]
+    assert topk_keep(weight, None, 4, 0).dtype == torch.bool
+
+
+def test_the_window_in_tokens_and_its_refusals() -> None:
+    """The share's window in whole blocks; a cache of at most one block keeps one block
+    (it is never evicted); a window that is not whole blocks, or smaller than one, is
+    refused with one line."""
+    from kvbench.errors import KvbenchError
+
+    p = HgcaParams(gpu_share=0.25, block=8)
+    assert (p.tokens(8), p.tokens(16), p.tokens(64)) == (8, 0, 16)
+    assert HgcaParams(gpu_tokens=8, block=8).window(64) == 8
+    with pytest.raises(KvbenchError, match="--block 8 does not divide the GPU window of 12"):
+        HgcaParams(gpu_tokens=12, block=8).window(64)
+    with pytest.raises(KvbenchError, match="a window of 0 tokens of 32 is less than one block"):
+        HgcaParams(gpu_share=0.1, block=8).window(32)
