@@ -324,8 +324,9 @@ def test_dense_rounds_time_seconds_and_read_the_kv_once(monkeypatch: pytest.Monk
 def test_a_three_pass_run_at_big_kv_with_every_byte_kept(monkeypatch: pytest.MonkeyPatch
                                                        ) -> None:
     """keep = 1 (every host token) is allowed; three passes at min-time 1 s take the policy
-    (6 repetitions at least, 50 at most, 4 s at most, shared by the passes); at 64 MiB of KV the dense decode is
-    held against the best host copy; every record, waived ones too, is the probe's."""
+    (6 repetitions at least, 50 at most, 4 s at most, shared by the passes); at 64 MiB of KV
+    the dense decode is held against the best host copy; every record, waived ones too, is
+    the probe's."""
     policies: set = set()
 
     def timer(seconds: tuple[float, ...]):
