@@ -319,3 +319,53 @@ def test_cuda_eval_mode_counts_topk_recall(name: str) -> None:
     recall = {layer: steps for qn, _, layer, steps in counters.series() if qn == "topk_recall"}
     assert len(recall[1]) == 10 and all(0 <= r <= 1 for r in recall[1].values())
     assert min(recall[1].values()) < 1
+
+
+@pytest.mark.parametrize("mode", ["dp", "tp"])
+def test_the_devices_selection_work_counted(mode: str) -> None:
+    """One selection over 30 tokens in pages of 4 (8 pages, budget 4), batch 2, 2 KV heads,
+    4 devices: the digests read (2 x 8 pages of 8 fp32 per row) and scored (4 FLOPs per
+    query head, page and dim); dp: a sort per (request, KV head) on the request's device;
+    tp (shards 0,0,1,2,2,3: each group on 2 devices): a sort per (request, group, device),
+    one reduction per split group and request, its scores over the pnm_reduce link."""
+    c = ctx(max_len=64)
+    dkv = _pnm.DeviceKV(PnmParams(budget_tokens=16, page_size=4, sinks=1, window_pages=1,
+                                  dense_layers=1, devices=4, parallel=mode), c)
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(2, 2, 30, 8, generator=g), torch.randn(2, 2, 30, 8, generator=g)
+    assert dkv.write(1, k, v) == 30
+    counters = c.counters
+    assert counters.step_total("bytes_moved", "d2h", 0) == 2 * k.numel() * 4
+    mask, ranked = dkv.select(1, torch.randn(2, 6, 1, 8, generator=g), 30)
+    assert mask.dtype == torch.bool and tuple(mask.shape) == (2, 2, 8)
+    assert mask.sum(-1).tolist() == [[4, 4], [4, 4]] and bool(mask[:, :, 0].all())
+    assert bool(mask[:, :, 7].all())  # the sink page and the window's
+    assert bool(torch.isinf(ranked[:, :, 0]).all()) and bool(torch.isinf(ranked[:, :, 7]).all())
+    assert not bool(torch.isinf(ranked[:, :, 1:7]).any())
+    digests = 2 * 2 * 2 * 8 * 8 * 4
+    assert counters.step_total("bytes_read", "pnm", 0) == digests
+    assert counters.step_total("flops", "pnm", 0) == 4 * 2 * 6 * 8 * 8
+    sorts = 2 * 2 if mode == "dp" else 2 * 4
+    assert counters.step_total("topk_sorts", "pnm", 0) == sorts
+    assert counters.step_total("topk_candidates", "pnm", 0) == sorts * 8
+    loads = [counters.step_total("device_load", f"pnm{d}", 0) for d in range(4)]
+    if mode == "dp":  # request r on device r % 4, its digests read there
+        assert loads == [digests / 2, digests / 2, 0.0, 0.0]
+        assert counters.step_total("reductions", "pnm", 0) == 0.0
+        assert counters.step_total("bytes_moved", "pnm_reduce", 0) == 0.0
+    else:  # each device holds half a group: half the request's digests of that KV head
+        assert loads == [digests / 2 / 2 * 2] * 4
+        assert counters.step_total("reductions", "pnm", 0) == 2 * 2
+        assert counters.step_total("bytes_moved", "pnm_reduce", 0) == 4.0 * 4 * 8
+
+
+def test_mask_tokens_lists_marked_pages_positions_in_order() -> None:
+    """Pages 0 and 2 of 4 (pages of 2, 7 tokens): positions 0, 1, 4, 5; the last page holds
+    only position 6; one head, so the page count (not the head count) bounds the pages."""
+    mask = torch.tensor([[[True, False, True, False], [False, False, False, True]]])
+    pos, lens = _pnm.mask_tokens(mask, 2, 7)
+    assert lens.tolist() == [[4, 1]]
+    assert pos[0, 0, :4].tolist() == [0, 1, 4, 5] and pos[0, 1, 0].item() == 6
+    one = mask[:, :1]
+    pos, lens = _pnm.mask_tokens(one, 2, 7)
+    assert lens.tolist() == [[4]] and pos[0, 0].tolist() == [0, 1, 4, 5]
