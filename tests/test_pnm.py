@@ -105,11 +105,13 @@ def test_png_kv_steady_select_is_algorithm_1(device: torch.device) -> None:
                           v[:, :, -1:].to(device)).cpu()
         assert torch.allclose(out, out2, atol=1e-5)
         nf = k.shape[2] // page
+        step_r = step_e = 0
         for b in range(2):
             for j in range(2):
                 sel, ranking = budget_pages(q[b, 3 * j:3 * j + 3, 0], k[b, j], page, 6, 1, 1)
                 budget_set = [p for p in ranking if p in sel and p < nf]  # S[:T_Budget]
                 slots = pool[b][j]
+                slots_before = list(slots)
                 resident = {p for p in slots if p is not None}
                 e = [i for i, p in enumerate(slots) if p is None or p not in budget_set]
                 r = [p for p in budget_set if p not in resident][:len(e)]
@@ -118,10 +120,17 @@ def test_png_kv_steady_select_is_algorithm_1(device: torch.device) -> None:
                 for i, p in zip(e, r, strict=False):  # |r| <= |e|
                     slots[i] = p
                 recalled += len(r)
+                step_r += len(r)
+                step_e += sum(1 for i in e if slots_before[i] is not None)
                 got = png.slot_page[1][b, j].tolist()
                 assert got == [-1 if p is None else p for p in slots], (c.counters.step, b, j)
+        step = c.counters.step  # recalls from the device's memory, outputs and lse back
+        assert c.counters.step_total("pages", "evicted", step) == step_e
+        assert c.counters.step_total("bytes_moved", "h2d", step) == \
+            2.0 * step_r * page * 8 * 4 + 2 * 6 * 8 * 4 + 2 * 6 * 4
     counted = sum(sum(x.values()) for (qn, w, _), x in c.counters._v.items()
                   if qn == "pages" and w == "recalled")
+    assert "bookkeeping.steady_select" in {w for (qn, w, _) in c.counters._v if qn == "time"}
     assert counted == recalled > 0
     assert c.counters.step_total("tokens", "accel", 12) > 0  # the GPU attended its pages
 
@@ -369,3 +378,28 @@ def test_mask_tokens_lists_marked_pages_positions_in_order() -> None:
     one = mask[:, :1]
     pos, lens = _pnm.mask_tokens(one, 2, 7)
     assert lens.tolist() == [[4]] and pos[0, 0].tolist() == [0, 1, 4, 5]
+
+
+@pytest.mark.parametrize(("prompt", "steady"), [(2, 12), (30, 0)])
+def test_png_kv_without_a_steady_page_is_pnm_kv(prompt: int, steady: int) -> None:
+    """Before the context holds a full page, or with no steady slots, png-kv is pnm-kv: the
+    device attends the whole budget set and only its output comes back (no lse), the bytes
+    per link are pnm-kv's; the tokens it attended are reported."""
+    g = torch.Generator().manual_seed(4)
+    params = dict(budget_tokens=24, page_size=4, sinks=1, window_pages=1, dense_layers=1)
+    c, c2 = ctx(), ctx()
+    png = PngKV(PngParams(**params, steady_tokens=steady), c)
+    pnm = PnmKV(PnmParams(**params), c2)
+    k0, v0 = torch.randn(2, 2, prompt, 8, generator=g), torch.randn(2, 2, prompt, 8, generator=g)
+    q0 = torch.randn(2, 6, prompt, 8, generator=g)
+    png.prefill(1, q0, k0, v0)
+    pnm.prefill(1, q0, k0, v0)
+    for q, k, v, out in _steps(png, g, k0, v0, 1, c):
+        c2.counters.step = c.counters.step
+        out2 = pnm.decode(1, q, k[:, :, -1:], v[:, :, -1:])
+        assert torch.allclose(out, out2, atol=1e-6)
+    for link in ("h2d", "d2h"):  # what pnm-kv moves (its output back without an lse)
+        assert c.counters.step_total("bytes_moved", link, 1) == \
+            c2.counters.step_total("bytes_moved", link, 1)
+    assert c.counters.step_total("pages", "recalled", 1) == 0.0
+    assert torch.equal(png.attended(1), pnm.attended(1))
