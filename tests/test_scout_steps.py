@@ -61,7 +61,11 @@ def test_each_sparse_step_files_its_host_part_and_recalls(precompute: bool) -> N
             assert 0 < tokens <= BUDGET + S  # the budget's blocks (the current one partly)
     assert host_steps and recalls
     phases = {w for (q, w, _layer) in series if q == "time"}
-    assert {"bookkeeping.recall", "bookkeeping.merge", "host_attention"} <= phases
+    assert phases == {"accel_idle", "attention", "bookkeeping.merge", "bookkeeping.recall",
+                      "host_attention"} | ({"bookkeeping.predict"} if precompute else set())
+    waits = [v for (q, w, _layer), st in series.items() if q == "time"
+             and w in ("accel_idle", "host_attention") for v in st.values()]
+    assert all(0 <= x < 60 for x in waits)  # seconds, not clock readings
     for layer in (1, 2, 3):
         mask = s.attended(layer)
         assert mask.dtype == torch.bool and tuple(mask.shape) == (B, HQ, n - 1)
