@@ -18,7 +18,7 @@ from kvbench.strategies.scout import Scout, ScoutParams
 
 CPU = torch.device("cpu")
 SPEC = ModelSpec("tiny-gqa-4l", "llama", 4, 6, 2, 48, 96, 100, 160, head_dim=20)
-B, HQ, HKV, D, P, STEPS, S, BUDGET = 2, 6, 2, 20, 40, 8, 4, 16
+B, HQ, HKV, D, P, STEPS, S, BUDGET = 3, 6, 2, 20, 40, 8, 4, 16  # B told from Hkv
 
 
 @pytest.mark.parametrize("precompute", [True, False])
