@@ -55,8 +55,9 @@ def _steps(s, g, k, v, n_steps: int, c: RunContext):
     """n_steps decode steps of s on c's accelerator: (q, k, v, out) on the CPU."""
     for step in range(n_steps):
         c.counters.step = step + 1
-        kn, vn = torch.randn(2, 2, 1, 8, generator=g) * 2, torch.randn(2, 2, 1, 8, generator=g)
-        q = torch.randn(2, 6, 1, 8, generator=g)
+        b = c.batch
+        kn, vn = torch.randn(b, 2, 1, 8, generator=g) * 2, torch.randn(b, 2, 1, 8, generator=g)
+        q = torch.randn(b, 6, 1, 8, generator=g)
         out = s.decode(1, q.to(c.accel), kn.to(c.accel), vn.to(c.accel)).cpu()
         k, v = torch.cat([k, kn], 2), torch.cat([v, vn], 2)
         yield q, k, v, out
@@ -90,14 +91,14 @@ def test_png_kv_steady_select_is_algorithm_1(device: torch.device) -> None:
     page, budget, steady = 4, 24, 12  # 6 budget pages, 3 steady slots
     params = dict(budget_tokens=budget, page_size=page, sinks=1, window_pages=1,
                   dense_layers=1)
-    c, c2 = ctx(device=device), ctx(device=device)
+    c, c2 = ctx(batch=3, device=device), ctx(batch=3, device=device)  # B told from Hkv
     png = PngKV(PngParams(**params, steady_tokens=steady), c)
     pnm = PnmKV(PnmParams(**params), c2)
-    k0, v0 = torch.randn(2, 2, 30, 8, generator=g) * 2, torch.randn(2, 2, 30, 8, generator=g)
-    q0 = torch.randn(2, 6, 30, 8, generator=g)
+    k0, v0 = torch.randn(3, 2, 30, 8, generator=g) * 2, torch.randn(3, 2, 30, 8, generator=g)
+    q0 = torch.randn(3, 6, 30, 8, generator=g)
     png.prefill(1, q0.to(device), k0.to(device), v0.to(device))
     pnm.prefill(1, q0.to(device), k0.to(device), v0.to(device))
-    pool = [[[None] * 3 for _ in range(2)] for _ in range(2)]  # slot -> page
+    pool = [[[None] * 3 for _ in range(2)] for _ in range(3)]  # slot -> page
     recalled = 0
     for q, k, v, out in _steps(png, g, k0, v0, 12, c):
         c2.counters.step = c.counters.step
@@ -106,7 +107,7 @@ def test_png_kv_steady_select_is_algorithm_1(device: torch.device) -> None:
         assert torch.allclose(out, out2, atol=1e-5)
         nf = k.shape[2] // page
         step_r = step_e = 0
-        for b in range(2):
+        for b in range(3):
             for j in range(2):
                 sel, ranking = budget_pages(q[b, 3 * j:3 * j + 3, 0], k[b, j], page, 6, 1, 1)
                 budget_set = [p for p in ranking if p in sel and p < nf]  # S[:T_Budget]
@@ -127,7 +128,7 @@ def test_png_kv_steady_select_is_algorithm_1(device: torch.device) -> None:
         step = c.counters.step  # recalls from the device's memory, outputs and lse back
         assert c.counters.step_total("pages", "evicted", step) == step_e
         assert c.counters.step_total("bytes_moved", "h2d", step) == \
-            2.0 * step_r * page * 8 * 4 + 2 * 6 * 8 * 4 + 2 * 6 * 4
+            2.0 * step_r * page * 8 * 4 + 3 * 6 * 8 * 4 + 3 * 6 * 4
     counted = sum(sum(x.values()) for (qn, w, _), x in c.counters._v.items()
                   if qn == "pages" and w == "recalled")
     assert "bookkeeping.steady_select" in {w for (qn, w, _) in c.counters._v if qn == "time"}
