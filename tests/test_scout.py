@@ -363,3 +363,34 @@ def test_host_part_runs_beside_the_accelerator_in_the_trace() -> None:
     assert all(h not in up[a] and a not in up[h] for h in host for a in accel)
     merge = next(t for t in tasks if t.op == "bookkeeping.merge")
     assert set(host + accel) <= ancestors(c.graph.tasks, merge.id)
+
+
+@pytest.mark.parametrize("rule", ["score", "lru"])
+def test_recall_into_free_room_evicts_every_block_outside_the_top_set(rule: str) -> None:
+    """Room for C = 4 blocks, 3 resident: a recall of the real query's top 4 fills the free
+    slot and evicts max(0, missing - free) resident blocks outside the top set, which is
+    all of them (|top| = C, so missing - free = |resident - top|): the eviction rule
+    (--recall-evict) never decides which; the h2d bytes are the recalled blocks' K and V."""
+    g = torch.Generator().manual_seed(9)
+    s = Scout(ScoutParams(budget_tokens=20, page_size=4, resident_blocks=4, dense_layers=1,
+                          recall_evict=rule), _ctx(40))
+    k = torch.randn(2, 2, 30, 8, generator=g)
+    s.prefill(1, torch.randn(2, 6, 30, 8, generator=g), k, torch.randn(2, 2, 30, 8,
+                                                                         generator=g))
+    ws = s.win[1]
+    assert ws >= 6
+    s.res[1][:, :, :ws] = False
+    s.res[1][:, :, :3] = True
+    q = torch.randn(2, 6, 1, 8, generator=g)
+    s._recall(1, q)
+    for b in range(2):
+        for kh in range(2):
+            blocks = [k[b, kh, p * 4:(p + 1) * 4] for p in range(ws)]
+            scores = [sum(_bound(q[b, h, 0], x) for h in range(3 * kh, 3 * kh + 3))
+                      for x in blocks]
+            target = _top(scores, 4)
+            assert max(0, len(target - {0, 1, 2}) - 1) == len({0, 1, 2} - target)
+            assert set(s.res[1][b, kh, :ws].nonzero().flatten().tolist()) == target, (b, kh)
+    recalled = s.ctx.counters.step_total("pages", "recalled", 0)
+    assert recalled > 0
+    assert s.ctx.counters.step_total("bytes_moved", "h2d.recall", 0) == 2 * recalled * 4 * 8 * 4
