@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -95,6 +95,16 @@ def bundled():
     from kvbench.models.weights import load
 
     return load(get_spec("smollm2-135m"), "bundled", 30, torch.float32, torch.device("cpu"))
+
+
+def drain(gen: Any) -> tuple[list, Any]:
+    """(what a generator yields, what it returns)."""
+    out = []
+    while True:
+        try:
+            out.append(next(gen))
+        except StopIteration as done:
+            return out, done.value
 
 
 def trace_row(i: int, res: str, op: str, after: list[int], **work: float) -> list:

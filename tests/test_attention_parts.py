@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import drain
 
 from kvbench.errors import KvbenchError
 from kvbench.kernels.workload import Point
@@ -105,21 +106,12 @@ def _who(r) -> tuple:
     return r.kind, r.name, r.metric, r.unit, r.direction
 
 
-def _drain(gen):
-    out = []
-    while True:
-        try:
-            out.append(next(gen))
-        except StopIteration as stop:
-            return out, stop.value
-
-
 def test_copy_records_are_labelled_and_return_the_best_host_rate() -> None:
     """Each copy's record named, in GB/s, higher is better, with its method; the host rate
     the CPU bars divide by is the best median, under 1 GB/s here (no floor of 1)."""
     native, torch_copy = _t(1.0, 2.0, blocks=(2,)), _t(4.0)
     device = [_t(0.5), _t(0.25)]
-    recs, (host, dev) = _drain(AttentionProbe()._copy_records(
+    recs, (host, dev) = drain(AttentionProbe()._copy_records(
         {"native memcpy threads": [native], "torch copy_": [torch_copy], "device": device}, 3))
     n, t, d = recs
     assert t.params["how"] == "torch copy_" and t.samples == [COPY_BYTES / 4.0 / 1e9]

@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
-from typing import Any
 
 import pytest
-from conftest import assert_usage_error, cli, cuda_available
+from conftest import assert_usage_error, cli, cuda_available, drain
 
 from kvbench.cli import main
 from kvbench.probes.attention import AttentionProbe
@@ -180,16 +179,6 @@ def test_gpu_modes_time_covered_calls_per_event_pair(monkeypatch):
     assert t.method()["calls_per_sample"] == GPU_CALLS and t.method()["launch_exposed"] == 0
 
 
-def _drain(gen: Any) -> tuple[list, Any]:
-    """(what a generator yields, what it returns)."""
-    recs = []
-    while True:
-        try:
-            recs.append(next(gen))
-        except StopIteration as done:
-            return recs, done.value
-
-
 def test_device_copy_counts_read_plus_write_and_the_decode_bar_divides_by_it():
     """Audit finding 8: a 1 GiB device copy in 1 ms moves 2 GiB (read + written), the
     roofline's memory_gbps convention; GPU decode of 64 MiB of KV in 25 us is read at
@@ -200,7 +189,7 @@ def test_device_copy_counts_read_plus_write_and_the_decode_bar_divides_by_it():
 
     assert DEVICE_COPY_BYTES == 1073741824
     probe = AttentionProbe()
-    recs, (host_bw, dev_bw) = _drain(
+    recs, (host_bw, dev_bw) = drain(
         probe._copy_records({"device": [Timing((1e-3,) * 3, "cuda_event", 1)]}, 2))
     (rec,) = recs
     assert rec.metric == "device_copy_gbps" and rec.params["counted"] == "read+write"
@@ -307,7 +296,7 @@ def test_host_copy_gbps_counts_the_bytes_once():
     from kvbench.timing import Timing
 
     assert COPY_BYTES == 268435456
-    recs, (host_bw, dev_bw) = _drain(AttentionProbe()._copy_records({
+    recs, (host_bw, dev_bw) = drain(AttentionProbe()._copy_records({
         "native": [Timing((0.1, 0.05), "CLOCK_MONOTONIC (native)", 1),
                    Timing((0.2,), "CLOCK_MONOTONIC (native)", 1)],
         "torch copy_": [Timing((0.4, 0.5, 0.6), "perf_counter_ns", 1)]}, 2))
