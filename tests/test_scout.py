@@ -127,16 +127,24 @@ def test_decode_matches_algorithm_1(per: str, device: torch.device) -> None:
     assert abs(c.step_total("pred_overlap", "predicted", 1) - sum(shared) / len(shared)) < 1e-6
 
 
+def _prefilled(params: ScoutParams, n: int, seed: int
+               ) -> tuple[Scout, torch.Tensor, torch.Generator]:
+    """Scout on a 40-token cache with an n-token random prompt in layer 1: (strategy, the
+    prompt's keys [2, 2, n, 8], the generator for what follows)."""
+    g = torch.Generator().manual_seed(seed)
+    s = Scout(params, _ctx(40))
+    k = torch.randn(2, 2, n, 8, generator=g)
+    s.prefill(1, torch.randn(2, 6, n, 8, generator=g), k,
+              torch.randn(2, 2, n, 8, generator=g))
+    return s, k, g
+
+
 @pytest.mark.parametrize("rule", ["score", "lru"])
 def test_recall_evicts_by_rule(rule: str) -> None:
     """A recall makes the real query's top C blocks resident and evicts, of the resident
     blocks outside them, the lowest-scoring ("score") or least recently selected ("lru")."""
-    g = torch.Generator().manual_seed(5)
-    s = Scout(ScoutParams(budget_tokens=16, page_size=4, resident_blocks=3, dense_layers=1,
-                          recall_evict=rule), _ctx(40))
-    k = torch.randn(2, 2, 26, 8, generator=g)
-    s.prefill(1, torch.randn(2, 6, 26, 8, generator=g), k, torch.randn(2, 2, 26, 8,
-                                                                         generator=g))
+    s, k, g = _prefilled(ScoutParams(budget_tokens=16, page_size=4, resident_blocks=3,
+                                     dense_layers=1, recall_evict=rule), 26, seed=5)
     s.res[1][:, :, :6] = torch.tensor([True, True, True, False, False, False])
     s.used[1][:, :, :6] = torch.tensor([3.0, 1.0, 2.0, 0.0, 0.0, 0.0])
     q = torch.randn(2, 6, 1, 8, generator=g)
@@ -371,12 +379,8 @@ def test_recall_into_free_room_evicts_every_block_outside_the_top_set(rule: str)
     slot and evicts max(0, missing - free) resident blocks outside the top set, which is
     all of them (|top| = C, so missing - free = |resident - top|): the eviction rule
     (--recall-evict) never decides which; the h2d bytes are the recalled blocks' K and V."""
-    g = torch.Generator().manual_seed(9)
-    s = Scout(ScoutParams(budget_tokens=20, page_size=4, resident_blocks=4, dense_layers=1,
-                          recall_evict=rule), _ctx(40))
-    k = torch.randn(2, 2, 30, 8, generator=g)
-    s.prefill(1, torch.randn(2, 6, 30, 8, generator=g), k, torch.randn(2, 2, 30, 8,
-                                                                         generator=g))
+    s, k, g = _prefilled(ScoutParams(budget_tokens=20, page_size=4, resident_blocks=4,
+                                     dense_layers=1, recall_evict=rule), 30, seed=9)
     ws = s.win[1]
     assert ws >= 6
     s.res[1][:, :, :ws] = False
