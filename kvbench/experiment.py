@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.errors import KvbenchError, require
+from kvbench.hwmodel.sweep import SWEPT, Projection
 from kvbench.present.pivot import PER_RECORD, TOP_LEVEL, Extra, PaperTable, Pivot, Table
 from kvbench.store import REPO_ROOT
 from kvbench.suite_spec import tomllib  # tomli on Python 3.10
@@ -47,26 +48,8 @@ from kvbench.timing import Stats
 
 EXPERIMENTS = REPO_ROOT / "experiments"
 _HEAD = {"name", "title", "setup", "suites", "records", "keep_traces", "aliases"}
-_SWEPT = ("model", "batch", "prompt_len", "gen_len", "bookkeeping")
 
 
-@dataclass(frozen=True)
-class Projection:
-    """`kvbench project SOURCE --hardware H...` at every point of the swept settings."""
-
-    source: Path
-    out: Path
-    hardware: tuple[str, ...]
-    sweep: dict[str, tuple[Any, ...]]  # _SWEPT names -> values
-    dtype: str = "float16"
-    memory: str = "pinned"
-
-    def points(self) -> list[dict[str, Any]]:
-        import itertools
-
-        keys = list(self.sweep)
-        return [dict(zip(keys, p, strict=True))
-                for p in itertools.product(*(self.sweep[k] for k in keys))]
 # parameters the run adds to every record beside its config's fields (runtime.run_params)
 _RUN_LABELS = {"layers_total", "accel", "depth", "steps_completed", "prefix_chunk"}
 
@@ -83,6 +66,7 @@ class Experiment:
     aliases: dict[str, tuple[str, ...]]
     tables: tuple[Pivot, ...]
     projections: tuple[Projection, ...] = ()
+    plans: tuple[tuple[Path, Any], ...] = ()  # (out, kvbench.plan.PlanConfig)
 
     @property
     def out(self) -> Path:
@@ -122,6 +106,9 @@ def _pivot(raw: dict[str, Any], i: int, path: Path) -> Pivot:
         kw = {k: v for k, v in raw.items() if k not in ("extra", "paper")}
         kw["rows"] = tuple(kw["rows"]) if isinstance(kw["rows"], list) else (kw["rows"],)
         kw["order"] = tuple(kw.get("order", ()))
+        for key in ("columns", "reference_by"):
+            if isinstance(kw.get(key), list):
+                kw[key] = tuple(kw[key])
         if isinstance(kw["metric"], list):
             kw["metric"] = tuple(kw["metric"])
         kw["ratios"] = tuple(tuple(r) for r in kw.get("ratios", ()))
@@ -134,23 +121,45 @@ def _pivot(raw: dict[str, Any], i: int, path: Path) -> Pivot:
         raise KvbenchError(f"{where}: {e}") from None
 
 
-def _projection(raw: dict[str, Any], i: int, path: Path) -> Projection:
+def _projection(raw: dict[str, Any], i: int, path: Path, outputs: set[Path]
+                ) -> Projection:
+    """A [[projection]]: its source exists or is one of the experiment's suite outputs."""
     where = f"{path.name}: projection {i + 1}"
-    allowed = {"source", "out", "hardware", "dtype", "memory", *_SWEPT}
-    unknown = sorted(set(raw) - allowed)
+    extra = {f.name for f in dataclasses.fields(Projection)} - {"source", "out", "hardware",
+                                                                   "sweep"}
+    unknown = sorted(set(raw) - {"source", "out", "hardware", *SWEPT, *extra})
     require(not unknown, f"{where}: unknown key '{unknown[0] if unknown else ''}'")
     for key in ("source", "out", "hardware"):
         require(key in raw, f"{where}: '{key}' is required")
     source = REPO_ROOT / raw["source"]
-    require(source.exists(), f"{where}: source '{raw['source']}' does not exist")
+    require(source.exists() or source in outputs, f"{where}: source '{raw['source']}' "
+            "does not exist and no suite of the experiment writes it")
     sweep = {k: tuple(v) if isinstance(v, list) else (v,) for k, v in raw.items()
-             if k in _SWEPT}
+             if k in SWEPT}
     for b in sweep.get("bookkeeping", ()):
         require(b in ("measured", "none"), f"{where}: bookkeeping '{b}': measured or none")
+    require(sweep.get("batch") != ("max",) or raw.get("budget_ratio", 0) > 0,
+            f"{where}: batch \"max\" needs budget_ratio")
     hw = raw["hardware"]
-    return Projection(source, REPO_ROOT / raw["out"], tuple(hw if isinstance(hw, list)
-                                                            else [hw]), sweep,
-                      raw.get("dtype", "float16"), raw.get("memory", "pinned"))
+    kw = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items() if k in extra}
+    try:
+        return Projection(source, REPO_ROOT / raw["out"],
+                          tuple(hw if isinstance(hw, list) else [hw]), sweep, **kw)
+    except TypeError as e:
+        raise KvbenchError(f"{where}: {e}") from None
+
+
+def _plan(raw: dict[str, Any], i: int, path: Path) -> tuple[Path, Any]:
+    """A [[plan]]: `kvbench plan`'s options (kvbench.plan.PlanConfig) and `out`."""
+    from kvbench.plan import PlanConfig
+
+    where = f"{path.name}: plan {i + 1}"
+    require("out" in raw, f"{where}: 'out' is required")
+    try:
+        return REPO_ROOT / raw["out"], PlanConfig(**{k: v for k, v in raw.items()
+                                                    if k != "out"})
+    except TypeError as e:
+        raise KvbenchError(f"{where}: {e}") from None
 
 
 def load_experiment(name_or_path: str | Path) -> Experiment:
@@ -168,7 +177,7 @@ def load_experiment(name_or_path: str | Path) -> Experiment:
         raise KvbenchError(f"{path}: not valid TOML: {e}") from None
     head = doc.get("experiment", {})
     unknown = sorted(set(head) - _HEAD) + sorted(set(doc) - {"experiment", "table",
-                                                              "projection"})
+                                                              "projection", "plan"})
     require(not unknown, f"{path.name}: unknown key '{unknown[0] if unknown else ''}'")
     require("name" in head and head.get("records"), f"{path.name}: [experiment] needs a "
             "name and records")
@@ -176,13 +185,15 @@ def load_experiment(name_or_path: str | Path) -> Experiment:
     for s in suites:
         require(s.exists(), f"{path.name}: unknown suite '{_rel(s)}'")
     aliases = {k: tuple(v) for k, v in head.get("aliases", {}).items()}
+    outputs = {REPO_ROOT / _suite_output(s) for s in suites}
     exp = Experiment(path, head["name"], head.get("title", head["name"]),
                      head.get("setup", ""), suites,
                      tuple(REPO_ROOT / r for r in head["records"]),
                      tuple(head.get("keep_traces", ())), aliases,
                      tuple(_pivot(t, i, path) for i, t in enumerate(doc.get("table", []))),
-                     tuple(_projection(p, i, path)
-                           for i, p in enumerate(doc.get("projection", []))))
+                     tuple(_projection(p, i, path, outputs)
+                           for i, p in enumerate(doc.get("projection", []))),
+                     tuple(_plan(p, i, path) for i, p in enumerate(doc.get("plan", []))))
     _check_names(exp)
     return exp
 
@@ -197,7 +208,8 @@ def _check_names(exp: Experiment) -> None:
     for t in exp.tables:
         filters = [t.where, t.reference or {}]
         filters += [e.where for e in t.extras]
-        for key in [*t.rows, t.columns, *(k for f in filters for k in f)]:
+        cols = (t.columns,) if isinstance(t.columns, str) else t.columns
+        for key in [*t.rows, *cols, *(t.reference_by or ()), *(k for f in filters for k in f)]:
             require(key in known, f"{exp.path.name}: table '{t.title}': unknown parameter "
                     f"'{key}'")
         for f in filters:
@@ -243,25 +255,31 @@ def render(exp: Experiment) -> str:
     return "\n".join(md)
 
 
-def project(proj: Projection) -> int:
-    """Re-time the source's runs at every point; `proj.out` rewritten whole (projections
-    are cheap). Every point is projected before anything is written."""
+def project(exp: Experiment) -> int:
+    """Write every projection's and plan's records, each `out` rewritten whole (they are
+    cheap); every point of every block is computed before anything is written."""
     from kvbench.envinfo import collect_env
-    from kvbench.hwmodel.cli import projected, target_shape
-    from kvbench.store import ResultWriter, load
+    from kvbench.hwmodel.sweep import records
+    from kvbench.plan import records as plan_records
+    from kvbench.schema import Record
+    from kvbench.store import ResultWriter
 
-    src = load(proj.source).records
-    recs = []
-    for point in proj.points():
-        target = target_shape(point.get("model"), point.get("batch", 1),
-                              point.get("prompt_len", 1920), point.get("gen_len", 128),
-                              proj.dtype) if "model" in point else None
-        recs += projected(src, _rel(proj.source), list(proj.hardware), [], proj.memory,
-                          target, point.get("bookkeeping", "measured") == "measured")[0]
-    proj.out.unlink(missing_ok=True)
-    with ResultWriter(proj.out, collect_env()) as w:
-        w.write_all(recs)
-    return len(recs)
+    outs: dict[Path, list[Record]] = {}
+    for proj in exp.projections:
+        outs.setdefault(proj.out, []).extend(records(proj, _rel(proj.source)))
+    for out, cfg in exp.plans:
+        outs.setdefault(out, []).extend(plan_records(cfg))
+    for out, recs in outs.items():
+        out.unlink(missing_ok=True)
+        with ResultWriter(out, collect_env()) as w:
+            w.write_all(recs)
+    return sum(map(len, outs.values()))
+
+
+def _suite_output(path: Path) -> str:
+    from kvbench.suite import load_suite
+
+    return load_suite(path).output
 
 
 def _rel(path: Path) -> str:
@@ -295,8 +313,7 @@ def run(exp: Experiment, resume: bool, only: str | None = None) -> int:
     # every suite output here is folded in, also of suites `only` did not run this time
     outputs = [o for s in suites if (o := REPO_ROOT / s.output).exists()]
     if only is None:
-        for proj in exp.projections:
-            project(proj)
+        project(exp)
     fresh = {case(json.loads(ln)) for o in outputs for ln in read_lines(o)}
     target = exp.records[0]
     kept = [ln for ln in read_lines(target) if case(json.loads(ln)) not in fresh] \

@@ -21,6 +21,7 @@ and the device capacities, powers and prices below.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from typing import Any
 from kvbench.errors import require
 from kvbench.models import ModelSpec, get_spec
 from kvbench.options import check_ranges, opt
+from kvbench.schema import Record, measured
 from kvbench.units import parse_size, parse_sizes
 
 HOURS_PER_YEAR = 8760
@@ -131,6 +133,33 @@ def plan(cfg: PlanConfig) -> dict[str, Any]:
         "cost": {"a100-80gb": gpu, "cxl-pnm": pnm,
                  "config_per_hour": cfg.gpus * gpu["total"] + cfg.pnms * pnm["total"]},
     }
+
+
+def records(cfg: PlanConfig) -> list[Record]:
+    """The plan as projected run records named "plan" (an experiment's `[[plan]]`): per
+    context the largest batch of each configuration (`where`: gpu, baseline, pnm-kv,
+    png-kv; T_Budget and T_Steady as parameters), per device its max power and $/h
+    (`where`: operating, hardware, total), and the configuration's $/h. Parameters: the
+    config's fields (but `json`)."""
+    result = plan(cfg)
+    base = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "json"}
+    method = {"model": "kvbench.plan", "assumptions": result["assumptions"]}
+
+    def rec(metric: str, unit: str, value: float, **params: Any) -> Record:
+        r = measured("run", "plan", metric, unit, "none", [value], {**base, **params}, method)
+        r.provenance = "projected"
+        return r
+
+    out = [rec("max_batch", "sequences", row[c], context=row["context"], where=c,
+               t_budget=row["t_budget"], t_steady=row["t_steady"])
+           for row in result["max_batch"] for c in CONFIGS]
+    for device, cost in result["cost"].items():
+        if device in DEVICES:
+            out.append(rec("max_power", "W", cost["power_w"], device=device))
+            out += [rec("cost_per_hour", "$/h", cost[part], device=device, where=part)
+                    for part in ("operating", "hardware", "total")]
+    return [*out, rec("cost_per_hour", "$/h", result["cost"]["config_per_hour"],
+                      device="configuration", where="total")]
 
 
 def render(result: dict[str, Any]) -> None:

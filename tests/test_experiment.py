@@ -223,7 +223,7 @@ def test_a_declared_projection_sweeps_and_labels_its_records(tmp_path: Path) -> 
                                sweep={"model": ("opt-6.7b",), "batch": (1, 4),
                                       "prompt_len": (1920,), "gen_len": (128,),
                                       "bookkeeping": ("none", "measured")})
-    n = experiment.project(proj)
+    n = experiment.project(dataclasses.replace(exp, projections=(proj,)))
     recs = load(tmp_path / "p.jsonl").records
     assert n == len(recs) > 0 and {r["provenance"] for r in recs} == {"projected"}
     tps = [r for r in recs if r["metric"] == "decode_tokens_per_s"]

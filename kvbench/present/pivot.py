@@ -8,11 +8,12 @@ recall). A run is a strategy and its parameters; records that differ only in a
 per-record field (`where`, `layer`, `phase`) belong to one run, and an extra with
 `sum_over` adds them (tokens attended on the accelerator plus the host).
 
-Fields are record keys (`name`, `metric`) or parameters; an alias (`budget`: the first of
-`budget_tokens`, `gpu_tokens` present) lets strategies with differently named knobs share a
-column. Two runs in one cell are refused (one line naming the cell), so a table never
-shows one of several values silently. Under the table: the commits and dates its records
-span and the error records it left out. The papers' values sit beside ours as `PaperTable`s.
+Fields are record keys (`name`, `metric`) or parameters (`"-"` in a filter: absent); an
+alias (`budget`: the first of `budget_tokens`, `gpu_tokens` present) lets strategies with
+differently named knobs share a column. Two runs in one cell are refused (one line naming
+the cell), so a table never shows one of several values silently. Under the table: the
+commits and dates its records span and the error records it left out. The papers' values
+sit beside ours as `PaperTable`s.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class Extra:
     where: dict[str, Any] = field(default_factory=dict)  # only the run's records matching
     # (e.g. `{ where = "h2d.recall" }`: one link's bytes of a metric recorded per link)
     statistic: str = "value"  # or one of the record's stats, as Pivot.statistic
+    skip: int = 0  # > 0: the mean of each record's samples after the first `skip` (steps)
 
 
 @dataclass(frozen=True)
@@ -60,11 +62,14 @@ class Pivot:
     title: str
     metric: str | tuple[str, ...]  # several: e.g. `columns = "metric"`
     rows: tuple[str, ...]
-    columns: str
+    columns: str | tuple[str, ...]  # several: each column is their values ("png-kv / 8")
     where: dict[str, Any] = field(default_factory=dict)
     fmt: str = ".3f"
     text: str = ""
     reference: dict[str, Any] | None = None
+    # the reference of a cell is the reference run that agrees with it on these fields
+    # (e.g. the baseline of the same model and GPU count); None: one per column
+    reference_by: tuple[str, ...] | None = None
     change: bool = True  # each cell's change against the reference
     extras: tuple[Extra, ...] = ()
     rank: str | None = None  # "lower" or "higher": a ranking line per column
@@ -79,6 +84,8 @@ class Pivot:
     # the first and the keys that vary under it
     order: tuple[str, ...] = ()  # row labels first, in this order
     ratios: tuple[tuple[Any, Any], ...] = ()  # extra columns: column a's value / column b's
+    summary: bool = False  # a last row: the mean over rows of each column's value over its
+    # reference (reference_by) and of each ratio column
     paper: tuple[PaperTable, ...] = ()
 
 
@@ -93,9 +100,17 @@ def value_of(r: dict[str, Any], key: str, aliases: dict[str, tuple[str, ...]]) -
     return None
 
 
+def column_of(r: dict[str, Any], columns: str | tuple[str, ...], aliases: dict) -> Any:
+    """A record's column: the field's value, or several fields' values joined ("a / b")."""
+    if isinstance(columns, str):
+        return value_of(r, columns, aliases)
+    return " / ".join(_shown(k, value_of(r, k, aliases)) for k in columns)
+
+
 def _matches(r: dict[str, Any], where: dict[str, Any], aliases: dict) -> bool:
     for k, want in where.items():
         got = value_of(r, k, aliases)
+        got = "-" if got is None else got
         if got not in (want if isinstance(want, list) else [want]):
             return False
     return True
@@ -129,6 +144,10 @@ def _label(r: dict[str, Any], keys: tuple[str, ...], aliases: dict,
                                     + ")" if rest else "")
 
 
+def _times(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
 def _natural(text: str) -> list[Any]:
     """Sort key reading digit runs as numbers: '64 (...)' before '128'."""
     return [(0, int(t)) if t.isdigit() else (1, t) for t in re.split(r"(\d+)", text)]
@@ -156,12 +175,13 @@ class Table:
         # the reference per column (a reference run without the column: one for all)
         self.refs: dict[Any, dict[str, Any]] = {}
         for r in (r for r in mains if ref and _matches(r, ref, aliases)):
-            col = value_of(r, pivot.columns, aliases)
+            col = self._ref_key(r)
             if col in self.refs and run_key(self.refs[col]) != run_key(r):
                 raise KvbenchError(f"table '{pivot.title}': the reference {ref} matches two "
-                                   f"runs at {pivot.columns} {col}")
+                                   f"runs at {self._ref_fields()} {col}")
             self.refs[col] = r
-        self.ref = self.refs.pop(None, None)  # shown above the table
+        # shown above the table (one reference for every column), or in its own row
+        self.ref = self.refs.pop(None, None) if pivot.reference_by is None else None
         first: dict[Any, dict[str, set]] = defaultdict(lambda: defaultdict(set))
         for r in mains:
             for k in pivot.rows[1:]:
@@ -176,12 +196,27 @@ class Table:
             if r is self.ref:
                 continue
             key = (_label(r, pivot.rows, aliases, None if pivot.every_key else varying),
-                   value_of(r, pivot.columns, aliases))
+                   column_of(r, pivot.columns, aliases))
             if key in self.cells and run_key(self.cells[key]) != run_key(r):
                 raise KvbenchError(f"table '{pivot.title}': two runs for one cell (row "
-                                   f"'{key[0]}', {pivot.columns} {key[1]})")
+                                   f"'{key[0]}', {self.column_name} {key[1]})")
             self.cells[key] = r
         self.records = [x for r in mains for x in self._run_records(r)]
+
+    def _ref_fields(self) -> str:
+        by = self.p.reference_by
+        return self.column_name if by is None else " / ".join(by) or "every cell"
+
+    def _ref_key(self, r: dict[str, Any]) -> Any:
+        """Which cells a reference run serves: its column, or its `reference_by` values."""
+        if self.p.reference_by is None:
+            return column_of(r, self.p.columns, self.aliases)
+        return tuple(repr(value_of(r, k, self.aliases)) for k in self.p.reference_by)
+
+    def reference(self, r: dict[str, Any]) -> dict[str, Any] | None:
+        """The reference of a cell's record (None: none, or the record is its own)."""
+        got = self.refs.get(self._ref_key(r), self.ref)
+        return None if got is None or run_key(got) == run_key(r) else got
 
     def _statistic(self, r: dict[str, Any], statistic: str | None = None) -> dict[str, Any]:
         statistic = statistic or self.p.statistic
@@ -197,7 +232,7 @@ class Table:
             raise KvbenchError(f"table '{self.p.title}': reduce '{self.p.reduce}': sum or mean")
         runs: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
         for r in mains:
-            runs[run_key(r)].append(r)
+            runs[(run_key(r), r["metric"])].append(r)
         out = []
         for recs in runs.values():
             means = [x["stats"]["mean"] for x in recs]
@@ -217,6 +252,9 @@ class Table:
         if e.sum_over is None and len(recs) > 1:
             raise KvbenchError(f"table '{self.p.title}': {len(recs)} records of "
                                f"'{e.metric}' in one run; set sum_over")
+        if e.skip:
+            return sum(sum(x["samples"][e.skip:]) / max(len(x["samples"]) - e.skip, 1)
+                       for x in recs)
         if e.statistic == "value":
             return sum(x["value"] for x in recs)
         return sum(self._statistic(x, e.statistic)["value"] for x in recs)
@@ -229,8 +267,8 @@ class Table:
         st = r.get("stats") or {}
         if self.p.spread and st.get("p10") is not None and st["p10"] != st.get("p90"):
             text += f" ({format(st['p10'], self.p.fmt)}-{format(st['p90'], self.p.fmt)})"
-        ref = self.refs.get(col, self.ref)
-        if self.p.change and ref is not None and ref is not r and ref["value"]:
+        ref = self.reference(r)
+        if self.p.change and ref is not None and ref["value"]:
             text += f" ({v / ref['value'] - 1:+.1%})"
         for e in self.p.extras:
             x = self.extra(r, e)
@@ -246,6 +284,11 @@ class Table:
         return sorted(heads, key=lambda label: (order.get(heads[label], len(order)),
                                                 _natural(label)))
 
+    @property
+    def column_name(self) -> str:
+        c = self.p.columns
+        return c if isinstance(c, str) else " / ".join(c)
+
     def columns(self) -> list[Any]:
         """Sorted, or in the order of the metric list for `columns = "metric"`."""
         found = {k[1] for k in self.cells}
@@ -256,17 +299,33 @@ class Table:
     def grid(self) -> tuple[list[str], list[list[str]]]:
         """The table as a header and rows of text (any renderer: markdown, HTML, rich)."""
         p, cols = self.p, self.columns()
-        heads = [" / ".join(p.rows)] + [f"{p.columns} {c}" for c in cols] + [
+        heads = [" / ".join(p.rows)] + [f"{self.column_name} {c}" for c in cols] + [
             f"{a} / {b}" for a, b in p.ratios]
-        rows = []
-        for row in self.row_labels():
+        rows, labels = [], self.row_labels()
+        for row in labels:
             cells = [row] + [self.cell(self.cells.get((row, c)), c) for c in cols]
-            for a, b in p.ratios:
-                ra, rb = self.cells.get((row, a)), self.cells.get((row, b))
-                cells.append(f"{ra['value'] / rb['value']:.2f}x" if ra and rb and rb["value"]
-                             else "-")
+            cells += [_times(self._ratio(row, a, b)) for a, b in p.ratios]
             rows.append(cells)
+        if p.summary:
+            rows.append(self._summary(labels, cols))
         return heads, rows
+
+    def _ratio(self, row: str, a: Any, b: Any) -> float | None:
+        ra, rb = self.cells.get((row, a)), self.cells.get((row, b))
+        return ra["value"] / rb["value"] if ra and rb and rb["value"] else None
+
+    def _summary(self, labels: list[str], cols: list[Any]) -> list[str]:
+        """The mean over rows of each cell's value / its reference, and of each ratio."""
+        out = [f"mean over rows (vs {self._ref_fields()} reference)"]
+        for c in cols:
+            got = [r["value"] / ref["value"] for row in labels
+                   if (r := self.cells.get((row, c))) and (ref := self.reference(r))
+                   and ref["value"]]
+            out.append(_times(sum(got) / len(got) if got else None))
+        for a, b in self.p.ratios:
+            got = [v for row in labels if (v := self._ratio(row, a, b)) is not None]
+            out.append(_times(sum(got) / len(got) if got else None))
+        return out
 
     def markdown(self, heading: str = "##") -> list[str]:
         p, cols = self.p, self.columns()
@@ -278,16 +337,16 @@ class Table:
                     f"{format(self.ref['value'], p.fmt)}", ""]
         out += markdown_table(*self.grid())
         if p.rank:
-            out += ["", f"Ranking at each {p.columns} ({p.rank} is better):", ""]
+            out += ["", f"Ranking at each {self.column_name} ({p.rank} is better):", ""]
             for c in cols:
                 got = sorted(((r["value"], row) for (row, col), r in self.cells.items()
                               if col == c), reverse=p.rank == "higher")
                 sep = " < " if p.rank == "lower" else " > "
-                out.append(f"- {p.columns} {c}: " + sep.join(
+                out.append(f"- {self.column_name} {c}: " + sep.join(
                     f"{row} {format(v, p.fmt)}" for v, row in got))
         for paper in p.paper:
             out += ["", f"The paper: {paper.citation}", "",
-                    "| paper | " + " | ".join(f"{paper.column or p.columns} {c}"
+                    "| paper | " + " | ".join(f"{paper.column or self.column_name} {c}"
                                               for c in paper.columns)
                     + " |", "|---|" + "---|" * len(paper.columns)]
             out += [f"| {label} | " + " | ".join(map(str, vals)) + " |"
