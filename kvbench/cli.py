@@ -202,13 +202,20 @@ def experiment_run_cmd(
                                 "recorded are skipped)."),
     only: str | None = typer.Option(None, help="Only cases whose label (e.g. "
                                     "'quest[*budget_tokens=64*]*') or id matches this glob."),
+    project_only: bool = typer.Option(False, help="Only re-run the projections and plans "
+                                      "(seconds) from their sources; no suite runs."),
 ) -> None:
-    """Run the experiment's suites and fold their records into its records file; exit 1
-    when a case errored."""
+    """Run the experiment's suites and fold their records into its records file, then its
+    projections and plans; exit 1 when a case errored."""
     from kvbench.console import wrote
-    from kvbench.experiment import load_experiment, run
+    from kvbench.experiment import load_experiment, project, run
 
     exp = load_experiment(name)
+    if project_only:
+        project(exp)
+        for out in dict.fromkeys([*(p.out for p in exp.projections), *(o for o, _ in exp.plans)]):
+            wrote(out)
+        return
     errors = run(exp, resume, only)
     wrote(exp.records[0])
     if errors:

@@ -177,7 +177,8 @@ def load_experiment(name_or_path: str | Path) -> Experiment:
         raise KvbenchError(f"{path}: not valid TOML: {e}") from None
     head = doc.get("experiment", {})
     unknown = sorted(set(head) - _HEAD) + sorted(set(doc) - {"experiment", "table",
-                                                              "projection", "plan"})
+                                                              "projection", "plan",
+                                                              "projection_defaults"})
     require(not unknown, f"{path.name}: unknown key '{unknown[0] if unknown else ''}'")
     require("name" in head and head.get("records"), f"{path.name}: [experiment] needs a "
             "name and records")
@@ -191,7 +192,8 @@ def load_experiment(name_or_path: str | Path) -> Experiment:
                      tuple(REPO_ROOT / r for r in head["records"]),
                      tuple(head.get("keep_traces", ())), aliases,
                      tuple(_pivot(t, i, path) for i, t in enumerate(doc.get("table", []))),
-                     tuple(_projection(p, i, path, outputs)
+                     tuple(_projection({**doc.get("projection_defaults", {}), **p}, i, path,
+                                       outputs)
                            for i, p in enumerate(doc.get("projection", []))),
                      tuple(_plan(p, i, path) for i, p in enumerate(doc.get("plan", []))))
     _check_names(exp)
@@ -203,8 +205,13 @@ def _check_names(exp: Experiment) -> None:
     from kvbench.probes import PROBES
     from kvbench.strategies import STRATEGIES
 
-    registered = set(STRATEGIES.names()) | set(PROBES.names())
-    known = _known_params() | set(exp.aliases) | {"hardware", "bookkeeping", "gpus", "pnms"}
+    registered = set(STRATEGIES.names()) | set(PROBES.names()) | {"plan"}  # kvbench.plan
+    from kvbench.plan import PLAN_PARAMS
+
+    # besides runs' parameters: what projections and plans add to their records
+    known = _known_params() | set(exp.aliases) | set(PLAN_PARAMS) | {
+        "hardware", "bookkeeping", "gpus", "pnms", "fits", *(k for p in exp.projections
+                                                             for k in p.tag)}
     for t in exp.tables:
         filters = [t.where, t.reference or {}]
         filters += [e.where for e in t.extras]
@@ -266,6 +273,8 @@ def project(exp: Experiment) -> int:
 
     outs: dict[Path, list[Record]] = {}
     for proj in exp.projections:
+        require(proj.source.exists(), f"experiment '{exp.name}': projection source "
+                f"'{_rel(proj.source)}' does not exist (run the suite that writes it)")
         outs.setdefault(proj.out, []).extend(records(proj, _rel(proj.source)))
     for out, cfg in exp.plans:
         outs.setdefault(out, []).extend(plan_records(cfg))

@@ -135,6 +135,11 @@ def plan(cfg: PlanConfig) -> dict[str, Any]:
     }
 
 
+# parameters of plan records and of projections at the largest batch (kvbench.hwmodel.sweep)
+PLAN_PARAMS = (*(f.name for f in dataclasses.fields(PlanConfig)), "context", "device",
+               "t_budget", "t_steady")
+
+
 def records(cfg: PlanConfig) -> list[Record]:
     """The plan as projected run records named "plan" (an experiment's `[[plan]]`): per
     context the largest batch of each configuration (`where`: gpu, baseline, pnm-kv,

@@ -128,7 +128,7 @@ def _shown(key: str, value: Any) -> str:
         return str(value)[:7]
     if isinstance(value, float):
         return f"{value:.4g}"
-    return "-" if value == "" else str(value)
+    return "-" if value in ("", None) else str(value)
 
 
 def _label(r: dict[str, Any], keys: tuple[str, ...], aliases: dict,
@@ -205,7 +205,7 @@ class Table:
 
     def _ref_fields(self) -> str:
         by = self.p.reference_by
-        return self.column_name if by is None else " / ".join(by) or "every cell"
+        return self.column_name if by is None else " / ".join(by) or "the"
 
     def _ref_key(self, r: dict[str, Any]) -> Any:
         """Which cells a reference run serves: its column, or its `reference_by` values."""
