@@ -15,8 +15,12 @@ results and HTML apart, `results/<name>/` holds data and the rendered table, no 
     setup = "Ours: ...; the paper: ..."   # model and hardware difference, stated once
     suites = ["suites/page-sparse-ppl.toml"]
     records = ["results/page-sparse/summary.jsonl.gz"]   # the first one is written by run
+    # a records file may label its records: { path = "...", params = { round = 1 } } adds
+    # those parameters to each (files of one grid repeated in time, of one probe set)
     keep_traces = ["trace.topk_recall"]                  # decode traces kept in it
     aliases = { budget = ["budget_tokens", "gpu_tokens"] }
+    # a probe suite run into `before` ahead of the suites and into `after` behind them
+    probes = { suite = "suites/this-machine-probes.toml", before = "...", after = "..." }
 
     [[projection]]   # `kvbench project` over a sweep, rewritten whole by `run`
     source = "results/hgca-fig12/source.jsonl"   # runs with traces
@@ -25,6 +29,7 @@ results and HTML apart, `results/<name>/` holds data and the rendered table, no 
     batch = [1, 8]
     bookkeeping = ["measured", "none"]
     out = "results/hgca-fig12/projected.jsonl"
+    # hardware = "this" with probes = [files]: the profile built from those probe records
 
     [[table]]   # kvbench.present.pivot.Pivot's fields; [[table.extra]], [[table.paper]]
 
@@ -46,7 +51,7 @@ from kvbench.suite_spec import tomllib  # tomli on Python 3.10
 from kvbench.timing import Stats
 
 EXPERIMENTS = REPO_ROOT / "experiments"
-_HEAD = {"name", "title", "setup", "suites", "records", "keep_traces", "aliases"}
+_HEAD = {"name", "title", "setup", "suites", "records", "keep_traces", "aliases", "probes"}
 _SWEPT = ("model", "batch", "prompt_len", "gen_len", "bookkeeping")
 
 
@@ -60,6 +65,7 @@ class Projection:
     sweep: dict[str, tuple[Any, ...]]  # _SWEPT names -> values
     dtype: str = "float16"
     memory: str = "pinned"
+    probes: tuple[Path, ...] = ()  # probe records `this` is built from (kvbench project --probes)
 
     def points(self) -> list[dict[str, Any]]:
         import itertools
@@ -83,6 +89,8 @@ class Experiment:
     aliases: dict[str, tuple[str, ...]]
     tables: tuple[Pivot, ...]
     projections: tuple[Projection, ...] = ()
+    labels: dict[Path, dict[str, Any]] = dataclasses.field(default_factory=dict)  # per file
+    probes: tuple[Path, Path, Path] | None = None  # probe suite, before, after
 
     @property
     def out(self) -> Path:
@@ -134,23 +142,27 @@ def _pivot(raw: dict[str, Any], i: int, path: Path) -> Pivot:
         raise KvbenchError(f"{where}: {e}") from None
 
 
-def _projection(raw: dict[str, Any], i: int, path: Path) -> Projection:
+def _projection(raw: dict[str, Any], i: int, path: Path, produced: set[Path]) -> Projection:
+    """One [[projection]]; its source and probe files exist or are what `run` writes first
+    (`produced`: the suites' outputs, the probes before and after)."""
     where = f"{path.name}: projection {i + 1}"
-    allowed = {"source", "out", "hardware", "dtype", "memory", *_SWEPT}
+    allowed = {"source", "out", "hardware", "dtype", "memory", "probes", *_SWEPT}
     unknown = sorted(set(raw) - allowed)
     require(not unknown, f"{where}: unknown key '{unknown[0] if unknown else ''}'")
     for key in ("source", "out", "hardware"):
         require(key in raw, f"{where}: '{key}' is required")
-    source = REPO_ROOT / raw["source"]
-    require(source.exists(), f"{where}: source '{raw['source']}' does not exist")
+    source, probes = REPO_ROOT / raw["source"], [REPO_ROOT / f for f in raw.get("probes", [])]
+    for f in [source, *probes]:
+        require(f.exists() or f in produced, f"{where}: '{_rel(f)}' does not exist")
     sweep = {k: tuple(v) if isinstance(v, list) else (v,) for k, v in raw.items()
              if k in _SWEPT}
     for b in sweep.get("bookkeeping", ()):
         require(b in ("measured", "none"), f"{where}: bookkeeping '{b}': measured or none")
-    hw = raw["hardware"]
-    return Projection(source, REPO_ROOT / raw["out"], tuple(hw if isinstance(hw, list)
-                                                            else [hw]), sweep,
-                      raw.get("dtype", "float16"), raw.get("memory", "pinned"))
+    hw = tuple(raw["hardware"] if isinstance(raw["hardware"], list) else [raw["hardware"]])
+    require(not probes or "this" in hw, f"{where}: probes: only hardware 'this' is built "
+            "from probe files")
+    return Projection(source, REPO_ROOT / raw["out"], hw, sweep, raw.get("dtype", "float16"),
+                      raw.get("memory", "pinned"), tuple(probes))
 
 
 def load_experiment(name_or_path: str | Path) -> Experiment:
@@ -173,16 +185,30 @@ def load_experiment(name_or_path: str | Path) -> Experiment:
     require("name" in head and head.get("records"), f"{path.name}: [experiment] needs a "
             "name and records")
     suites = tuple(REPO_ROOT / s for s in head.get("suites", []))
-    for s in suites:
+    probes = head.get("probes")
+    if probes is not None:
+        require(isinstance(probes, dict) and set(probes) == {"suite", "before", "after"},
+                f"{path.name}: probes needs suite, before and after")
+        probes = tuple(REPO_ROOT / probes[k] for k in ("suite", "before", "after"))
+    for s in [*suites, *probes[:1]] if probes else suites:
         require(s.exists(), f"{path.name}: unknown suite '{_rel(s)}'")
     aliases = {k: tuple(v) for k, v in head.get("aliases", {}).items()}
+    records = [r if isinstance(r, dict) else {"path": r} for r in head["records"]]
+    require(all(set(r) <= {"path", "params"} and "path" in r for r in records),
+            f"{path.name}: a records entry is a path or {{ path, params }}")
+    from kvbench.suite_spec import load_suite
+
+    produced = {REPO_ROOT / load_suite(s).output for s in suites} | set(probes[1:] if probes
+                                                                       else ())
     exp = Experiment(path, head["name"], head.get("title", head["name"]),
                      head.get("setup", ""), suites,
-                     tuple(REPO_ROOT / r for r in head["records"]),
+                     tuple(REPO_ROOT / r["path"] for r in records),
                      tuple(head.get("keep_traces", ())), aliases,
                      tuple(_pivot(t, i, path) for i, t in enumerate(doc.get("table", []))),
-                     tuple(_projection(p, i, path)
-                           for i, p in enumerate(doc.get("projection", []))))
+                     tuple(_projection(p, i, path, produced)
+                           for i, p in enumerate(doc.get("projection", []))),
+                     {REPO_ROOT / r["path"]: r["params"] for r in records if "params" in r},
+                     probes)
     _check_names(exp)
     return exp
 
@@ -194,6 +220,7 @@ def _check_names(exp: Experiment) -> None:
 
     registered = set(STRATEGIES.names()) | set(PROBES.names())
     known = _known_params() | set(exp.aliases) | {"hardware", "bookkeeping", "gpus", "pnms"}
+    known |= {k for label in exp.labels.values() for k in label}
     for t in exp.tables:
         filters = [t.where, t.reference or {}]
         filters += [e.where for e in t.extras]
@@ -213,7 +240,9 @@ def load_records(exp: Experiment) -> list[dict[str, Any]]:
     out = []
     for path in exp.records:
         if path.exists():
-            out += load(path).records
+            label = exp.labels.get(path, {})
+            out += [{**r, "params": {**r.get("params", {}), **label}} if label else r
+                    for r in load(path).records]
     return out
 
 
@@ -250,13 +279,16 @@ def project(proj: Projection) -> int:
     from kvbench.hwmodel.cli import projected, target_shape
     from kvbench.store import ResultWriter, load
 
+    for f in [proj.source, *proj.probes]:
+        require(f.exists(), f"projection: '{_rel(f)}' does not exist (run the suites first)")
     src = load(proj.source).records
     recs = []
     for point in proj.points():
         target = target_shape(point.get("model"), point.get("batch", 1),
                               point.get("prompt_len", 1920), point.get("gen_len", 128),
                               proj.dtype) if "model" in point else None
-        recs += projected(src, _rel(proj.source), list(proj.hardware), [], proj.memory,
+        recs += projected(src, _rel(proj.source), list(proj.hardware), list(proj.probes),
+                          proj.memory,
                           target, point.get("bookkeeping", "measured") == "measured")[0]
     proj.out.unlink(missing_ok=True)
     with ResultWriter(proj.out, collect_env()) as w:
@@ -267,6 +299,14 @@ def project(proj: Projection) -> int:
 def _rel(path: Path) -> str:
     """`path` as records and messages name it: relative to the repository when inside."""
     return str(path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path)
+
+
+def _probes(suite: Path, out: Path) -> int:
+    """The probe suite run afresh into `out` (the machine's speed at that moment)."""
+    from kvbench.suite import load_suite, run_suite
+
+    out.unlink(missing_ok=True)
+    return run_suite(dataclasses.replace(load_suite(suite), path=Path(_rel(suite))), out)
 
 
 def run(exp: Experiment, resume: bool, only: str | None = None) -> int:
@@ -284,10 +324,14 @@ def run(exp: Experiment, resume: bool, only: str | None = None) -> int:
     require(only is None or any(units(s, only) for s in suites), f"--only '{only}' matches "
             f"no case of experiment '{exp.name}'")
     errors = 0
+    if exp.probes and only is None and not (resume and exp.probes[1].exists()):
+        errors += _probes(exp.probes[0], exp.probes[1])
     for s in suites:
         out = REPO_ROOT / s.output  # absolute outputs stay as they are
         if only is None or units(s, only):
             errors += run_suite(s, out, resume=resume or out.exists(), only=only)
+    if exp.probes and only is None:
+        errors += _probes(exp.probes[0], exp.probes[2])
 
     def case(r: dict[str, Any]) -> tuple:
         return unit_key(r), r.get("name"), r.get("version")
