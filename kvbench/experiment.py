@@ -263,7 +263,9 @@ def render(exp: Experiment) -> str:
           f"Rendered by `kvbench experiment render {exp.name}` from {_rel(exp.path)} and the "
           "records "
           "in " + ", ".join(f"`{_rel(p)}`" for p in exp.records if p.exists()) + "; runs: "
-          + (", ".join(f"`{_rel(s)}`" for s in exp.suites) or "none") + ".",
+          + (", ".join(f"`{_rel(s)}`" for s in exp.suites) or "none")
+          + (f", with `{_rel(exp.probes[0])}` run before and after them"
+             if exp.probes else "") + ".",
           ""]
     if exp.setup:
         md += [exp.setup, ""]
