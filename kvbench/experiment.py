@@ -15,8 +15,12 @@ results and HTML apart, `results/<name>/` holds data and the rendered table, no 
     setup = "Ours: ...; the paper: ..."   # model and hardware difference, stated once
     suites = ["suites/page-sparse-ppl.toml"]
     records = ["results/page-sparse/summary.jsonl.gz"]   # the first one is written by run
+    # a records file may label its records: { path = "...", params = { round = 1 } } adds
+    # those parameters to each (files of one grid repeated in time, of one probe set)
     keep_traces = ["trace.topk_recall"]                  # decode traces kept in it
     aliases = { budget = ["budget_tokens", "gpu_tokens"] }
+    # a probe suite run into `before` ahead of the suites and into `after` behind them
+    probes = { suite = "suites/this-machine-probes.toml", before = "...", after = "..." }
 
     [[projection]]   # `kvbench project` over a sweep, rewritten whole by `run`
     source = "results/hgca-fig12/source.jsonl"   # runs with traces
@@ -25,6 +29,7 @@ results and HTML apart, `results/<name>/` holds data and the rendered table, no 
     batch = [1, 8]
     bookkeeping = ["measured", "none"]
     out = "results/hgca-fig12/projected.jsonl"
+    # hardware = "this" with probes = [files]: the profile built from those probe records
 
     [[table]]   # kvbench.present.pivot.Pivot's fields; [[table.extra]], [[table.paper]]
 
@@ -47,7 +52,7 @@ from kvbench.suite_spec import tomllib  # tomli on Python 3.10
 from kvbench.timing import Stats
 
 EXPERIMENTS = REPO_ROOT / "experiments"
-_HEAD = {"name", "title", "setup", "suites", "records", "keep_traces", "aliases"}
+_HEAD = {"name", "title", "setup", "suites", "records", "keep_traces", "aliases", "probes"}
 
 
 # parameters the run adds to every record beside its config's fields (runtime.run_params)
@@ -67,6 +72,8 @@ class Experiment:
     tables: tuple[Pivot, ...]
     projections: tuple[Projection, ...] = ()
     plans: tuple[tuple[Path, Any], ...] = ()  # (out, kvbench.plan.PlanConfig)
+    labels: dict[Path, dict[str, Any]] = dataclasses.field(default_factory=dict)  # per file
+    probes: tuple[Path, Path, Path] | None = None  # probe suite, before, after
 
     @property
     def out(self) -> Path:
@@ -121,9 +128,9 @@ def _pivot(raw: dict[str, Any], i: int, path: Path) -> Pivot:
         raise KvbenchError(f"{where}: {e}") from None
 
 
-def _projection(raw: dict[str, Any], i: int, path: Path, outputs: set[Path]
-                ) -> Projection:
-    """A [[projection]]: its source exists or is one of the experiment's suite outputs."""
+def _projection(raw: dict[str, Any], i: int, path: Path, produced: set[Path]) -> Projection:
+    """One [[projection]]; its source and probe files exist or are what `run` writes first
+    (`produced`: the suites' outputs, the probes before and after)."""
     where = f"{path.name}: projection {i + 1}"
     extra = {f.name for f in dataclasses.fields(Projection)} - {"source", "out", "hardware",
                                                                    "sweep"}
@@ -131,20 +138,23 @@ def _projection(raw: dict[str, Any], i: int, path: Path, outputs: set[Path]
     require(not unknown, f"{where}: unknown key '{unknown[0] if unknown else ''}'")
     for key in ("source", "out", "hardware"):
         require(key in raw, f"{where}: '{key}' is required")
-    source = REPO_ROOT / raw["source"]
-    require(source.exists() or source in outputs, f"{where}: source '{raw['source']}' "
-            "does not exist and no suite of the experiment writes it")
+    source, probes = REPO_ROOT / raw["source"], [REPO_ROOT / f for f in raw.get("probes", [])]
+    for f in [source, *probes]:
+        require(f.exists() or f in produced, f"{where}: '{_rel(f)}' does not exist and no "
+                "suite of the experiment writes it")
     sweep = {k: tuple(v) if isinstance(v, list) else (v,) for k, v in raw.items()
              if k in SWEPT}
     for b in sweep.get("bookkeeping", ()):
         require(b in ("measured", "none"), f"{where}: bookkeeping '{b}': measured or none")
     require(sweep.get("batch") != ("max",) or raw.get("budget_ratio", 0) > 0,
             f"{where}: batch \"max\" needs budget_ratio")
-    hw = raw["hardware"]
+    hw = tuple(raw["hardware"] if isinstance(raw["hardware"], list) else [raw["hardware"]])
+    require(not probes or "this" in hw, f"{where}: probes: only hardware 'this' is built "
+            "from probe files")
     kw = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items() if k in extra}
     try:
-        return Projection(source, REPO_ROOT / raw["out"],
-                          tuple(hw if isinstance(hw, list) else [hw]), sweep, **kw)
+        return Projection(source, REPO_ROOT / raw["out"], hw, sweep, **{**kw, "probes": tuple(
+            probes)})
     except TypeError as e:
         raise KvbenchError(f"{where}: {e}") from None
 
@@ -183,19 +193,33 @@ def load_experiment(name_or_path: str | Path) -> Experiment:
     require("name" in head and head.get("records"), f"{path.name}: [experiment] needs a "
             "name and records")
     suites = tuple(REPO_ROOT / s for s in head.get("suites", []))
-    for s in suites:
+    probes = head.get("probes")
+    if probes is not None:
+        require(isinstance(probes, dict) and set(probes) == {"suite", "before", "after"},
+                f"{path.name}: probes needs suite, before and after")
+        probes = tuple(REPO_ROOT / probes[k] for k in ("suite", "before", "after"))
+    for s in [*suites, *probes[:1]] if probes else suites:
         require(s.exists(), f"{path.name}: unknown suite '{_rel(s)}'")
     aliases = {k: tuple(v) for k, v in head.get("aliases", {}).items()}
-    outputs = {REPO_ROOT / _suite_output(s) for s in suites}
+    records = [r if isinstance(r, dict) else {"path": r} for r in head["records"]]
+    require(all(set(r) <= {"path", "params"} and "path" in r for r in records),
+            f"{path.name}: a records entry is a path or {{ path, params }}")
+    from kvbench.suite_spec import load_suite
+
+    produced = {REPO_ROOT / load_suite(s).output for s in suites} | set(probes[1:] if probes
+                                                                       else ())
     exp = Experiment(path, head["name"], head.get("title", head["name"]),
                      head.get("setup", ""), suites,
-                     tuple(REPO_ROOT / r for r in head["records"]),
+                     tuple(REPO_ROOT / r["path"] for r in records),
                      tuple(head.get("keep_traces", ())), aliases,
                      tuple(_pivot(t, i, path) for i, t in enumerate(doc.get("table", []))),
                      tuple(_projection({**doc.get("projection_defaults", {}), **p}, i, path,
-                                       outputs)
+                                       produced)
                            for i, p in enumerate(doc.get("projection", []))),
-                     tuple(_plan(p, i, path) for i, p in enumerate(doc.get("plan", []))))
+                     plans=tuple(_plan(p, i, path) for i, p in enumerate(doc.get("plan", []))),
+                     labels={REPO_ROOT / r["path"]: r["params"] for r in records
+                             if "params" in r},
+                     probes=probes)
     _check_names(exp)
     return exp
 
@@ -208,10 +232,11 @@ def _check_names(exp: Experiment) -> None:
     registered = set(STRATEGIES.names()) | set(PROBES.names()) | {"plan"}  # kvbench.plan
     from kvbench.plan import PLAN_PARAMS
 
-    # besides runs' parameters: what projections and plans add to their records
+    # besides runs' parameters: what projections, plans and record labels add to records
     known = _known_params() | set(exp.aliases) | set(PLAN_PARAMS) | {
         "hardware", "bookkeeping", "gpus", "pnms", "fits", *(k for p in exp.projections
                                                              for k in p.tag)}
+    known |= {k for label in exp.labels.values() for k in label}
     for t in exp.tables:
         filters = [t.where, t.reference or {}]
         filters += [e.where for e in t.extras]
@@ -232,7 +257,9 @@ def load_records(exp: Experiment) -> list[dict[str, Any]]:
     out = []
     for path in exp.records:
         if path.exists():
-            out += load(path).records
+            label = exp.labels.get(path, {})
+            out += [{**r, "params": {**r.get("params", {}), **label}} if label else r
+                    for r in load(path).records]
     return out
 
 
@@ -253,7 +280,9 @@ def render(exp: Experiment) -> str:
           f"Rendered by `kvbench experiment render {exp.name}` from {_rel(exp.path)} and the "
           "records "
           "in " + ", ".join(f"`{_rel(p)}`" for p in exp.records if p.exists()) + "; runs: "
-          + (", ".join(f"`{_rel(s)}`" for s in exp.suites) or "none") + ".",
+          + (", ".join(f"`{_rel(s)}`" for s in exp.suites) or "none")
+          + (f", with `{_rel(exp.probes[0])}` run before and after them"
+             if exp.probes else "") + ".",
           ""]
     if exp.setup:
         md += [exp.setup, ""]
@@ -273,8 +302,9 @@ def project(exp: Experiment) -> int:
 
     outs: dict[Path, list[Record]] = {}
     for proj in exp.projections:
-        require(proj.source.exists(), f"experiment '{exp.name}': projection source "
-                f"'{_rel(proj.source)}' does not exist (run the suite that writes it)")
+        for f in [proj.source, *proj.probes]:
+            require(f.exists(), f"experiment '{exp.name}': projection input '{_rel(f)}' "
+                    "does not exist (run the suites first)")
         outs.setdefault(proj.out, []).extend(records(proj, _rel(proj.source)))
     for out, cfg in exp.plans:
         outs.setdefault(out, []).extend(plan_records(cfg))
@@ -285,15 +315,17 @@ def project(exp: Experiment) -> int:
     return sum(map(len, outs.values()))
 
 
-def _suite_output(path: Path) -> str:
-    from kvbench.suite import load_suite
-
-    return load_suite(path).output
-
-
 def _rel(path: Path) -> str:
     """`path` as records and messages name it: relative to the repository when inside."""
     return str(path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path)
+
+
+def _probes(suite: Path, out: Path) -> int:
+    """The probe suite run afresh into `out` (the machine's speed at that moment)."""
+    from kvbench.suite import load_suite, run_suite
+
+    out.unlink(missing_ok=True)
+    return run_suite(dataclasses.replace(load_suite(suite), path=Path(_rel(suite))), out)
 
 
 def run(exp: Experiment, resume: bool, only: str | None = None) -> int:
@@ -311,10 +343,14 @@ def run(exp: Experiment, resume: bool, only: str | None = None) -> int:
     require(only is None or any(units(s, only) for s in suites), f"--only '{only}' matches "
             f"no case of experiment '{exp.name}'")
     errors = 0
+    if exp.probes and only is None and not (resume and exp.probes[1].exists()):
+        errors += _probes(exp.probes[0], exp.probes[1])
     for s in suites:
         out = REPO_ROOT / s.output  # absolute outputs stay as they are
         if only is None or units(s, only):
             errors += run_suite(s, out, resume=resume or out.exists(), only=only)
+    if exp.probes and only is None:
+        errors += _probes(exp.probes[0], exp.probes[2])
 
     def case(r: dict[str, Any]) -> tuple:
         return unit_key(r), r.get("name"), r.get("version")

@@ -125,7 +125,7 @@ def test_project_only_writes_the_plans_and_refuses_a_missing_source(
     assert [json.loads(x)["metric"] for x in out.read_text().splitlines()[1:4]] == [
         "max_batch"] * 3
     gone = dataclasses.replace(exp, projections=(proj(source=tmp_path / "none.jsonl"),))
-    with pytest.raises(KvbenchError, match=r"projection source '.*none\.jsonl' does not exist"):
+    with pytest.raises(KvbenchError, match=r"projection input '.*none\.jsonl' does not exist"):
         experiment.project(gone)
     path.write_text(path.read_text() + "colour = 1\n")
     assert_usage_error(cli(["experiment", "run", str(path), "--project-only"], capsys),
@@ -135,7 +135,7 @@ def test_project_only_writes_the_plans_and_refuses_a_missing_source(
 @pytest.mark.parametrize(("body", "message"), [
     ('batch = "max"', 'projection 1: batch "max" needs budget_ratio'),
     ("colour = 1", "projection 1: unknown key 'colour'"),
-    ('source = "results/nope.jsonl"', "source 'results/nope.jsonl' does not exist and no "
+    ('source = "results/nope.jsonl"', "'results/nope.jsonl' does not exist and no "
                                       "suite of the experiment writes it"),
 ])
 def test_bad_projections_are_refused(tmp_path: Path, body: str, message: str) -> None:

@@ -38,6 +38,7 @@ class Projection:
     sweep: dict[str, tuple[Any, ...]]  # SWEPT names -> values
     dtype: str = "float16"
     memory: str = "pinned"
+    probes: tuple[Path, ...] = ()  # probe records hardware 'this' is built from (--probes)
     strategies: tuple[str, ...] = ()  # the source runs of these strategies only (): all
     budget_ratio: float = 0.0  # batch "max": T_Budget / context
     plan_config: str = ""  # batch "max": kvbench.plan's configuration ("": the strategy's)
@@ -120,8 +121,8 @@ def records(proj: Projection, label: str) -> list[Record]:
                                   point.get("gen_len", 128), proj.dtype) \
                 if "model" in point else None
             carried = point.get("bookkeeping", "measured") == "measured"
-            got, _ = projected(recs, label, list(proj.hardware), [], proj.memory, target,
-                               carried, gpus, pnms, proj.skip)
+            got, _ = projected(recs, label, list(proj.hardware), list(proj.probes),
+                               proj.memory, target, carried, gpus, pnms, proj.skip)
             for r in got:
                 r.params.update(tag)
             out += got
@@ -140,7 +141,7 @@ def _busy(proj: Projection, recs: list[dict[str, Any]], target: Any, carried: bo
 
     out = []
     for h in proj.hardware:
-        prof = resolve(h, [], recs, target.spec if target else None)
+        prof = resolve(h, list(proj.probes), recs, target.spec if target else None)
         if gpus is not None or pnms is not None:
             prof = replicate(prof, gpus or 1, pnms or 0)
         _, dec = project_run(recs, prof, proj.memory, target, carried, proj.skip)

@@ -14,11 +14,18 @@ differently named knobs share a column. Two runs in one cell are refused (one li
 the cell), so a table never shows one of several values silently. Under the table: the
 commits and dates its records span and the error records it left out. The papers' values
 sit beside ours as `PaperTable`s.
+
+A reference per row (`reference_in = "row"`) compares the cells of one row with its
+reference cell, e.g. a run's projections (projected / measured - 1) beside the measured
+run, and states each column's median and worst |change| under the table. `median_over`
+pools the runs of one cell that differ only in that parameter (rounds of a grid repeated
+in time) into their median.
 """
 
 from __future__ import annotations
 
 import re
+import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,6 +94,9 @@ class Pivot:
     summary: bool = False  # a last row: the mean over rows of each column's value over its
     # reference (reference_by) and of each ratio column
     paper: tuple[PaperTable, ...] = ()
+    reference_in: str = "column"  # or "row": each row's reference cell (module docstring)
+    median_over: str | None = None  # a cell's runs differing in this parameter: median
+    scale: float = 1.0  # values shown times this (1000: seconds as ms; say so in the title)
 
 
 def value_of(r: dict[str, Any], key: str, aliases: dict[str, tuple[str, ...]]) -> Any:
@@ -116,10 +126,12 @@ def _matches(r: dict[str, Any], where: dict[str, Any], aliases: dict) -> bool:
     return True
 
 
-def run_key(r: dict[str, Any]) -> tuple:
-    """The run a record belongs to: its strategy and parameters but the per-record ones."""
+def run_key(r: dict[str, Any], but: str | None = None) -> tuple:
+    """The run a record belongs to: its strategy and parameters but the per-record ones
+    (and `but`: the runs of one cell under Pivot.median_over)."""
     p = r.get("params") or {}
-    return r["name"], tuple(sorted((k, repr(v)) for k, v in p.items() if k not in PER_RECORD))
+    return r["name"], tuple(sorted((k, repr(v)) for k, v in p.items()
+                                   if k not in PER_RECORD and k != but))
 
 
 def _shown(key: str, value: Any) -> str:
@@ -174,7 +186,11 @@ class Table:
             mains = [self._statistic(r) for r in mains]
         # the reference per column (a reference run without the column: one for all)
         self.refs: dict[Any, dict[str, Any]] = {}
-        for r in (r for r in mains if ref and _matches(r, ref, aliases)):
+        if pivot.reference_in not in ("column", "row"):
+            raise KvbenchError(f"table '{pivot.title}': reference_in "
+                               f"'{pivot.reference_in}': column or row")
+        by_column = ref if pivot.reference_in == "column" else None
+        for r in (r for r in mains if by_column and _matches(r, by_column, aliases)):
             col = self._ref_key(r)
             if col in self.refs and run_key(self.refs[col]) != run_key(r):
                 raise KvbenchError(f"table '{pivot.title}': the reference {ref} matches two "
@@ -191,6 +207,8 @@ class Table:
                    if len(vals) > 1}
         if pivot.reduce is not None:
             mains = self._reduced(mains)
+        if pivot.median_over is not None:
+            mains = self._pooled(mains)
         self.cells: dict[tuple[str, Any], dict[str, Any]] = {}
         for r in mains:
             if r is self.ref:
@@ -201,6 +219,13 @@ class Table:
                 raise KvbenchError(f"table '{pivot.title}': two runs for one cell (row "
                                    f"'{key[0]}', {self.column_name} {key[1]})")
             self.cells[key] = r
+        self.row_refs: dict[str, dict[str, Any]] = {}  # reference_in = "row"
+        for (row, _), r in self.cells.items():
+            if pivot.reference_in == "row" and ref and _matches(r, ref, aliases):
+                if row in self.row_refs:
+                    raise KvbenchError(f"table '{pivot.title}': the reference {ref} matches "
+                                       f"two runs in row '{row}'")
+                self.row_refs[row] = r
         self.records = [x for r in mains for x in self._run_records(r)]
 
     def _ref_fields(self) -> str:
@@ -213,9 +238,11 @@ class Table:
             return column_of(r, self.p.columns, self.aliases)
         return tuple(repr(value_of(r, k, self.aliases)) for k in self.p.reference_by)
 
-    def reference(self, r: dict[str, Any]) -> dict[str, Any] | None:
-        """The reference of a cell's record (None: none, or the record is its own)."""
-        got = self.refs.get(self._ref_key(r), self.ref)
+    def reference(self, r: dict[str, Any], row: str = "") -> dict[str, Any] | None:
+        """The record `r`'s change is taken against: its row's reference (reference_in
+        "row"), else its column's or group's (None: none, or the record is its own)."""
+        got = self.row_refs.get(row) if self.p.reference_in == "row" else \
+            self.refs.get(self._ref_key(r), self.ref)
         return None if got is None or run_key(got) == run_key(r) else got
 
     def _statistic(self, r: dict[str, Any], statistic: str | None = None) -> dict[str, Any]:
@@ -241,10 +268,23 @@ class Table:
                         else total / len(means)})
         return out
 
+    def _pooled(self, mains: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """One record per cell: the median of its runs that differ in `median_over`."""
+        groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+        for r in mains:
+            groups[run_key(r, self.p.median_over), r["metric"]].append(r)
+        return [{**recs[0], "value": statistics.median(x["value"] for x in recs),
+                 "_runs": [run_key(x) for x in recs]} for recs in groups.values()]
+
     def _run_records(self, r: dict[str, Any]) -> list[dict[str, Any]]:
-        return [x for recs in self.by_run[run_key(r)].values() for x in recs]
+        return [x for key in r.get("_runs", [run_key(r)])
+                for recs in self.by_run[key].values() for x in recs]
 
     def extra(self, r: dict[str, Any], e: Extra) -> float | None:
+        if "_runs" in r:  # a pooled cell: the median of its runs' extras
+            got = [x for key in r["_runs"]
+                   if (x := self.extra(self.by_run[key][r["metric"]][0], e)) is not None]
+            return statistics.median(got) if got else None
         recs = [x for x in self.by_run[run_key(r)].get(e.metric, [])
                 if _matches(x, e.where, self.aliases)]
         if not recs:
@@ -259,15 +299,18 @@ class Table:
             return sum(x["value"] for x in recs)
         return sum(self._statistic(x, e.statistic)["value"] for x in recs)
 
-    def cell(self, r: dict[str, Any] | None, col: Any) -> str:
+    def _shown(self, value: float) -> str:
+        return format(value * self.p.scale, self.p.fmt)
+
+    def cell(self, r: dict[str, Any] | None, col: Any, row: str = "") -> str:
         if r is None:
             return "-"
         v = r["value"]
-        text = format(v, self.p.fmt)
+        text = self._shown(v)
         st = r.get("stats") or {}
         if self.p.spread and st.get("p10") is not None and st["p10"] != st.get("p90"):
-            text += f" ({format(st['p10'], self.p.fmt)}-{format(st['p90'], self.p.fmt)})"
-        ref = self.reference(r)
+            text += f" ({self._shown(st['p10'])}-{self._shown(st['p90'])})"
+        ref = self.reference(r, row)
         if self.p.change and ref is not None and ref["value"]:
             text += f" ({v / ref['value'] - 1:+.1%})"
         for e in self.p.extras:
@@ -303,7 +346,7 @@ class Table:
             f"{a} / {b}" for a, b in p.ratios]
         rows, labels = [], self.row_labels()
         for row in labels:
-            cells = [row] + [self.cell(self.cells.get((row, c)), c) for c in cols]
+            cells = [row] + [self.cell(self.cells.get((row, c)), c, row) for c in cols]
             cells += [_times(self._ratio(row, a, b)) for a, b in p.ratios]
             rows.append(cells)
         if p.summary:
@@ -319,7 +362,7 @@ class Table:
         out = [f"mean over rows (vs {self._ref_fields()} reference)"]
         for c in cols:
             got = [r["value"] / ref["value"] for row in labels
-                   if (r := self.cells.get((row, c))) and (ref := self.reference(r))
+                   if (r := self.cells.get((row, c))) and (ref := self.reference(r, row))
                    and ref["value"]]
             out.append(_times(sum(got) / len(got) if got else None))
         for a, b in self.p.ratios:
@@ -334,7 +377,7 @@ class Table:
             out += [p.text, ""]
         if self.ref is not None:
             out += [f"Reference ({', '.join(f'{k} {v}' for k, v in p.reference.items())}): "
-                    f"{format(self.ref['value'], p.fmt)}", ""]
+                    f"{self._shown(self.ref['value'])}", ""]
         out += markdown_table(*self.grid())
         if p.rank:
             out += ["", f"Ranking at each {self.column_name} ({p.rank} is better):", ""]
@@ -343,7 +386,11 @@ class Table:
                               if col == c), reverse=p.rank == "higher")
                 sep = " < " if p.rank == "lower" else " > "
                 out.append(f"- {self.column_name} {c}: " + sep.join(
-                    f"{row} {format(v, p.fmt)}" for v, row in got))
+                    f"{row} {self._shown(v)}" for v, row in got))
+        if p.reference_in == "row":
+            out += ["", "Change against each row's reference "
+                    f"({', '.join(f'{k} {v}' for k, v in (p.reference or {}).items())}), "
+                    "absolute:", "", *self.changes()]
         for paper in p.paper:
             out += ["", f"The paper: {paper.citation}", "",
                     "| paper | " + " | ".join(f"{paper.column or self.column_name} {c}"
@@ -352,6 +399,18 @@ class Table:
             out += [f"| {label} | " + " | ".join(map(str, vals)) + " |"
                     for label, vals in paper.rows.items()]
         return [*out, "", self.provenance()]
+
+    def changes(self) -> list[str]:
+        """Per column, the median and worst |change| of its cells against their references."""
+        out = []
+        for c in self.columns():
+            got = [abs(r["value"] / ref["value"] - 1) for (row, col), r in self.cells.items()
+                   if col == c and (ref := self.row_refs.get(row)) is not None
+                   and ref is not r and ref["value"]]
+            if got:
+                out.append(f"- {self.p.columns} {c}: median {statistics.median(got):.1%}, "
+                           f"worst {max(got):.1%} (n={len(got)})")
+        return out
 
     def provenance(self) -> str:
         runs = {run_key(r) for r in self.records}
