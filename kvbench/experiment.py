@@ -26,6 +26,11 @@ results and HTML apart, `results/<name>/` holds data and the rendered table, no 
     bookkeeping = ["measured", "none"]
     out = "results/hgca-fig12/projected.jsonl"
 
+    [[derive]]   # kvbench.derive: records a function computes from the others (projected)
+    function = "kvbench.prefix.roi:derived"
+    args = { context = 256 }
+    out = "results/prefix-cache/roi.jsonl"    # rewritten whole by `run`, after the suites
+
     [[table]]   # kvbench.present.pivot.Pivot's fields; [[table.extra]], [[table.paper]]
 
 Bad input (unknown suite, strategy, parameter or metric; two runs in one cell) is refused
@@ -39,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvbench.derive import Derivation
 from kvbench.errors import KvbenchError, require
 from kvbench.present.pivot import PER_RECORD, TOP_LEVEL, Extra, PaperTable, Pivot, Table
 from kvbench.store import REPO_ROOT
@@ -67,8 +73,12 @@ class Projection:
         keys = list(self.sweep)
         return [dict(zip(keys, p, strict=True))
                 for p in itertools.product(*(self.sweep[k] for k in keys))]
-# parameters the run adds to every record beside its config's fields (runtime.run_params)
-_RUN_LABELS = {"layers_total", "accel", "depth", "steps_completed", "prefix_chunk"}
+
+
+# parameters the run adds to every record beside its config's fields (runtime.run_params;
+# a prefix-cache run labels its requests, kvbench.prefix.turns)
+_RUN_LABELS = {"layers_total", "accel", "depth", "steps_completed", "prefix_chunk", "turn",
+               "path", "prefix_tokens", "request_tokens"}
 
 
 @dataclass(frozen=True)
@@ -83,6 +93,7 @@ class Experiment:
     aliases: dict[str, tuple[str, ...]]
     tables: tuple[Pivot, ...]
     projections: tuple[Projection, ...] = ()
+    derivations: tuple[Derivation, ...] = ()
 
     @property
     def out(self) -> Path:
@@ -126,7 +137,10 @@ def _pivot(raw: dict[str, Any], i: int, path: Path) -> Pivot:
             kw["metric"] = tuple(kw["metric"])
         kw["ratios"] = tuple(tuple(r) for r in kw.get("ratios", ()))
         stats = {"value", *(f.name for f in dataclasses.fields(Stats))}
-        for got in [kw.get("statistic", "value"), *(e.statistic for e in extras)]:
+        kw["spread_stats"] = tuple(kw.get("spread_stats", ("p10", "p90")))
+        require(len(kw["spread_stats"]) == 2, f"{where}: spread_stats: two statistics")
+        for got in [kw.get("statistic", "value"), *(e.statistic for e in extras),
+                    *kw["spread_stats"]]:
             require(got in stats, f"{where}: statistic '{got}': one of "
                     f"{', '.join(sorted(stats))}")
         return Pivot(**kw, extras=extras, paper=paper)
@@ -168,7 +182,7 @@ def load_experiment(name_or_path: str | Path) -> Experiment:
         raise KvbenchError(f"{path}: not valid TOML: {e}") from None
     head = doc.get("experiment", {})
     unknown = sorted(set(head) - _HEAD) + sorted(set(doc) - {"experiment", "table",
-                                                              "projection"})
+                                                              "projection", "derive"})
     require(not unknown, f"{path.name}: unknown key '{unknown[0] if unknown else ''}'")
     require("name" in head and head.get("records"), f"{path.name}: [experiment] needs a "
             "name and records")
@@ -182,7 +196,9 @@ def load_experiment(name_or_path: str | Path) -> Experiment:
                      tuple(head.get("keep_traces", ())), aliases,
                      tuple(_pivot(t, i, path) for i, t in enumerate(doc.get("table", []))),
                      tuple(_projection(p, i, path)
-                           for i, p in enumerate(doc.get("projection", []))))
+                           for i, p in enumerate(doc.get("projection", []))),
+                     tuple(Derivation.parse(d, REPO_ROOT, f"{path.name}: derive {i + 1}")
+                           for i, d in enumerate(doc.get("derive", []))))
     _check_names(exp)
     return exp
 
@@ -194,6 +210,7 @@ def _check_names(exp: Experiment) -> None:
 
     registered = set(STRATEGIES.names()) | set(PROBES.names())
     known = _known_params() | set(exp.aliases) | {"hardware", "bookkeeping", "gpus", "pnms"}
+    known |= {k for d in exp.derivations for k in d.params()}
     for t in exp.tables:
         filters = [t.where, t.reference or {}]
         filters += [e.where for e in t.extras]
@@ -273,10 +290,11 @@ def run(exp: Experiment, resume: bool, only: str | None = None) -> int:
     """Run every suite (resumable; `only`: the cases whose label or id matches the glob)
     and fold their outputs into the first records file: a record there is replaced when the
     outputs hold the same case of the same strategy version, and kept otherwise (other
-    suites, cases not re-run, earlier versions). Returns the cases that ended in error."""
+    suites, cases not re-run, earlier versions); then the derivations. Returns the cases
+    that ended in error."""
     import json
 
-    from kvbench.store import read_lines, slim, unit_key
+    from kvbench.store import load, read_lines, slim, unit_key
     from kvbench.suite import load_suite, run_suite, units
 
     # every suite checked before any runs; records name it as the repository does
@@ -305,4 +323,8 @@ def run(exp: Experiment, resume: bool, only: str | None = None) -> int:
     tmp.write_text("".join(ln + "\n" for ln in kept))
     slim([tmp, *outputs], target, exp.keep_traces)
     tmp.unlink()
+    if only is None:  # after the fold: they read the records just folded in
+        for d in exp.derivations:
+            d.write([r for p in exp.records if p != d.out and p.exists()
+                     for r in load(p).records])
     return errors

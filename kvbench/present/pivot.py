@@ -62,7 +62,7 @@ class Pivot:
     rows: tuple[str, ...]
     columns: str
     where: dict[str, Any] = field(default_factory=dict)
-    fmt: str = ".3f"
+    fmt: str = ".3f"  # a format spec, or "seconds" / "bytes" (kvbench.units, "3.14 s")
     text: str = ""
     reference: dict[str, Any] | None = None
     change: bool = True  # each cell's change against the reference
@@ -74,12 +74,21 @@ class Pivot:
     # the value a cell shows: the record's `value`, or one of its `stats` ("mean": the mean
     # over steps of a per-layer trace record, whose value is the median)
     statistic: str = "value"
-    spread: bool = False  # each value with its p10-p90 over samples
+    spread: bool = False  # each value with its p10-p90 over samples...
+    spread_stats: tuple[str, str] = ("p10", "p90")  # ...or two other of its stats (min, max)
     every_key: bool = False  # row labels give every row key's value ("8 / 8 / 64"), not only
     # the first and the keys that vary under it
     order: tuple[str, ...] = ()  # row labels first, in this order
     ratios: tuple[tuple[Any, Any], ...] = ()  # extra columns: column a's value / column b's
     paper: tuple[PaperTable, ...] = ()
+
+
+def formatted(value: float, fmt: str) -> str:
+    """`value` in a format spec, or as a time ("seconds") or a size ("bytes")."""
+    from kvbench.units import format_bytes, format_seconds
+
+    units = {"seconds": format_seconds, "bytes": format_bytes}
+    return units[fmt](value) if fmt in units else format(value, fmt)
 
 
 def value_of(r: dict[str, Any], key: str, aliases: dict[str, tuple[str, ...]]) -> Any:
@@ -130,8 +139,9 @@ def _label(r: dict[str, Any], keys: tuple[str, ...], aliases: dict,
 
 
 def _natural(text: str) -> list[Any]:
-    """Sort key reading digit runs as numbers: '64 (...)' before '128'."""
-    return [(0, int(t)) if t.isdigit() else (1, t) for t in re.split(r"(\d+)", text)]
+    """Sort key reading numbers as numbers: '64 (...)' before '128', '0.5' after '0.25'."""
+    return [(0, float(t)) if t[:1].isdigit() else (1, t)
+            for t in re.split(r"(\d+(?:\.\d+)?)", text)]
 
 
 class Table:
@@ -225,17 +235,18 @@ class Table:
         if r is None:
             return "-"
         v = r["value"]
-        text = format(v, self.p.fmt)
+        text = formatted(v, self.p.fmt)
         st = r.get("stats") or {}
-        if self.p.spread and st.get("p10") is not None and st["p10"] != st.get("p90"):
-            text += f" ({format(st['p10'], self.p.fmt)}-{format(st['p90'], self.p.fmt)})"
+        lo, hi = (st.get(k) for k in self.p.spread_stats)
+        if self.p.spread and lo is not None and lo != hi:
+            text += f" ({formatted(lo, self.p.fmt)}-{formatted(hi, self.p.fmt)})"
         ref = self.refs.get(col, self.ref)
         if self.p.change and ref is not None and ref is not r and ref["value"]:
             text += f" ({v / ref['value'] - 1:+.1%})"
         for e in self.p.extras:
             x = self.extra(r, e)
             if x is not None:
-                text += f", {e.label}{format(x, e.fmt)}{e.unit}"
+                text += f", {e.label}{formatted(x, e.fmt)}{e.unit}"
         return text
 
     def row_labels(self) -> list[str]:
@@ -275,7 +286,7 @@ class Table:
             out += [p.text, ""]
         if self.ref is not None:
             out += [f"Reference ({', '.join(f'{k} {v}' for k, v in p.reference.items())}): "
-                    f"{format(self.ref['value'], p.fmt)}", ""]
+                    f"{formatted(self.ref['value'], p.fmt)}", ""]
         out += markdown_table(*self.grid())
         if p.rank:
             out += ["", f"Ranking at each {p.columns} ({p.rank} is better):", ""]
@@ -284,7 +295,7 @@ class Table:
                               if col == c), reverse=p.rank == "higher")
                 sep = " < " if p.rank == "lower" else " > "
                 out.append(f"- {p.columns} {c}: " + sep.join(
-                    f"{row} {format(v, p.fmt)}" for v, row in got))
+                    f"{row} {formatted(v, p.fmt)}" for v, row in got))
         for paper in p.paper:
             out += ["", f"The paper: {paper.citation}", "",
                     "| paper | " + " | ".join(f"{paper.column or p.columns} {c}"
