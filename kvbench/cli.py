@@ -202,18 +202,20 @@ def experiment_run_cmd(
                                 "recorded are skipped)."),
     only: str | None = typer.Option(None, help="Only cases whose label (e.g. "
                                     "'quest[*budget_tokens=64*]*') or id matches this glob."),
-    project_only: bool = typer.Option(False, help="Only re-run the projections and plans "
-                                      "(seconds) from their sources; no suite runs."),
+    project_only: bool = typer.Option(False, help="Only re-run the projections and "
+                                      "derivations (seconds) from their sources; no suites."),
 ) -> None:
     """Run the experiment's suites and fold their records into its records file, then its
-    projections and plans; exit 1 when a case errored."""
+    projections and derivations; exit 1 when a case errored."""
     from kvbench.console import wrote
-    from kvbench.experiment import load_experiment, project, run
+    from kvbench.experiment import derive, load_experiment, project, run
 
     exp = load_experiment(name)
     if project_only:
         project(exp)
-        for out in dict.fromkeys([*(p.out for p in exp.projections), *(o for o, _ in exp.plans)]):
+        derive(exp)
+        for out in dict.fromkeys([*(p.out for p in exp.projections),
+                                  *(d.out for d in exp.derivations)]):
             wrote(out)
         return
     errors = run(exp, resume, only)
@@ -380,19 +382,6 @@ def roi_cmd(
         wrote(out)
 
 
-def _serve_sim(cfg: object, out: Path | None) -> None:
-    from kvbench.console import wrote
-    from kvbench.envinfo import collect_env
-    from kvbench.prefix.serve import run
-    from kvbench.store import ResultWriter, default_out_path
-
-    recs = run(cfg)
-    path = out or default_out_path("serve-sim")
-    with ResultWriter(path, collect_env()) as w:
-        w.write_all(recs)
-    wrote(path)
-
-
 _ADDED: list[tuple[typer.Typer, object]] = []  # the commands _add_registered_commands added
 _BUILT: dict[tuple[tuple[str, ...], tuple[str, ...]], object] = {}
 
@@ -402,7 +391,6 @@ def _add_registered_commands() -> None:
     commands of `app`, replacing those an earlier call added."""
     from kvbench import plan
     from kvbench.options import config_command
-    from kvbench.prefix.serve import ServeConfig
     from kvbench.probes import PROBES, probe_command
     from kvbench.runtime.command import make_command
     from kvbench.strategies import STRATEGIES
@@ -419,9 +407,8 @@ def _add_registered_commands() -> None:
         add(probe_app, cls.name, cls.summary(), probe_command(cls))
     for cls in STRATEGIES.all():
         add(run_app, cls.name, cls.summary(), make_command(cls))
-    doc = ("TTFT vs batch under a TTFT SLO, recompute vs prefix cache per tier (CXL "
-           "KV-storage paper Fig. 1c), and a Poisson serving simulation driven by it.")
-    add(app, "serve-sim", doc, config_command([(ServeConfig, None)], _serve_sim, doc))
+    serve = PROBES.get("serve-sim")  # also top-level, as docs/prefix-cache.md names it
+    add(app, "serve-sim", serve.description, probe_command(serve))
     doc = "Capacity and cost of GPU / CXL-PNM configurations (projected; CXL-PNM Fig. 1a, Table 3)."
     add(app, "plan", doc, config_command([(plan.PlanConfig, None)], plan.run, doc,
                                          results=False))  # --out: a JSON file

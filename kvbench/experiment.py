@@ -31,6 +31,11 @@ results and HTML apart, `results/<name>/` holds data and the rendered table, no 
     out = "results/hgca-fig12/projected.jsonl"
     # hardware = "this" with probes = [files]: the profile built from those probe records
 
+    [[derive]]   # kvbench.derive: records a function computes from the others (projected)
+    function = "kvbench.prefix.roi:derived"
+    args = { context = 256 }
+    out = "results/prefix-cache/roi.jsonl"    # rewritten whole by `run`, after the suites
+
     [[table]]   # kvbench.present.pivot.Pivot's fields; [[table.extra]], [[table.paper]]
 
 Bad input (unknown suite, strategy, parameter or metric; two runs in one cell) is refused
@@ -44,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvbench.derive import Derivation
 from kvbench.errors import KvbenchError, require
 from kvbench.hwmodel.sweep import SWEPT, Projection
 from kvbench.present.pivot import PER_RECORD, TOP_LEVEL, Extra, PaperTable, Pivot, Table
@@ -55,8 +61,10 @@ EXPERIMENTS = REPO_ROOT / "experiments"
 _HEAD = {"name", "title", "setup", "suites", "records", "keep_traces", "aliases", "probes"}
 
 
-# parameters the run adds to every record beside its config's fields (runtime.run_params)
-_RUN_LABELS = {"layers_total", "accel", "depth", "steps_completed", "prefix_chunk"}
+# parameters the run adds to every record beside its config's fields (runtime.run_params;
+# a prefix-cache run labels its requests, kvbench.prefix.turns)
+_RUN_LABELS = {"layers_total", "accel", "depth", "steps_completed", "prefix_chunk", "turn",
+               "path", "prefix_tokens", "request_tokens"}
 
 
 @dataclass(frozen=True)
@@ -71,9 +79,9 @@ class Experiment:
     aliases: dict[str, tuple[str, ...]]
     tables: tuple[Pivot, ...]
     projections: tuple[Projection, ...] = ()
-    plans: tuple[tuple[Path, Any], ...] = ()  # (out, kvbench.plan.PlanConfig)
     labels: dict[Path, dict[str, Any]] = dataclasses.field(default_factory=dict)  # per file
     probes: tuple[Path, Path, Path] | None = None  # probe suite, before, after
+    derivations: tuple[Derivation, ...] = ()
 
     @property
     def out(self) -> Path:
@@ -120,7 +128,10 @@ def _pivot(raw: dict[str, Any], i: int, path: Path) -> Pivot:
             kw["metric"] = tuple(kw["metric"])
         kw["ratios"] = tuple(tuple(r) for r in kw.get("ratios", ()))
         stats = {"value", *(f.name for f in dataclasses.fields(Stats))}
-        for got in [kw.get("statistic", "value"), *(e.statistic for e in extras)]:
+        kw["spread_stats"] = tuple(kw.get("spread_stats", ("p10", "p90")))
+        require(len(kw["spread_stats"]) == 2, f"{where}: spread_stats: two statistics")
+        for got in [kw.get("statistic", "value"), *(e.statistic for e in extras),
+                    *kw["spread_stats"]]:
             require(got in stats, f"{where}: statistic '{got}': one of "
                     f"{', '.join(sorted(stats))}")
         return Pivot(**kw, extras=extras, paper=paper)
@@ -159,19 +170,6 @@ def _projection(raw: dict[str, Any], i: int, path: Path, produced: set[Path]) ->
         raise KvbenchError(f"{where}: {e}") from None
 
 
-def _plan(raw: dict[str, Any], i: int, path: Path) -> tuple[Path, Any]:
-    """A [[plan]]: `kvbench plan`'s options (kvbench.plan.PlanConfig) and `out`."""
-    from kvbench.plan import PlanConfig
-
-    where = f"{path.name}: plan {i + 1}"
-    require("out" in raw, f"{where}: 'out' is required")
-    try:
-        return REPO_ROOT / raw["out"], PlanConfig(**{k: v for k, v in raw.items()
-                                                    if k != "out"})
-    except TypeError as e:
-        raise KvbenchError(f"{where}: {e}") from None
-
-
 def load_experiment(name_or_path: str | Path) -> Experiment:
     """Parse and check a declaration: by name (experiments/NAME.toml) or path."""
     path = Path(name_or_path)
@@ -187,7 +185,7 @@ def load_experiment(name_or_path: str | Path) -> Experiment:
         raise KvbenchError(f"{path}: not valid TOML: {e}") from None
     head = doc.get("experiment", {})
     unknown = sorted(set(head) - _HEAD) + sorted(set(doc) - {"experiment", "table",
-                                                              "projection", "plan",
+                                                              "projection", "derive",
                                                               "projection_defaults"})
     require(not unknown, f"{path.name}: unknown key '{unknown[0] if unknown else ''}'")
     require("name" in head and head.get("records"), f"{path.name}: [experiment] needs a "
@@ -216,27 +214,28 @@ def load_experiment(name_or_path: str | Path) -> Experiment:
                      tuple(_projection({**doc.get("projection_defaults", {}), **p}, i, path,
                                        produced)
                            for i, p in enumerate(doc.get("projection", []))),
-                     plans=tuple(_plan(p, i, path) for i, p in enumerate(doc.get("plan", []))),
                      labels={REPO_ROOT / r["path"]: r["params"] for r in records
                              if "params" in r},
-                     probes=probes)
+                     probes=probes,
+                     derivations=tuple(Derivation.parse(d, REPO_ROOT, f"{path.name}: derive "
+                                                        f"{i + 1}")
+                                       for i, d in enumerate(doc.get("derive", []))))
     _check_names(exp)
     return exp
 
 
 def _check_names(exp: Experiment) -> None:
     """Every strategy, probe and parameter a table names is one kvbench knows."""
+    from kvbench.hwmodel.sweep import RECORD_PARAMS
     from kvbench.probes import PROBES
     from kvbench.strategies import STRATEGIES
 
     registered = set(STRATEGIES.names()) | set(PROBES.names()) | {"plan"}  # kvbench.plan
-    from kvbench.plan import PLAN_PARAMS
-
-    # besides runs' parameters: what projections, plans and record labels add to records
-    known = _known_params() | set(exp.aliases) | set(PLAN_PARAMS) | {
-        "hardware", "bookkeeping", "gpus", "pnms", "fits", *(k for p in exp.projections
-                                                             for k in p.tag)}
+    # besides runs' parameters: what projections, derivations and record labels add
+    known = _known_params() | set(exp.aliases) | set(RECORD_PARAMS) | {
+        k for p in exp.projections for k in p.tag}
     known |= {k for label in exp.labels.values() for k in label}
+    known |= {k for d in exp.derivations for k in d.params()}
     for t in exp.tables:
         filters = [t.where, t.reference or {}]
         filters += [e.where for e in t.extras]
@@ -292,11 +291,10 @@ def render(exp: Experiment) -> str:
 
 
 def project(exp: Experiment) -> int:
-    """Write every projection's and plan's records, each `out` rewritten whole (they are
-    cheap); every point of every block is computed before anything is written."""
+    """Write every projection's records, each `out` rewritten whole (they are cheap);
+    every point of every block is computed before anything is written."""
     from kvbench.envinfo import collect_env
     from kvbench.hwmodel.sweep import records
-    from kvbench.plan import records as plan_records
     from kvbench.schema import Record
     from kvbench.store import ResultWriter
 
@@ -306,8 +304,6 @@ def project(exp: Experiment) -> int:
             require(f.exists(), f"experiment '{exp.name}': projection input '{_rel(f)}' "
                     "does not exist (run the suites first)")
         outs.setdefault(proj.out, []).extend(records(proj, _rel(proj.source)))
-    for out, cfg in exp.plans:
-        outs.setdefault(out, []).extend(plan_records(cfg))
     for out, recs in outs.items():
         out.unlink(missing_ok=True)
         with ResultWriter(out, collect_env()) as w:
@@ -332,7 +328,8 @@ def run(exp: Experiment, resume: bool, only: str | None = None) -> int:
     """Run every suite (resumable; `only`: the cases whose label or id matches the glob)
     and fold their outputs into the first records file: a record there is replaced when the
     outputs hold the same case of the same strategy version, and kept otherwise (other
-    suites, cases not re-run, earlier versions). Returns the cases that ended in error."""
+    suites, cases not re-run, earlier versions); then the derivations. Returns the cases
+    that ended in error."""
     import json
 
     from kvbench.store import read_lines, slim, unit_key
@@ -367,4 +364,14 @@ def run(exp: Experiment, resume: bool, only: str | None = None) -> int:
     tmp.write_text("".join(ln + "\n" for ln in kept))
     slim([tmp, *outputs], target, exp.keep_traces)
     tmp.unlink()
+    if only is None:  # after the fold: they read the records just folded in
+        derive(exp)
     return errors
+
+
+def derive(exp: Experiment) -> None:
+    """Rewrite every derivation's records from the experiment's other records."""
+    from kvbench.store import load
+
+    for d in exp.derivations:
+        d.write([r for p in exp.records if p != d.out and p.exists() for r in load(p).records])

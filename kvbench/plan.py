@@ -135,12 +135,27 @@ def plan(cfg: PlanConfig) -> dict[str, Any]:
     }
 
 
-# parameters of plan records and of projections at the largest batch (kvbench.hwmodel.sweep)
-PLAN_PARAMS = (*(f.name for f in dataclasses.fields(PlanConfig)), "context", "device",
-               "t_budget", "t_steady")
+# parameters of plan records (kvbench.derive reads them for an experiment's tables)
+RECORD_PARAMS = (*(f.name for f in dataclasses.fields(PlanConfig)), "context", "device",
+                 "t_budget", "t_steady")
 
 
-def records(cfg: PlanConfig) -> list[Record]:
+def derived(records: list[dict[str, Any]], configs: list[dict[str, Any]]) -> list[Record]:
+    """An experiment's `[[derive]] function = "kvbench.plan:derived"`: the plan records of
+    each of `configs` (PlanConfig fields; `records` unused: a plan is arithmetic)."""
+    from kvbench.errors import KvbenchError
+
+    out = []
+    for i, c in enumerate(configs):
+        try:
+            cfg = PlanConfig(**c)
+        except TypeError as e:
+            raise KvbenchError(f"plan config {i + 1}: {e}") from None
+        out += plan_records(cfg)
+    return out
+
+
+def plan_records(cfg: PlanConfig) -> list[Record]:
     """The plan as projected run records named "plan" (an experiment's `[[plan]]`): per
     context the largest batch of each configuration (`where`: gpu, baseline, pnm-kv,
     png-kv; T_Budget and T_Steady as parameters), per device its max power and $/h

@@ -139,6 +139,10 @@ BAD = [
     ("[[table]]\ntitle = \"t\"\nmetric = \"perplexity\"\nrows = \"name\"\ncolumns = \"batch\"\n"
      "[[table.extra]]\nmetric = \"top10_recall\"\nwhere = { lyaer = 1 }",
      "table 't': unknown parameter 'lyaer'"),
+    ("[[derive]]\nfunction = \"kvbench.prefix.roi:derivd\"\nout = \"x.jsonl\"",
+     "derive 1: unknown derive function 'kvbench.prefix.roi:derivd'"),
+    ("[[table]]\ntitle = \"t\"\nmetric = \"perplexity\"\nrows = \"name\"\ncolumns = \"batch\"\n"
+     "spread_stats = [\"min\", \"maks\"]", "statistic 'maks': one of"),
 ]
 
 

@@ -1,6 +1,6 @@
 """Projection sweeps over device configurations (kvbench.hwmodel.sweep) and `kvbench plan`
 as records (kvbench.plan.records): the largest batch per strategy, PnG-KV's nearest
-steady ratio, the busy-time breakdown, and an experiment's [[plan]] and project-only run."""
+steady ratio, the busy-time breakdown, and the plan derived as records and a project-only run."""
 
 from __future__ import annotations
 
@@ -15,8 +15,7 @@ from kvbench import experiment
 from kvbench.errors import KvbenchError
 from kvbench.hwmodel.sweep import Projection, records
 from kvbench.models import get_spec
-from kvbench.plan import PlanConfig, max_batch
-from kvbench.plan import records as plan_records
+from kvbench.plan import PlanConfig, max_batch, plan_records
 from kvbench.store import REPO_ROOT
 
 SOURCE = REPO_ROOT / "results" / "hgca-fig12" / "source.jsonl"  # offload, h2o, hgca traces
@@ -114,12 +113,13 @@ def test_the_plan_as_records() -> None:
         2 * cost[("a100-80gb", "total")] + 8 * cost[("cxl-pnm", "total")])
 
 
-def test_project_only_writes_the_plans_and_refuses_a_missing_source(
+def test_project_only_writes_the_derived_plans_and_refuses_a_missing_source(
         tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "plan.jsonl"
     path = tmp_path / "p.toml"
-    path.write_text(f'[experiment]\nname = "p"\nrecords = ["{out}"]\n[[plan]]\n'
-                    f'model = "llama-3.1-8b"\ncontexts = "128K"\npnms = 8\nout = "{out}"\n')
+    path.write_text(f'[experiment]\nname = "p"\nrecords = ["{out}"]\n[[derive]]\n'
+                    f'function = "kvbench.plan:derived"\nout = "{out}"\nargs = {{ configs = '
+                    '[{ model = "llama-3.1-8b", contexts = "128K", pnms = 8 }] }\n')
     assert cli(["experiment", "run", str(path), "--project-only"], capsys).returncode == 0
     exp = experiment.load_experiment(path)
     assert [json.loads(x)["metric"] for x in out.read_text().splitlines()[1:4]] == [
@@ -127,9 +127,9 @@ def test_project_only_writes_the_plans_and_refuses_a_missing_source(
     gone = dataclasses.replace(exp, projections=(proj(source=tmp_path / "none.jsonl"),))
     with pytest.raises(KvbenchError, match=r"projection input '.*none\.jsonl' does not exist"):
         experiment.project(gone)
-    path.write_text(path.read_text() + "colour = 1\n")
+    path.write_text(path.read_text().replace("pnms = 8", "colour = 1"))
     assert_usage_error(cli(["experiment", "run", str(path), "--project-only"], capsys),
-                       "p.toml: plan 1: PlanConfig.__init__() got an unexpected keyword")
+                       "plan config 1: PlanConfig.__init__() got an unexpected keyword")
 
 
 @pytest.mark.parametrize(("body", "message"), [

@@ -24,7 +24,8 @@ LAYERS = (
     ("engine", ("kvbench.runtime", "kvbench.suite", "kvbench.suite_spec", "kvbench.suite_jobs",
                 "kvbench.suite_units",
                 "kvbench.fleet", "kvbench.prefix", "kvbench.plan", "kvbench.compare",
-                "kvbench.noise")),
+                "kvbench.noise", "kvbench.derive",
+                "kvbench.probes.serve_sim")),  # a probe that runs the model (kvbench.prefix)
     ("presentation", ("kvbench.render", "kvbench.report", "kvbench.summary",
                       "kvbench.html_report", "kvbench.plots.budget", "kvbench.present")),
     ("commands", ("kvbench.cli", "kvbench.experiment")),

@@ -26,6 +26,8 @@ from kvbench.errors import require
 from kvbench.schema import Record
 
 SWEPT = ("model", "batch", "prompt_len", "gen_len", "bookkeeping", "gpus", "pnms")
+# parameters the projected records carry beside the source run's (tables may name them)
+RECORD_PARAMS = ("hardware", "bookkeeping", "gpus", "pnms", "fits", "t_budget", "t_steady")
 
 
 @dataclass(frozen=True)

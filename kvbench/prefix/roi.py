@@ -19,7 +19,8 @@ utilization. Everything here is a projection (provenance "projected").
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 from kvbench.errors import require
 
@@ -52,6 +53,10 @@ class RoiInputs:
         require(0 < self.new_ratio <= 1, f"--new-ratio {self.new_ratio}: must be in (0, 1]")
         require(self.gpu_flops > 0 and self.prefill_flops > 0 and self.demand_rps > 0,
                 "--gpu-tflops, --prefill-tflop and --demand must be above 0")
+
+
+# the parameters of this module's records (kvbench.derive: tables may name them)
+RECORD_PARAMS = ("h", "inputs", *(f.name for f in fields(RoiInputs)))
 
 
 @dataclass(frozen=True)
@@ -96,8 +101,10 @@ def prefill_flops(params: float, tokens: float) -> float:
     return 2.0 * params * tokens
 
 
-def records(x: RoiInputs, rows: list[Roi], source: str) -> list:
-    """One projected record per output and h (`source`: whose inputs, e.g. 'paper')."""
+def records(x: RoiInputs, rows: list[Roi], source: str,
+            method: dict[str, Any] | None = None) -> list:
+    """One projected record per output and h (`source`: whose inputs, e.g. 'paper';
+    `method`: added to each record's, e.g. the measurements the inputs came from)."""
     from dataclasses import asdict
 
     from kvbench.schema import Record
@@ -115,8 +122,43 @@ def records(x: RoiInputs, rows: list[Roi], source: str) -> list:
             out.append(Record("run", "prefix-roi", metric, unit, "none", float(value), p,
                               [float(value)], provenance="projected",
                               method={"model": "CXL KV-storage paper appendix A.1 Table 1",
-                                      "notes": list(PAPER_NOTES)}))
+                                      "notes": list(PAPER_NOTES), **(method or {})}))
     return out
+
+
+def derived(recs: list[dict[str, Any]], h: list[float], context: int, tier: str,
+            slo_factor: float, match: dict[str, Any] | None = None) -> list:
+    """The model's records at each h with the paper's inputs ("paper") and with inputs read
+    from `kvbench serve-sim` records of one `context`-token request at batch 1 (those also
+    matching `match`'s parameters), "measured": C0 = 2 M L of the records' model at L =
+    context, P = C0 / the measured recompute TTFT (the FLOP/s this machine sustains on
+    such a prefill), r = the records' new share, T_slo = slo_factor x the recompute TTFT
+    (the scaled SLO of the Fig. 1c analog), T_load = the measured copy from `tier`.
+    Every record is projected; the measured ones name the records they rest on."""
+    from kvbench.models import get_spec
+
+    want = {"context": context, "batch": 1, **(match or {})}
+
+    def one(metric: str, path: str) -> dict[str, Any]:
+        got = [r for r in recs if r.get("name") == "serve-sim" and r["metric"] == metric
+               and r["status"] == "ok" and r["params"].get("path") == path
+               and all(r["params"].get(k) == v for k, v in want.items())]
+        require(len(got) == 1, f"ROI inputs: {len(got)} serve-sim {metric} records of "
+                f"path {path} at {want}, need one")
+        return got[0]
+
+    rc, load = one("serve_ttft", "recompute"), one("serve_ttft_copy", tier)
+    c0 = prefill_flops(get_spec(rc["params"]["model"]).params(), context)
+    ours = RoiInputs(gpu_flops=c0 / rc["value"], prefill_flops=c0,
+                     new_ratio=rc["params"]["new_ratio"], slo_s=slo_factor * rc["value"],
+                     load_s=load["value"])
+    source = {"inputs_from": [{k: r.get(k) for k in ("name", "metric", "value", "params",
+                                                      "git_commit")} for r in (rc, load)],
+              "rule": f"P = C0 / recompute TTFT, C0 = 2 M L, T_slo = {slo_factor:g} x "
+                      f"recompute TTFT, T_load = {tier} copy"}
+    paper = RoiInputs()
+    return (records(paper, [roi(paper, v) for v in h], "paper")
+            + records(ours, [roi(ours, v) for v in h], "measured", source))
 
 
 def show(x: RoiInputs, rows: list[Roi], source: str) -> None:

@@ -71,7 +71,7 @@ class Pivot:
     rows: tuple[str, ...]
     columns: str | tuple[str, ...]  # several: each column is their values ("png-kv / 8")
     where: dict[str, Any] = field(default_factory=dict)
-    fmt: str = ".3f"
+    fmt: str = ".3f"  # a format spec, or "seconds" / "bytes" (kvbench.units, "3.14 s")
     text: str = ""
     reference: dict[str, Any] | None = None
     # the reference of a cell is the reference run that agrees with it on these fields
@@ -86,7 +86,8 @@ class Pivot:
     # the value a cell shows: the record's `value`, or one of its `stats` ("mean": the mean
     # over steps of a per-layer trace record, whose value is the median)
     statistic: str = "value"
-    spread: bool = False  # each value with its p10-p90 over samples
+    spread: bool = False  # each value with its p10-p90 over samples...
+    spread_stats: tuple[str, str] = ("p10", "p90")  # ...or two other of its stats (min, max)
     every_key: bool = False  # row labels give every row key's value ("8 / 8 / 64"), not only
     # the first and the keys that vary under it
     order: tuple[str, ...] = ()  # row labels first, in this order
@@ -97,6 +98,14 @@ class Pivot:
     reference_in: str = "column"  # or "row": each row's reference cell (module docstring)
     median_over: str | None = None  # a cell's runs differing in this parameter: median
     scale: float = 1.0  # values shown times this (1000: seconds as ms; say so in the title)
+
+
+def formatted(value: float, fmt: str) -> str:
+    """`value` in a format spec, or as a time ("seconds") or a size ("bytes")."""
+    from kvbench.units import format_bytes, format_seconds
+
+    units = {"seconds": format_seconds, "bytes": format_bytes}
+    return units[fmt](value) if fmt in units else format(value, fmt)
 
 
 def value_of(r: dict[str, Any], key: str, aliases: dict[str, tuple[str, ...]]) -> Any:
@@ -161,8 +170,9 @@ def _times(v: float | None) -> str:
 
 
 def _natural(text: str) -> list[Any]:
-    """Sort key reading digit runs as numbers: '64 (...)' before '128'."""
-    return [(0, int(t)) if t.isdigit() else (1, t) for t in re.split(r"(\d+)", text)]
+    """Sort key reading numbers as numbers: '64 (...)' before '128', '0.5' after '0.25'."""
+    return [(0, float(t)) if t[:1].isdigit() else (1, t)
+            for t in re.split(r"(\d+(?:\.\d+)?)", text)]
 
 
 class Table:
@@ -300,7 +310,7 @@ class Table:
         return sum(self._statistic(x, e.statistic)["value"] for x in recs)
 
     def _shown(self, value: float) -> str:
-        return format(value * self.p.scale, self.p.fmt)
+        return formatted(value * self.p.scale, self.p.fmt)
 
     def cell(self, r: dict[str, Any] | None, col: Any, row: str = "") -> str:
         if r is None:
@@ -308,15 +318,16 @@ class Table:
         v = r["value"]
         text = self._shown(v)
         st = r.get("stats") or {}
-        if self.p.spread and st.get("p10") is not None and st["p10"] != st.get("p90"):
-            text += f" ({self._shown(st['p10'])}-{self._shown(st['p90'])})"
+        lo, hi = (st.get(k) for k in self.p.spread_stats)
+        if self.p.spread and lo is not None and lo != hi:
+            text += f" ({self._shown(lo)}-{self._shown(hi)})"
         ref = self.reference(r, row)
         if self.p.change and ref is not None and ref["value"]:
             text += f" ({v / ref['value'] - 1:+.1%})"
         for e in self.p.extras:
             x = self.extra(r, e)
             if x is not None:
-                text += f", {e.label}{format(x, e.fmt)}{e.unit}"
+                text += f", {e.label}{formatted(x, e.fmt)}{e.unit}"
         return text
 
     def row_labels(self) -> list[str]:

@@ -1,0 +1,76 @@
+"""Derived records: what a package function computes from an experiment's records.
+
+An experiment's `[[derive]]` (kvbench.experiment) names a function `(records, **args) ->
+list[Record]` that turns committed records into new ones (a model fed with measurements,
+e.g. the CXL KV-storage paper's ROI model, appendix A.1, with inputs read from measured
+TTFTs: kvbench.prefix.roi.derived). Each is labelled provenance "projected", so measured
+and derived numbers never mix unlabelled; `kvbench experiment run` rewrites the output
+whole after the suites, and the tables pivot it like any records. The function's module
+names the parameters its records carry in RECORD_PARAMS (tables may name them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvbench.errors import KvbenchError, require
+
+
+@dataclass(frozen=True)
+class Derivation:
+    """One `[[derive]]`: `function = "kvbench.module:name"`, `args`, `out`."""
+
+    function: str
+    out: Path
+    args: dict[str, Any]
+
+    @classmethod
+    def parse(cls, raw: dict[str, Any], root: Path, where: str) -> Derivation:
+        """From its TOML table; an unknown key or function is refused naming it."""
+        unknown = sorted(set(raw) - {"function", "out", "args"})
+        require(not unknown, f"{where}: unknown key '{unknown[0] if unknown else ''}'")
+        require("function" in raw and "out" in raw, f"{where}: 'function' and 'out' are "
+                "required")
+        d = cls(raw["function"], root / raw["out"], dict(raw.get("args", {})))
+        try:
+            d.resolve()
+        except KvbenchError as e:
+            raise KvbenchError(f"{where}: {e}") from None
+        return d
+
+    def resolve(self) -> Any:
+        import importlib
+
+        module, _, name = self.function.partition(":")
+        try:
+            mod = importlib.import_module(module) if module.startswith("kvbench.") else None
+        except ImportError:
+            mod = None
+        fn = getattr(mod, name, None) if name else None
+        require(callable(fn), f"unknown derive function '{self.function}' (a "
+                "'kvbench.module:function')")
+        return fn
+
+    def params(self) -> set[str]:
+        """The parameters its records carry (its module's RECORD_PARAMS)."""
+        import sys
+
+        self.resolve()
+        return set(getattr(sys.modules[self.function.partition(":")[0]], "RECORD_PARAMS", ()))
+
+    def write(self, records: list[dict[str, Any]]) -> int:
+        """`out` rewritten whole with what the function computes from `records`, every
+        record checked to be labelled projected before anything is written."""
+        from kvbench.envinfo import collect_env
+        from kvbench.store import ResultWriter
+
+        recs = self.resolve()(records, **self.args)
+        for r in recs:
+            require(r.provenance == "projected", f"derive '{self.function}': its record "
+                    f"{r.name} {r.metric} is not labelled projected")
+        self.out.unlink(missing_ok=True)
+        with ResultWriter(self.out, collect_env()) as w:
+            w.write_all(recs)
+        return len(recs)
