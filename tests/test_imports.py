@@ -25,7 +25,8 @@ LAYERS = (
                 "kvbench.suite_units",
                 "kvbench.fleet", "kvbench.prefix", "kvbench.plan", "kvbench.compare",
                 "kvbench.noise", "kvbench.derive",
-                "kvbench.probes.serve_sim")),  # a probe that runs the model (kvbench.prefix)
+                "kvbench.probes.serve_sim",  # a probe that runs the model (kvbench.prefix)
+                "kvbench.hwmodel.sweep")),  # projections at kvbench.plan's largest batch
     ("presentation", ("kvbench.render", "kvbench.report", "kvbench.summary",
                       "kvbench.html_report", "kvbench.plots.budget", "kvbench.present")),
     ("commands", ("kvbench.cli", "kvbench.experiment")),
