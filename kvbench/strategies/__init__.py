@@ -145,6 +145,11 @@ class Strategy:
     # (a budget covering the context, beta 0, ...): tests/test_strategy_contract.py runs
     # every registered strategy in it; None: not declared (the contract test fails)
     exact: ClassVar[tuple[tuple[str, Any], ...] | None] = None
+    # overrides under which a strategy with a non-empty `exact` leaves tokens out (about a
+    # third of a 98-token context or less; pages of 8 where its default pages would not fit
+    # such a budget): the contract test checks that its NLL then moves off full's; None:
+    # not declared (the contract test fails)
+    sparse: ClassVar[tuple[tuple[str, Any], ...] | None] = None
     # the figures it reports beyond every run's (kvbench.runtime.breakdown.Metric): each
     # names its unit, direction and how it derives from what the strategy counts; a
     # quantity counted (`counters.add`) that no metric declares fails the run's records

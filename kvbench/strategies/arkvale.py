@@ -128,6 +128,7 @@ class ArkVale(Strategy):
     version = "3"
     params = ArkValeParams
     exact = (("budget_tokens", 1 << 20),)  # no page leaves the accelerator
+    sparse = (("budget_tokens", 32), ("page_size", 8), ("sinks", 1), ("window_pages", 1))
     metrics = (PAGES,)
 
     @classmethod

@@ -124,6 +124,7 @@ class Hgca(Strategy):
     version = "5"  # 5: variants, `authors` (the artifact's rules) the default
     params = HgcaParams
     exact = (("beta", 0.0),)  # every host entry selected (section 3.2.2)
+    sparse = ()  # its defaults: beta 1, a window a quarter of the context
     metrics = (Metric("selected_fraction", "ratio", reduction="own", of="tokens",
                       derive=selected_fraction),)
 

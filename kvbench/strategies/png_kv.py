@@ -82,6 +82,7 @@ class PngKV(PnmKV):
     version = "1"
     params = PngParams
     exact = (("budget_tokens", 1 << 20),)  # every page selected
+    sparse = (("budget_tokens", 32), ("page_size", 8), ("sinks", 1), ("window_pages", 1))
     metrics = (*PnmKV.metrics, PAGES)
 
     @classmethod

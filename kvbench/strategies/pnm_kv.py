@@ -49,6 +49,7 @@ class PnmKV(Strategy):
     version = "1"
     params = PnmParams
     exact = (("budget_tokens", 1 << 20),)  # every page selected
+    sparse = (("budget_tokens", 32), ("page_size", 8), ("sinks", 1), ("window_pages", 1))
     metrics = PNM_METRICS
 
     @classmethod

@@ -164,6 +164,7 @@ class Scout(Strategy):
     version = "2"
     params = ScoutParams
     exact = (("budget_tokens", 1 << 20),)  # every block resident and selected
+    sparse = (("budget_tokens", 32),)
     metrics = (
         PAGES,
         Metric("cpu_compute_ratio_per_step", "ratio", "lower", "step_mean", of="cpu_ratio",
