@@ -28,6 +28,9 @@ results and HTML apart, `results/<name>/` holds data and the rendered table, no 
 
     [[table]]   # kvbench.present.pivot.Pivot's fields; [[table.extra]], [[table.paper]]
 
+    [suite]     # optional: runs declared inline, a suite file's [suite], [[case]] and
+    [[case]]    # [[ratio]] (kvbench.suite_spec); the declaration is then its first suite
+
 Bad input (unknown suite, strategy, parameter or metric; two runs in one cell) is refused
 with one line naming it, exit 2, before anything runs or is written.
 """
@@ -42,7 +45,7 @@ from typing import Any
 from kvbench.errors import KvbenchError, require
 from kvbench.present.pivot import PER_RECORD, TOP_LEVEL, Extra, PaperTable, Pivot, Table
 from kvbench.store import REPO_ROOT
-from kvbench.suite_spec import tomllib  # tomli on Python 3.10
+from kvbench.suite_spec import INLINE, tomllib  # tomli on Python 3.10
 from kvbench.timing import Stats
 
 EXPERIMENTS = REPO_ROOT / "experiments"
@@ -168,13 +171,15 @@ def load_experiment(name_or_path: str | Path) -> Experiment:
         raise KvbenchError(f"{path}: not valid TOML: {e}") from None
     head = doc.get("experiment", {})
     unknown = sorted(set(head) - _HEAD) + sorted(set(doc) - {"experiment", "table",
-                                                              "projection"})
+                                                              "projection", *INLINE})
     require(not unknown, f"{path.name}: unknown key '{unknown[0] if unknown else ''}'")
     require("name" in head and head.get("records"), f"{path.name}: [experiment] needs a "
             "name and records")
     suites = tuple(REPO_ROOT / s for s in head.get("suites", []))
     for s in suites:
         require(s.exists(), f"{path.name}: unknown suite '{_rel(s)}'")
+    if "case" in doc:  # runs declared inline: this file is a suite too
+        suites = (path.resolve(), *suites)
     aliases = {k: tuple(v) for k, v in head.get("aliases", {}).items()}
     exp = Experiment(path, head["name"], head.get("title", head["name"]),
                      head.get("setup", ""), suites,

@@ -35,6 +35,8 @@ _CASE_KEYS = {"probe", "strategy", "id", "params", "sweep", "repetitions", "requ
 _ACCURACY_MODES = ("eval", "passkey")  # strategy modes whose headline is not a speed
 _RATIO_KEYS = {"name", "numerator", "denominator", "direction", "match"}
 _REQUIRES = {"gpu"}
+INLINE = ("suite", "case", "ratio")  # a suite's tables, also inline in an experiment
+_EXPERIMENT = ("experiment", "table", "projection")  # kvbench.experiment's, beside them
 
 
 @dataclass
@@ -353,7 +355,7 @@ def load_suite(path: Path | str, text: str | None = None) -> Suite:
     except tomllib.TOMLDecodeError as e:
         raise KvbenchError(f"{path}: not valid TOML: {e}") from None
     lines, problems = _Lines(text), []
-    for key in sorted(set(doc) - {"suite", "case", "ratio"}):
+    for key in sorted(set(doc) - {*INLINE, *(_EXPERIMENT if "experiment" in doc else ())}):
         problems.append((lines.key("", 0, key), f"unknown top-level key '{key}'"))
     head = doc.get("suite", {})
     for key in sorted(set(head) - _SUITE_KEYS):
