@@ -38,6 +38,9 @@ results and HTML apart, `results/<name>/` holds data and the rendered table, no 
 
     [[table]]   # kvbench.present.pivot.Pivot's fields; [[table.extra]], [[table.paper]]
 
+    [suite]     # optional: runs declared inline, a suite file's [suite], [[case]] and
+    [[case]]    # [[ratio]] (kvbench.suite_spec); the declaration is then its first suite
+
 Bad input (unknown suite, strategy, parameter or metric; two runs in one cell) is refused
 with one line naming it, exit 2, before anything runs or is written.
 """
@@ -54,7 +57,7 @@ from kvbench.errors import KvbenchError, require
 from kvbench.hwmodel.sweep import SWEPT, Projection
 from kvbench.present.pivot import PER_RECORD, TOP_LEVEL, Extra, PaperTable, Pivot, Table
 from kvbench.store import REPO_ROOT
-from kvbench.suite_spec import tomllib  # tomli on Python 3.10
+from kvbench.suite_spec import EXPERIMENT, INLINE, tomllib  # tomli on Python 3.10
 from kvbench.timing import Stats
 
 EXPERIMENTS = REPO_ROOT / "experiments"
@@ -184,9 +187,7 @@ def load_experiment(name_or_path: str | Path) -> Experiment:
     except tomllib.TOMLDecodeError as e:
         raise KvbenchError(f"{path}: not valid TOML: {e}") from None
     head = doc.get("experiment", {})
-    unknown = sorted(set(head) - _HEAD) + sorted(set(doc) - {"experiment", "table",
-                                                              "projection", "derive",
-                                                              "projection_defaults"})
+    unknown = sorted(set(head) - _HEAD) + sorted(set(doc) - {*EXPERIMENT, *INLINE})
     require(not unknown, f"{path.name}: unknown key '{unknown[0] if unknown else ''}'")
     require("name" in head and head.get("records"), f"{path.name}: [experiment] needs a "
             "name and records")
@@ -198,6 +199,8 @@ def load_experiment(name_or_path: str | Path) -> Experiment:
         probes = tuple(REPO_ROOT / probes[k] for k in ("suite", "before", "after"))
     for s in [*suites, *probes[:1]] if probes else suites:
         require(s.exists(), f"{path.name}: unknown suite '{_rel(s)}'")
+    if "case" in doc:  # runs declared inline: this file is a suite too
+        suites = (path.resolve(), *suites)
     aliases = {k: tuple(v) for k, v in head.get("aliases", {}).items()}
     records = [r if isinstance(r, dict) else {"path": r} for r in head["records"]]
     require(all(set(r) <= {"path", "params"} and "path" in r for r in records),

@@ -35,6 +35,9 @@ _CASE_KEYS = {"probe", "strategy", "id", "params", "sweep", "repetitions", "requ
 _ACCURACY_MODES = ("eval", "passkey")  # strategy modes whose headline is not a speed
 _RATIO_KEYS = {"name", "numerator", "denominator", "direction", "match"}
 _REQUIRES = {"gpu"}
+INLINE = ("suite", "case", "ratio")  # a suite's tables, also inline in an experiment
+# an experiment's own tables (kvbench.experiment), beside which a suite's may be inline
+EXPERIMENT = ("experiment", "table", "projection", "projection_defaults", "derive")
 
 
 @dataclass
@@ -353,7 +356,7 @@ def load_suite(path: Path | str, text: str | None = None) -> Suite:
     except tomllib.TOMLDecodeError as e:
         raise KvbenchError(f"{path}: not valid TOML: {e}") from None
     lines, problems = _Lines(text), []
-    for key in sorted(set(doc) - {"suite", "case", "ratio"}):
+    for key in sorted(set(doc) - {*INLINE, *(EXPERIMENT if "experiment" in doc else ())}):
         problems.append((lines.key("", 0, key), f"unknown top-level key '{key}'"))
     head = doc.get("suite", {})
     for key in sorted(set(head) - _SUITE_KEYS):

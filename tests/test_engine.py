@@ -12,6 +12,7 @@ import pytest
 from kvbench.errors import KvbenchError
 from kvbench.models import MODELS, ModelSpec
 from kvbench.runtime import bound
+from kvbench.runtime.breakdown import Metric
 from kvbench.runtime.engine import Hooks, RunResult, run
 from kvbench.runtime.run import RunConfig
 from kvbench.strategies.full import Full
@@ -70,3 +71,46 @@ def test_a_stop_asked_by_the_caller_ends_the_run_after_that_step(tiny: None) -> 
 def test_bad_input_is_refused_before_anything_runs(tiny: None) -> None:
     with pytest.raises(KvbenchError, match="--threads -1: 0"):
         run(Full, Full.params(), RunConfig(model=TINY.name, threads=-1))
+
+
+class _Hits(Full):
+    """Full attention that counts 2 "hits" per decode layer: a figure it declares."""
+
+    name = "hits"
+    metrics = (Metric("hits_per_step", "tokens", "higher", "step", of="hits",
+                      per="decode step: hits summed over layers"),)
+
+    def decode(self, layer, q, k, v):
+        self.ctx.counters.add("hits", "accel", 2.0)
+        return super().decode(layer, q, k, v)
+
+
+def test_a_declared_metric_reaches_the_records_as_declared(tiny: None) -> None:
+    """The strategy's own figure carries its declared unit, direction and reduction (summed
+    over the 2 layers per decode step), and its counter's trace records the declared unit."""
+    recs = run(_Hits, Full.params(), CFG, Hooks()).records
+    (fig,) = [r for r in recs if r.metric == "hits_per_step"]
+    assert (fig.unit, fig.direction, fig.samples) == ("tokens", "higher", [4.0] * 4)
+    assert (fig.method["per"], fig.method["statistic"]) == (
+        "decode step: hits summed over layers", "median")
+    trace = [r for r in recs if r.metric == "trace.hits"]
+    assert len(trace) == 2 * 2 and {(r.unit, r.direction) for r in trace} == {("tokens", "none")}
+
+
+def test_an_undeclared_counter_fails_the_run_naming_it(tiny: None) -> None:
+    """No figure reaches the records without a declared unit and direction."""
+
+    class Undeclared(_Hits):
+        metrics = ()
+
+    with pytest.raises(ValueError, match=r"'hits' is undeclared: add a Metric"):
+        run(Undeclared, Full.params(), CFG, Hooks())
+
+
+def test_a_metric_declaration_is_checked() -> None:
+    with pytest.raises(ValueError, match="metric 'x': reduction one of"):
+        Metric("x", "s", reduction="mean")
+    with pytest.raises(ValueError, match="derive given exactly for 'own'"):
+        Metric("x", "s", reduction="own")
+    with pytest.raises(ValueError, match="direction lower, higher or none"):
+        Metric("x", "s", "up")

@@ -239,3 +239,39 @@ def test_a_declared_projection_sweeps_and_labels_its_records(tmp_path: Path) -> 
     assert row["params"]["bookkeeping"] == "none"
     ratio = row["value"] / t.cells[("opt-6.7b (batch 4)", "offload")]["value"]
     assert f"| {ratio:.2f}x |" in "\n".join(t.markdown())
+
+
+INLINE = """[experiment]
+name = "inline"
+records = ["x.jsonl"]
+
+[suite]
+name = "inline-runs"
+output = "results/inline/runs.jsonl"
+
+[[case]]
+strategy = "streaming"
+params = { mode = "eval", prompt_len = 1, gen_len = 7, gpu_tokens = 4 }
+"""
+
+
+def test_runs_declared_inline_make_the_declaration_its_own_suite(tmp_path: Path,
+                                                                capsys) -> None:
+    """[suite] and [[case]] in the declaration: no suite file beside it (a strategy and its
+    experiment in four files, CONTRIBUTING.md); an inline case is checked as a suite
+    file's is, before anything runs."""
+    from kvbench.suite import load_suite
+
+    path = tmp_path / "inline.toml"
+    path.write_text(INLINE)
+    exp = load_experiment(path)
+    assert exp.suites == (path.resolve(),)
+    suite = load_suite(path)
+    assert (suite.name, str(suite.output)) == ("inline-runs", "results/inline/runs.jsonl")
+    assert [(c.name, c.params["gpu_tokens"]) for c in suite.cases] == [("streaming", 4)]
+    path.write_text(INLINE.replace('"streaming"', '"streeming"'))
+    assert_usage_error(cli(["experiment", "run", str(path)], capsys), "streeming")
+    bare = tmp_path / "bare.toml"  # a suite file still refuses an experiment's keys alone
+    bare.write_text(INLINE.replace("[experiment]", "[table]"))
+    with pytest.raises(KvbenchError, match="unknown top-level key 'table'"):
+        load_suite(bare)

@@ -92,21 +92,6 @@ C = P2 + G2  # the most tokens a step attends
 # the result exact whatever the accelerator window; the tightest such setting is the
 # smallest window (16 tokens), where nearly all of the context is attended on the host.
 NOT_A_BUDGET = {"hgca": {"beta": 0.0, "gpu_tokens": 16}}
-# A small budget per strategy (attending ~a third of the context or less); paged ones with
-# 8-token pages and one sink and window page where their default pages (32, sinks +
-# window 4) would not fit a budget under the context. hgca: its defaults (beta 1, window a
-# quarter of the context) are sparse.
-SMALL = {
-    "arkvale": {"budget_tokens": 32, "page_size": 8, "sinks": 1, "window_pages": 1},
-    "quest": {"budget_tokens": 32},
-    "scout": {"budget_tokens": 32},
-    "pnm-kv": {"budget_tokens": 32, "page_size": 8, "sinks": 1, "window_pages": 1},
-    "png-kv": {"budget_tokens": 32, "page_size": 8, "sinks": 1, "window_pages": 1},
-    "infinigen": {"budget_tokens": 16},
-    "h2o": {"gpu_tokens": 32},
-    "streaming": {"gpu_tokens": 32},
-    "hgca": {},
-}
 
 
 def _tightest(name: str) -> dict:
@@ -149,13 +134,14 @@ def test_exact_at_budget_equal_to_context(name: str, bundled, short_full) -> Non
 
 @pytest.mark.parametrize("name", TUNABLE)
 def test_small_budget_differs_from_full(name: str, bundled, short_full) -> None:
-    """At a small budget (SMALL) a strategy leaves tokens out, and the per-token comparison
-    above sees it: some decode token's NLL is off by more than 100 x TOL. So for every
-    strategy with a budget the contract's check can fail (streaming keeping 32 tokens was
-    the one such check before). Two decode steps suffice: the prompt is dense, the first
-    decode step already attends the budget only."""
-    assert name in SMALL, f"{name}: add a small-budget setting to SMALL"
-    nll = _nll(bundled, name, SMALL[name], 1, P2, 2)
+    """At the small budget it declares (`Strategy.sparse`) a strategy leaves tokens out,
+    and the per-token comparison above sees it: some decode token's NLL is off by more than
+    100 x TOL. So for every strategy with a budget the contract's check can fail (streaming
+    keeping 32 tokens was the one such check before). Two decode steps suffice: the prompt
+    is dense, the first decode step already attends the budget only."""
+    sparse = STRATEGIES.get(name).sparse
+    assert sparse is not None, f"{name}: declare a small-budget setting (`sparse`)"
+    nll = _nll(bundled, name, dict(sparse), 1, P2, 2)
     assert nll[0] == pytest.approx(short_full[0], abs=TOL)  # the prefill: dense
     assert max(abs(a - b) for a, b in zip(nll[1:], short_full[1:3], strict=True)) > 100 * TOL
 

@@ -128,11 +128,19 @@ def test_run_stores_task_graph(strategy: str, tmp_path: Path) -> None:
 
 # --- the run's derived figures (runtime.breakdown), each computed by hand (issue 30) ---
 
+def _own() -> tuple:
+    """The figures these tests count beyond every run's: scout's and hgca's declarations."""
+    from kvbench.strategies.hgca import Hgca
+    from kvbench.strategies.scout import Scout
+
+    return (*Scout.metrics, *Hgca.metrics)
+
+
 def _breakdown(params: dict | None = None) -> dict[str, object]:
     """Two layers, a prefill (step 0, left out) and decode steps 1 and 2 of 0.5 s and 1.5 s."""
     from kvbench.runtime.breakdown import derived
 
-    c = Counters(kv_heads=1, elem_bytes=2, n_layers=2)
+    c = Counters(kv_heads=1, elem_bytes=2, n_layers=2, metrics=_own())
     per = {  # (quantity, where) -> {(step, layer): value}
         ("bytes_moved", "h2d"): {(0, 0): 99.0, (1, 0): 10.0, (1, 1): 20.0, (2, 1): 5.0},
         ("pages", "recalled"): {(1, 0): 2.0, (2, 0): 4.0},
@@ -188,7 +196,7 @@ def test_breakdown_figures_by_hand() -> None:
 def test_breakdown_waives_query_cosine_of_random_weights() -> None:
     from kvbench.runtime.breakdown import derived
 
-    c = Counters(kv_heads=1, elem_bytes=2, n_layers=1)
+    c = Counters(kv_heads=1, elem_bytes=2, n_layers=1, metrics=_own())
     c.step = 1
     c.add("q_cosine", "attention", 0.9)
     (rec,) = derived("x", {"weights": "random"}, [1.0], c)
@@ -244,7 +252,7 @@ def test_breakdown_tokens_on_host_and_pnm() -> None:
 def test_breakdown_shares_below_one_second_and_the_remaining_fields() -> None:
     from kvbench.runtime.breakdown import derived
 
-    c = Counters(kv_heads=1, elem_bytes=2, n_layers=1)
+    c = Counters(kv_heads=1, elem_bytes=2, n_layers=1, metrics=_own())
     c.step = 1
     c.add("time", "accel_idle", 0.1)
     c.add("time", "bookkeeping.x", 0.2)

@@ -26,14 +26,13 @@ if TYPE_CHECKING:
     import torch
 
     from kvbench.models import ModelSpec
+    from kvbench.runtime.breakdown import Metric
 
-# quantity -> unit of its records
+# quantity -> unit of its records, for what every strategy's run counts (the shadow counts
+# rel_error and topk_recall in eval mode); a strategy's own quantities are declared by the
+# `Metric`s of its class (kvbench.runtime.breakdown)
 UNITS = {"tokens": "tokens", "flops": "FLOP", "bytes_read": "B", "bytes_moved": "B",
-         "time": "s", "rel_error": "ratio", "pages": "pages",
-         "topk_recall": "ratio", "cpu_ratio": "ratio", "q_cosine": "ratio",
-         "pred_error": "ratio", "pred_overlap": "ratio",
-         "topk_sorts": "sorts", "topk_candidates": "pages", "reductions": "messages",
-         "device_load": "B"}
+         "time": "s", "rel_error": "ratio", "topk_recall": "ratio"}
 
 # Phases of host work (issuing to a worker or a side stream, joining the worker, gathers on
 # the host, the PNM role's CPU work): timed with the host clock on CUDA too, where CUDA
@@ -48,16 +47,18 @@ class Counters:
     `where` is a device role ("accel", "host", "pnm": the CXL-PNM device role of pnm-kv and
     png-kv) for tokens/flops/bytes_read, a link ("h2d", "d2h", "pnm_reduce") for
     bytes_moved, a phase name ("attention", "bookkeeping", "accel_idle", ...) for time,
-    "recalled"/"evicted" for pages (page strategies: pages moved into or out of the
-    accelerator's resident set, summed over batch rows and KV heads), "pnm" for the PNM
-    roles' topk_sorts/topk_candidates/reductions and "pnmK" for device K's device_load.
+    and whatever a strategy's own quantities name (e.g. "recalled"/"evicted" for a page
+    strategy's "pages"). `metrics`: the strategy's declared figures (`Strategy.metrics`),
+    whose counters it may count besides UNITS' (`unit`).
     """
 
     def __init__(self, kv_heads: int, elem_bytes: int, cuda: bool = False,
-                 n_layers: int = 1) -> None:
+                 n_layers: int = 1, metrics: tuple[Metric, ...] = ()) -> None:
         self.kv_heads = kv_heads
         self.elem_bytes = elem_bytes
         self.cuda = cuda
+        self.metrics = metrics
+        self._units = {**{m.counter: m.unit for m in metrics}, **UNITS}
         self.step = 0
         self.layer = 0
         self.graph = TaskLog(n_layers)
@@ -71,7 +72,7 @@ class Counters:
 
     def add(self, quantity: str, where: str, value: float | torch.Tensor,
             scale: float = 1.0) -> None:
-        """Add `value` x `scale` (in UNITS[quantity]) to the current step and layer. A tensor
+        """Add `value` x `scale` (in `unit(quantity)`) to the current step and layer. A tensor
         value adds its sum, taken at `settle` (no op or sync here: the tensor must not be
         written before the step ends).
 
@@ -93,6 +94,15 @@ class Counters:
             if task is not None:
                 key = "seconds" if quantity == "time" else quantity
                 self._lazy.append((task.work, key, value, scale))
+
+    def unit(self, quantity: str) -> str:
+        """The unit of counted `quantity`'s records; ValueError for one that is neither
+        shared (UNITS) nor the counter of a declared metric: a strategy declares what it
+        counts, so no figure reaches the records without a unit and a direction."""
+        if quantity not in self._units:
+            raise ValueError(f"counted quantity {quantity!r} is undeclared: add a Metric "
+                             f"(kvbench.runtime.breakdown) for it to the strategy's `metrics`")
+        return self._units[quantity]
 
     def settle(self) -> None:
         """Add the tensor values' sums (`add`): one read per device for all of them, at

@@ -106,7 +106,7 @@ def run(cls: type[Strategy], sparams: Any, cfg: RunConfig, hooks: Hooks = Hooks(
             torch.cuda.synchronize()
 
     def start(max_len: int, shadow: bool = True) -> Strategy:
-        counters = Counters(spec.n_kv_heads, dtype.itemsize, cuda, layers)
+        counters = Counters(spec.n_kv_heads, dtype.itemsize, cuda, layers, cls.metrics)
         ctx = RunContext(spec, layers, cfg.batch, max_len, dtype, device,
                          torch.device("cpu"), counters, model)
         strategy = cls(sparams, ctx)

@@ -313,15 +313,15 @@ def records(name: str, params: dict[str, ParamValue], o: Outcome, batch: int,
                             "exact": "deterministic: same tokens, weights, dtype and "
                                      "strategy give the same value"})
     from kvbench.runtime.breakdown import derived
-    from kvbench.runtime.context import UNITS
 
     yield from derived(name, params, o.steps, counters)
     for quantity, where, layer, steps in counters.series():
         p = {**params, "layer": layer, "where": where}
         pre = [steps.get(0, 0.0)]
         dec = [steps.get(s, 0.0) for s in range(1, len(o.steps) + 1)]
+        unit = counters.unit(quantity)
         for phase, samples in (("prefill", pre), ("decode", dec)):
-            yield measured("run", name, f"trace.{quantity}", UNITS[quantity], "none", samples,
+            yield measured("run", name, f"trace.{quantity}", unit, "none", samples,
                            {**p, "phase": phase},
                            {"per": "step (prefill: one sample, every turn's prompt)"})
     yield from task_records(name, params, counters.graph, len(o.steps))

@@ -41,7 +41,9 @@ Work is reported into `ctx.counters` (kvbench.runtime.context.Counters): `attend
 n_kv)` for each attention computation (tokens, FLOPs, bytes read on device `where`:
 "accel" or "host"; `attention(where, tokens, flops, nbytes)` when the shapes do not say),
 `moved(link, nbytes)` for copies ("h2d", "d2h"), `add(quantity, where, value)` for
-anything else (e.g. `add("time", "bookkeeping", s)`, `add("time", "accel_idle", s)`). The
+anything else (e.g. `add("time", "bookkeeping", s)`, `add("time", "accel_idle", s)`; a
+quantity no run shares, e.g. arkvale's "pages", is declared in the class's `metrics` with
+its unit and the figure derived from it, kvbench.runtime.breakdown.Metric). The
 runtime files these under the current (step, layer) and stores them as records; the same
 calls build the run's stage graph (kvbench.runtime.trace, what `kvbench project` re-times).
 A strategy that overlaps work says so with three hints: `with counters.fork(name):` (work
@@ -79,6 +81,7 @@ from kvbench.registry import Registry, first_line
 if TYPE_CHECKING:
     import torch
 
+    from kvbench.runtime.breakdown import Metric
     from kvbench.runtime.context import RunContext
 
 
@@ -142,6 +145,15 @@ class Strategy:
     # (a budget covering the context, beta 0, ...): tests/test_strategy_contract.py runs
     # every registered strategy in it; None: not declared (the contract test fails)
     exact: ClassVar[tuple[tuple[str, Any], ...] | None] = None
+    # overrides under which a strategy with a non-empty `exact` leaves tokens out (about a
+    # third of a 98-token context or less; pages of 8 where its default pages would not fit
+    # such a budget): the contract test checks that its NLL then moves off full's; None:
+    # not declared (the contract test fails)
+    sparse: ClassVar[tuple[tuple[str, Any], ...] | None] = None
+    # the figures it reports beyond every run's (kvbench.runtime.breakdown.Metric): each
+    # names its unit, direction and how it derives from what the strategy counts; a
+    # quantity counted (`counters.add`) that no metric declares fails the run's records
+    metrics: ClassVar[tuple[Metric, ...]] = ()
 
     def __init__(self, params: Any, ctx: RunContext) -> None:
         self.p = params

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvbench.errors import require
+from kvbench.runtime.breakdown import Metric
 from kvbench.timing import kernel
 
 if TYPE_CHECKING:
@@ -35,6 +36,10 @@ if TYPE_CHECKING:
     from kvbench.runtime.context import Counters
 
 DIGESTS = ("minmax", "cuboid-mean")
+# counters.add("pages", "recalled"|"evicted", n) of a strategy with a resident page set:
+# pages moved into or out of it, summed over batch rows and KV heads
+PAGES = Metric("pages_{where}_per_step", "pages", "none", "step", of="pages",
+               per="decode step: pages summed over layers, sequences and KV heads")
 TOPK_PER = ("query", "kv")
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvbench.errors import KvbenchError, require
+from kvbench.runtime.breakdown import Metric
 from kvbench.strategies._pages import check_pages
 from kvbench.topology import NumaNode, get_node, read_file, read_nodes
 from kvbench.units import format_bytes
@@ -43,6 +44,9 @@ if TYPE_CHECKING:
 
 SYSFS_ROOT = "/"  # where the topology is read (tests point it at a fake sysfs tree)
 PARALLEL = ("dp", "tp")
+# the device roles' own quantities (module docstring), in the trace only
+PNM_METRICS = (Metric("topk_sorts", "sorts"), Metric("topk_candidates", "pages"),
+               Metric("reductions", "messages"), Metric("device_load", "B"))
 
 
 def device_node(requested: int, root: str | None = None) -> NumaNode:

@@ -57,6 +57,7 @@ from kvbench.strategies import (
 )
 from kvbench.strategies._hostcopy import HostKV, transfer
 from kvbench.strategies._pages import (
+    PAGES,
     Digests,
     check_layers,
     check_pages,
@@ -127,6 +128,8 @@ class ArkVale(Strategy):
     version = "3"
     params = ArkValeParams
     exact = (("budget_tokens", 1 << 20),)  # no page leaves the accelerator
+    sparse = (("budget_tokens", 32), ("page_size", 8), ("sinks", 1), ("window_pages", 1))
+    metrics = (PAGES,)
 
     @classmethod
     def slots(cls, params: ArkValeParams, max_len: int) -> int:

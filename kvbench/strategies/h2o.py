@@ -74,6 +74,7 @@ class H2O(Strategy):
     version = "1"
     params = H2OParams
     exact = (("gpu_share", 1.0),)  # nothing evicted
+    sparse = (("gpu_tokens", 32),)
 
     @classmethod
     def placement(cls, params: H2OParams, ctx: RunContext) -> dict[str, int]:

@@ -75,11 +75,13 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from kvbench.runtime.breakdown import Metric, PerLayer
+from kvbench.schema import ParamValue, Record, measured
 from kvbench.strategies import STRATEGIES, Strategy, column_scores, decode_weights
 from kvbench.strategies._hgca_kv import (
     BLOCK,
@@ -100,6 +102,20 @@ if TYPE_CHECKING:
     from kvbench.runtime.context import RunContext
 
 
+def selected_fraction(name: str, params: dict[str, ParamValue],
+                      per_layer: PerLayer) -> Iterator[Record]:
+    """Selected share of the host-resident entries per (layer, KV_ctx row), summed over the
+    decode steps (`_count_selected`'s "host_selected.h*" and "host_resident" tokens)."""
+    resident = {layer: sum(v) for (q, w, layer), v in per_layer.items()
+                if q == "tokens" and w == "host_resident"}
+    fractions = [sum(v) / resident[layer] for (q, w, layer), v in sorted(per_layer.items())
+                 if q == "tokens" and w.startswith("host_selected.") and resident.get(layer)]
+    if fractions:
+        yield measured("run", name, "selected_fraction", "ratio", "none", fractions, params,
+                       {"per": "(layer, KV head): selected / host-resident entries",
+                        "statistic": "median", "min": min(fractions), "max": max(fractions)})
+
+
 @STRATEGIES.register
 class Hgca(Strategy):
     """HGCA: dense attention on a GPU ring window + per-head sparse attention on the host."""
@@ -108,6 +124,9 @@ class Hgca(Strategy):
     version = "5"  # 5: variants, `authors` (the artifact's rules) the default
     params = HgcaParams
     exact = (("beta", 0.0),)  # every host entry selected (section 3.2.2)
+    sparse = ()  # its defaults: beta 1, a window a quarter of the context
+    metrics = (Metric("selected_fraction", "ratio", reduction="own", of="tokens",
+                      derive=selected_fraction),)
 
     @classmethod
     def for_run(cls, params: HgcaParams, max_len: int) -> tuple[HgcaParams, list[str]]:

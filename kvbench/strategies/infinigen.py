@@ -126,6 +126,7 @@ class InfiniGen(Strategy):
     params = InfiniGenParams
     # every token attended (authors: densely, a cap covering the context)
     exact = (("alpha", float("inf")), ("budget_tokens", 1 << 20))
+    sparse = (("budget_tokens", 16),)
 
     @classmethod
     def kv_placement(cls, params: InfiniGenParams, kv_bytes: int) -> dict[str, int]:

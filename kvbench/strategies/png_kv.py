@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 from kvbench.errors import require
 from kvbench.strategies import STRATEGIES
-from kvbench.strategies._pages import attend_selected
+from kvbench.strategies._pages import PAGES, attend_selected
 from kvbench.strategies._pnm import PnmParams, mask_tokens, resolve_node
 from kvbench.strategies.pnm_kv import PnmKV
 
@@ -82,6 +82,8 @@ class PngKV(PnmKV):
     version = "1"
     params = PngParams
     exact = (("budget_tokens", 1 << 20),)  # every page selected
+    sparse = (("budget_tokens", 32), ("page_size", 8), ("sinks", 1), ("window_pages", 1))
+    metrics = (*PnmKV.metrics, PAGES)
 
     @classmethod
     def for_run(cls, params: PngParams, max_len: int) -> tuple[PngParams, list[str]]:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from kvbench.strategies import STRATEGIES, Strategy, position_mask
 from kvbench.strategies._pages import attend_selected, check_layers
 from kvbench.strategies._pnm import (
+    PNM_METRICS,
     DeviceKV,
     PnmParams,
     check_device_fit,
@@ -48,6 +49,8 @@ class PnmKV(Strategy):
     version = "1"
     params = PnmParams
     exact = (("budget_tokens", 1 << 20),)  # every page selected
+    sparse = (("budget_tokens", 32), ("page_size", 8), ("sinks", 1), ("window_pages", 1))
+    metrics = PNM_METRICS
 
     @classmethod
     def for_run(cls, params: PnmParams, max_len: int) -> tuple[PnmParams, list[str]]:

@@ -134,6 +134,7 @@ class Quest(Strategy):
     params = QuestParams
     # every token its own page, all kept (module docstring: pages of S > 1 drop one)
     exact = (("budget_tokens", 1 << 20), ("page_size", 1))
+    sparse = (("budget_tokens", 32),)
 
     @classmethod
     def placement(cls, params: QuestParams, ctx: RunContext) -> dict[str, int]:

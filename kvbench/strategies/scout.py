@@ -63,10 +63,12 @@ from typing import TYPE_CHECKING, Any
 
 from kvbench.errors import require
 from kvbench.paths import check_out
+from kvbench.runtime.breakdown import Metric
 from kvbench.strategies import STRATEGIES, Strategy, position_mask
 from kvbench.strategies import _scout_recall as recall_file
 from kvbench.strategies._hostcopy import HostKV, heads_first, tokens_first, transfer
 from kvbench.strategies._pages import (
+    PAGES,
     Digests,
     attend_selected,
     check_layers,
@@ -162,6 +164,16 @@ class Scout(Strategy):
     version = "2"
     params = ScoutParams
     exact = (("budget_tokens", 1 << 20),)  # every block resident and selected
+    sparse = (("budget_tokens", 32),)
+    metrics = (
+        PAGES,
+        Metric("cpu_compute_ratio_per_step", "ratio", "lower", "step_mean", of="cpu_ratio",
+               per="decode step: tokens attended on the host / budget, mean over the layers "
+                   "that report it"),
+        Metric("query_cosine", "ratio", "higher", "layer", of="q_cosine",
+               random="random weights: the predicted query's cosine is meaningless"),
+        Metric("predicted_query_rel_error", "ratio", "lower", "layer", of="pred_error"),
+        Metric("predicted_block_overlap", "ratio", "higher", "layer", of="pred_overlap"))
 
     @classmethod
     def for_run(cls, params: ScoutParams, max_len: int) -> tuple[ScoutParams, list[str]]:

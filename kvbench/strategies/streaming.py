@@ -55,6 +55,7 @@ class Streaming(Strategy):
     version = "1"
     params = StreamingParams
     exact = (("gpu_share", 1.0),)  # the window holds every token
+    sparse = (("gpu_tokens", 32),)
 
     @classmethod
     def placement(cls, params: StreamingParams, ctx: RunContext) -> dict[str, int]:
