@@ -102,3 +102,16 @@ def test_a_reduction_over_several_metrics_keeps_them_apart() -> None:
                   rows=("devices",), columns="metric", reduce="sum", fmt=".0f", change=False)
     _, rows = Table(pivot, recs, {}).grid()
     assert rows == [["3", "4", "6"]]  # 3 + 1 sorts, 1 + 5 reductions per step
+
+
+def test_two_records_of_one_run_in_one_cell_are_refused() -> None:
+    """A run's per-record split (here `where`) that the rows leave out would show one of
+    its records silently; a pivot of several metrics counts each record once."""
+    recs = [rec("h2o", "tokens", 60.0, where="accel"), rec("h2o", "tokens", 5.0, where="host")]
+    pivot = Pivot(title="s", metric="tokens", rows=("name",), columns="metric")
+    with pytest.raises(KvbenchError, match=r"two records of one run for one cell \(row 'h2o', "
+                                           r"metric tokens\)"):
+        Table(pivot, recs, {})
+    both = Table(Pivot(title="m", metric=("tps", "ppl"), rows=("gpus",), columns="metric"),
+                 [rec("full", "tps", 1.0, gpus=1), rec("full", "ppl", 9.0, gpus=1)], {})
+    assert "Records: 1 runs, 2 records" in both.provenance()

@@ -225,8 +225,9 @@ class Table:
                 continue
             key = (_label(r, pivot.rows, aliases, None if pivot.every_key else varying),
                    column_of(r, pivot.columns, aliases))
-            if key in self.cells and run_key(self.cells[key]) != run_key(r):
-                raise KvbenchError(f"table '{pivot.title}': two runs for one cell (row "
+            if key in self.cells and self.cells[key] is not r:
+                what = "runs" if run_key(self.cells[key]) != run_key(r) else "records of one run"
+                raise KvbenchError(f"table '{pivot.title}': two {what} for one cell (row "
                                    f"'{key[0]}', {self.column_name} {key[1]})")
             self.cells[key] = r
         self.row_refs: dict[str, dict[str, Any]] = {}  # reference_in = "row"
@@ -236,7 +237,8 @@ class Table:
                     raise KvbenchError(f"table '{pivot.title}': the reference {ref} matches "
                                        f"two runs in row '{row}'")
                 self.row_refs[row] = r
-        self.records = [x for r in mains for x in self._run_records(r)]
+        # every record of the runs shown, once (a run may fill several cells)
+        self.records = list({id(x): x for r in mains for x in self._run_records(r)}.values())
 
     def _ref_fields(self) -> str:
         by = self.p.reference_by
