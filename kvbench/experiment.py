@@ -105,7 +105,7 @@ def _known_params() -> set[str]:
     for cls in STRATEGIES.all():
         known |= {f.name for f in dataclasses.fields(cls.params)}
     for probe in PROBES.all():
-        known |= {f.name for f in dataclasses.fields(probe.config)}
+        known |= {f.name for f in dataclasses.fields(probe.config)} | set(probe.record_params)
     return known | set(TOP_LEVEL)
 
 

@@ -34,6 +34,9 @@ class Probe(ABC):
     version: ClassVar[str] = "1"
     config: ClassVar[type]
     description: ClassVar[str]  # `kvbench probe NAME --help`
+    # parameters its records carry beside its config's fields (an experiment's tables may
+    # name them, kvbench.experiment)
+    record_params: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def summary(cls) -> str:

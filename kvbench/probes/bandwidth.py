@@ -97,6 +97,7 @@ class BandwidthProbe(Probe):
     version = "3"
     config = BandwidthConfig
     description = "Measure copy bandwidth between every pair of memories against size."
+    record_params = ("direction", "size", "node", "reference", "engine")
 
     @classmethod
     def command(cls, config: BandwidthConfig, out: Path | None) -> None:

@@ -56,6 +56,7 @@ class LatencyProbe(Probe):
     version = "1"
     config = LatencyConfig
     description = "Measure small-copy latency per memory pair and each node's load latency."
+    record_params = ("direction", "size", "node")
 
     @classmethod
     def command(cls, config: LatencyConfig, out: Path | None) -> None:
