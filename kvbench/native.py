@@ -11,7 +11,7 @@ from pathlib import Path
 from kvbench.errors import KvbenchError
 from kvbench.memory import llc_bytes
 
-ABI_VERSION = 6  # kvb_abi_version() of probes/native.c: bump both when an interface changes
+ABI_VERSION = 7  # kvb_abi_version() of probes/native.c: bump both when an interface changes
 
 
 class CopyJob(ctypes.Structure):
@@ -97,4 +97,8 @@ def lib() -> ctypes.CDLL:
     so.kvb_attn_prefetch_from.restype = i64
     so.kvb_attn_prefetch_from.argtypes = [i64]
     so.kvb_attn_prefetch_from(llc_bytes() // 2)  # dense decode prefetches from half the LLC
+    so.kvb_gemv.restype = ctypes.c_int  # probes/gemv.c
+    so.kvb_gemv.argtypes = [vp, vp, vp, i64, i64, i64, i64, ctypes.c_int]
+    so.kvb_gemv_isa.restype = ctypes.c_int
+    so.kvb_gemv_isa.argtypes = [ctypes.c_int]
     return so

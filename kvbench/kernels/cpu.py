@@ -146,3 +146,31 @@ def run(
     if rc != 0:
         raise KvbenchError("native attention kernel could not allocate its work buffers")
     return out, lse
+
+
+MAX_GEMV_ROWS = 8  # activation rows probes/gemv.c takes per call
+
+
+def gemv_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `gemv` applies: CPU float32, W [N, K] and x [..., K] contiguous, x with at
+    most MAX_GEMV_ROWS rows, the library built."""
+    import torch
+
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32
+            and w.is_contiguous() and x.is_contiguous() and x.shape[-1] == w.shape[1]
+            and 1 <= x.numel() // max(x.shape[-1], 1) <= MAX_GEMV_ROWS and _lib() is not None)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+    """x [..., K] @ W^T for W [N, K] row-major (nn.Linear's layout) -> [..., N]: decode's
+    matmul as one stream of W through `threads` threads (probes/gemv.c); callers check
+    `gemv_ok` first."""
+    import torch
+
+    n, k = w.shape
+    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)  # the one torch op of the call
+    got = _lib().kvb_gemv(w.data_ptr(), x.data_ptr(), y.data_ptr(), n, k, x.numel() // k, k,
+                          threads or torch.get_num_threads())
+    if got != 0:
+        raise KvbenchError(f"native gemv failed ({got}) for x {tuple(x.shape)}")
+    return y

@@ -5,16 +5,20 @@ memory-bound and the layout of W decides how close it runs to the read bandwidth
 on the 2-core development box (SmolLM2-135M's 30 layers of weights, 425 MB fp32, and its
 49152 x 576 head, streamed as decode does, torch 2.13 with MKL and oneDNN):
 
-- batch 1: x @ W^T with W^T stored [in, out] contiguous ran the layers 1.7x and the head 2x
-  faster than `F.linear` on W [out, in];
+- batch 1: kvbench's own kernel (probes/gemv.c: each W row read once, in order, AVX2/FMA)
+  on W [out, in] as it is streamed all 538 MB at 25-27 GB/s on 2 threads, against 16-17
+  GB/s for x @ W^T with W^T stored [in, out] contiguous (itself 1.7x the layers' and 2x the
+  head's speed of `F.linear` on W [out, in]); the machine's read loop: 32-35 GB/s;
 - batch > 1: oneDNN's weight packed for that batch (`torch.ops.mkldnn._reorder_linear_weight`,
-  what inductor's CPU freezing uses) ran the layers about 2x and the head 3x faster, while
-  the [in, out] layout gained nothing.
+  what inductor's CPU freezing uses) ran the layers about 2x and the head 3x faster than
+  `F.linear` (22-24 GB/s at batch 4 and 8, where the native kernel, FMA-bound, reached
+  14-18), while the [in, out] layout gained nothing.
 
-`packed(w, batch, spare)` makes that layout ("t" or "dnn"; None where neither applies: CUDA,
-dtypes other than float32, oneDNN missing, or no `spare` memory for the oneDNN copy) and
-`matmul` uses it. Weights changed after packing need `Decoder.pack` again. `Linear` is an nn.Linear
-that packs its own weight: for batch 1 it replaces the weight's storage (the parameter
+`packed(w, batch, spare)` makes that layout ("native", "t" or "dnn"; None where none
+applies: CUDA, dtypes other than float32, oneDNN missing, or no `spare` memory for the
+oneDNN copy) and `matmul` uses it. Weights changed after packing need `Decoder.pack` again.
+`Linear` is an nn.Linear that packs its own weight: "native" reads the weight as it is;
+"t" (batch 1 without the native library) replaces the weight's storage (the parameter
 stays an [out, in] view of the [in, out] copy, so no memory is added); the oneDNN copy sits
 beside the weight, which strategies (`Decoder.query_weight`) still read.
 """
@@ -35,7 +39,11 @@ def packed(w: torch.Tensor, batch: int, spare: bool) -> Packed | None:
     `spare`: whether memory allows a copy beside W."""
     if w.device.type != "cpu" or w.dtype != torch.float32:
         return None
+    from kvbench.kernels import cpu
+
     w = w.detach()
+    if batch == 1 and w.is_contiguous() and cpu.gemv_ok(w[:1], w):
+        return w, "native"
     if batch == 1:
         return (w.t() if w.t().is_contiguous() else w.t().contiguous()), "t"
     if spare and torch.backends.mkldnn.is_available():
@@ -48,6 +56,11 @@ def matmul(x: torch.Tensor, p: Packed, bias: torch.Tensor | None) -> torch.Tenso
     w, kind = p
     if kind == "dnn":
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+    if kind == "native":
+        from kvbench.kernels import cpu
+
+        out = cpu.gemv(x, w) if cpu.gemv_ok(x, w) else F.linear(x, w)
+        return out if bias is None else out.add_(bias)
     out = torch.matmul(x, w)
     return out if bias is None else out.add_(bias)
 

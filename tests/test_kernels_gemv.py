@@ -1,0 +1,81 @@
+"""Decode's native matmul (probes/gemv.c through kvbench.kernels.cpu.gemv): x @ W^T equal
+to a float64 reference for every batch it takes, under both instruction sets, on one and
+several threads; where it applies; and the batch-1 weight layout that uses it."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvbench.kernels import cpu  # noqa: E402
+from kvbench.models.linear import Linear, matmul, packed  # noqa: E402
+
+needs_native = pytest.mark.skipif(cpu._lib() is None, reason="native library not built")
+
+
+@pytest.fixture(params=["portable", "avx2"])
+def isa(request: pytest.FixtureRequest):
+    """kvb_gemv's loops forced to one set (avx2 only where the CPU has it), restored after."""
+    so = cpu._lib()
+    if so is None:
+        pytest.skip("native library not built")
+    before = so.kvb_gemv_isa(-1)
+    so.kvb_gemv_isa(1 if request.param == "avx2" else 0)
+    yield request.param
+    so.kvb_gemv_isa(before)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize(("n", "k"), [(7, 16), (13, 20), (200, 64), (1031, 576)])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_gemv_matches_the_reference(isa: str, rows: int, n: int, k: int,
+                                    threads: int) -> None:
+    """Every row count 1..8 (each has its own register block), N not a multiple of any
+    block or thread split, K not a multiple of the vector width (the portable tail)."""
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    w = torch.randn(n, k, generator=g)
+    x = torch.randn(2, rows, k, generator=g)[1]  # a view into a larger buffer
+    got = cpu.gemv(x, w, threads)
+    ref = (x.double() @ w.double().t()).float()
+    assert got.shape == (rows, n)
+    # float32 to 1e-5 per 64 terms summed (sums of K products of unit normals)
+    tol = 1e-5 * max(1.0, k / 64) ** 0.5
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+
+
+@needs_native
+def test_gemv_keeps_the_leading_dimensions() -> None:
+    w, x = torch.randn(33, 24), torch.randn(2, 1, 24)
+    torch.testing.assert_close(cpu.gemv(x, w), (x @ w.t()), rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_where_gemv_applies() -> None:
+    w = torch.randn(16, 8)
+    assert cpu.gemv_ok(torch.randn(8, 8), w)
+    assert not cpu.gemv_ok(torch.randn(9, 8), w)  # more rows than a call takes: prefill
+    assert not cpu.gemv_ok(torch.randn(8, 16)[:, :8], w)  # not contiguous
+    assert not cpu.gemv_ok(torch.randn(1, 8), w.t().contiguous().t())  # W not row-major
+    assert not cpu.gemv_ok(torch.randn(1, 8, dtype=torch.bfloat16), w.bfloat16())
+    assert not cpu.gemv_ok(torch.randn(1, 7), w)  # K differs
+
+
+@needs_native
+def test_batch_one_reads_the_weight_as_it_is_and_prefill_falls_back() -> None:
+    """At batch 1 the layout is the weight itself ("native": no copy); more rows than the
+    kernel takes (a prefill) go through F.linear; the bias is added either way."""
+    lin = Linear(24, 40)
+    before = lin.weight.data_ptr()
+    lin.pack(1, spare=True)
+    assert lin.fast is not None and lin.fast[1] == "native"
+    assert lin.weight.data_ptr() == before == lin.fast[0].data_ptr()
+    for x in (torch.randn(1, 1, 24), torch.randn(1, 12, 24)):
+        torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias),
+                                   rtol=1e-5, atol=1e-5)
+    p = packed(torch.randn(40, 24), 4, spare=False)
+    assert p is None  # batch 4 without memory for oneDNN's copy: F.linear
+    head = packed(torch.randn(40, 24), 1, spare=False)
+    assert head is not None and head[1] == "native"
+    x = torch.randn(1, 24)
+    torch.testing.assert_close(matmul(x, head, None), x @ head[0].t(), rtol=1e-5, atol=1e-5)
