@@ -4,9 +4,12 @@ An experiment's `[[derive]]` (kvbench.experiment) names a function `(records, **
 list[Record]` that turns committed records into new ones (a model fed with measurements,
 e.g. the CXL KV-storage paper's ROI model, appendix A.1, with inputs read from measured
 TTFTs: kvbench.prefix.roi.derived). Each is labelled provenance "projected", so measured
-and derived numbers never mix unlabelled; `kvbench experiment run` rewrites the output
-whole after the suites, and the tables pivot it like any records. The function's module
-names the parameters its records carry in RECORD_PARAMS (tables may name them).
+and derived numbers never mix unlabelled, unless its module declares PROVENANCE "measured"
+(statistics of measured records that are measurements themselves, not a model: compare's
+verdicts between unchanged runs, kvbench.compare_study); `kvbench experiment run`
+rewrites the output whole after the suites, and the tables pivot it like any records. The
+function's module names the parameters its records carry in RECORD_PARAMS (tables may
+name them).
 """
 
 from __future__ import annotations
@@ -62,14 +65,17 @@ class Derivation:
 
     def write(self, records: list[dict[str, Any]]) -> int:
         """`out` rewritten whole with what the function computes from `records`, every
-        record checked to be labelled projected before anything is written."""
+        record checked to carry its module's provenance before anything is written."""
+        import sys
+
         from kvbench.envinfo import collect_env
         from kvbench.store import ResultWriter
 
         recs = self.resolve()(records, **self.args)
+        want = getattr(sys.modules[self.function.partition(":")[0]], "PROVENANCE", "projected")
         for r in recs:
-            require(r.provenance == "projected", f"derive '{self.function}': its record "
-                    f"{r.name} {r.metric} is not labelled projected")
+            require(r.provenance == want, f"derive '{self.function}': its record "
+                    f"{r.name} {r.metric} is not labelled {want}")
         self.out.unlink(missing_ok=True)
         with ResultWriter(self.out, collect_env()) as w:
             w.write_all(recs)

@@ -25,7 +25,7 @@ LAYERS = (
     ("engine", ("kvbench.runtime", "kvbench.suite", "kvbench.suite_spec", "kvbench.suite_jobs",
                 "kvbench.suite_units",
                 "kvbench.fleet", "kvbench.prefix", "kvbench.plan", "kvbench.compare",
-                "kvbench.noise", "kvbench.derive",
+                "kvbench.noise", "kvbench.derive", "kvbench.compare_study",
                 "kvbench.probes.serve_sim",  # a probe that runs the model (kvbench.prefix)
                 "kvbench.hwmodel.sweep")),  # projections at kvbench.plan's largest batch
     ("presentation", ("kvbench.render", "kvbench.report", "kvbench.summary",
