@@ -114,6 +114,14 @@ def test_step_bound_is_bytes_over_bandwidth_and_efficiency_bound_over_steps(
     assert rec["samples"] == pytest.approx([want] * 5, rel=1e-12)
     assert rec["method"]["bandwidth_source"] == "probe"
     assert rec["method"]["bytes_per_step"] == {"accel": pytest.approx(hand_bytes(2))}
+    # the bytes alone, counted: one record per memory or link and their total
+    counted = {r["params"]["where"]: r for r in map(json.loads, (tmp_path / "run.jsonl")
+                                                    .read_text().splitlines())
+               if r.get("metric") == "step_bytes"}
+    assert list(counted) == ["accel", "total"]
+    assert {(r["unit"], r["direction"]) for r in counted.values()} == {("B", "lower")}
+    for r in counted.values():
+        assert r["samples"] == pytest.approx([hand_bytes(2)] * 5, rel=1e-12)
     eff = recs["step_efficiency"]
     tbt = recs["tbt"]
     assert eff["direction"] == "higher" and eff["unit"] == "ratio"

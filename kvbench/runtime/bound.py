@@ -24,8 +24,10 @@ Bandwidth (`Bandwidth`) comes from either
     "calibration"  this machine's stored `kvbench calibrate` records (the attention probe's
                    host_read_gbps at its largest size, the roofline's cuda:0 memory_gbps,
                    the bandwidth probe's curves at their largest size).
-Records: `step_bound_s` (per decode step, informational) and `step_efficiency` (per step its
-bound over its measured time; higher is better, 1 is the bytes bound).
+Records: `step_bytes` (per memory or link, counted: the bytes alone, free of the probe's
+run-to-run noise, for comparing strategies), `step_bound_s` (per decode step,
+informational) and `step_efficiency` (per step its bound over its measured time; higher is
+better, 1 is the bytes bound).
 """
 
 from __future__ import annotations
@@ -94,16 +96,25 @@ def bound(nbytes: dict[str, float], bw: Bandwidth
 
 def records(name: str, params: dict[str, ParamValue], steps: list[float], graph: Any,
             bw: Bandwidth | str) -> Iterator[Record]:
-    """`step_bound_s` and `step_efficiency` of the decode steps (seconds `steps`, steps
-    1..len(steps) of `graph`); `bw` a reason string when no bandwidth was measured."""
+    """`step_bytes` per memory and link (counted: what the step reads and moves, which
+    no bandwidth's noise touches; compare strategies by these), `step_bound_s` and
+    `step_efficiency` of the decode steps (seconds `steps`, steps 1..len(steps) of `graph`);
+    `bw` a reason string when no bandwidth was measured."""
+    by_step = graph.steps()
+    per = [step_bytes(by_step.get(s, [])) for s in range(1, len(steps) + 1)]
+    keys = sorted({k for b in per for k in b})
+    for k in [*keys, "total"]:
+        yield measured("run", name, "step_bytes", "B", "lower",
+                       [sum(b.values()) if k == "total" else b.get(k, 0.0) for b in per],
+                       {**params, "where": k},
+                       {"per": "decode step: bytes its counters read from this memory or "
+                               "move over this link (counted, not timed); total: every "
+                               "memory and link"})
     if isinstance(bw, str):
         for metric in ("step_bound_s", "step_efficiency"):
             yield not_measured("run", name, metric, "waived", bw, params)
         return
-    by_step = graph.steps()
-    per = [step_bytes(by_step.get(s, [])) for s in range(1, len(steps) + 1)]
     bounds = [bound(b, bw) for b in per]
-    keys = sorted({k for b in per for k in b})
     med = {k: statistics.median(b.get(k, 0.0) for b in per) for k in keys}
     busy = {m: statistics.median(x[1].get(m, 0.0) for x in bounds)
             for m in sorted({m for x in bounds for m in x[1]})}
