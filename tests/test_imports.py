@@ -30,7 +30,7 @@ LAYERS = (
                 "kvbench.hwmodel.sweep")),  # projections at kvbench.plan's largest batch
     ("presentation", ("kvbench.render", "kvbench.report", "kvbench.summary",
                       "kvbench.html_report", "kvbench.plots.budget", "kvbench.present")),
-    ("commands", ("kvbench.cli", "kvbench.experiment")),
+    ("commands", ("kvbench.cli", "kvbench.experiment", "kvbench.experiment_spec")),
 )
 KNOWN_CIRCLES: set[tuple[str, ...]] = set()
 KNOWN_UPWARD: set[tuple[str, str]] = set()
