@@ -14,7 +14,8 @@ from conftest import assert_usage_error, cli
 from kvbench import experiment
 from kvbench.errors import KvbenchError
 from kvbench.experiment import load_experiment, render
-from kvbench.present.pivot import Pivot, Table
+from kvbench.present.pivot import Pivot
+from kvbench.present.table import Table
 
 FIX = Path(__file__).parent / "fixtures" / "experiment"
 

@@ -15,7 +15,7 @@ import pytest
 from kvbench import experiment
 from kvbench.errors import KvbenchError
 from kvbench.experiment import load_experiment, load_records, render
-from kvbench.present.pivot import Table
+from kvbench.present.table import Table
 
 FIX = Path(__file__).parent / "fixtures" / "experiment"
 

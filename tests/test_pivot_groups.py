@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from kvbench.errors import KvbenchError
-from kvbench.present.pivot import Extra, Pivot, Table
+from kvbench.present.pivot import Extra, Pivot
+from kvbench.present.table import Table
 
 
 def rec(name: str, metric: str, value: float, samples: list[float] | None = None,

@@ -14,7 +14,8 @@ from collections import Counter, defaultdict
 from typing import Any
 
 from kvbench.errors import KvbenchError
-from kvbench.present.pivot import PER_RECORD, Pivot, Table
+from kvbench.present.pivot import PER_RECORD, Pivot
+from kvbench.present.table import Table
 
 METRICS = ("perplexity", "passkey_accuracy", "top10_recall", "decode_tokens_per_s",
            "step_efficiency")
