@@ -54,7 +54,7 @@ from typing import Any
 from kvbench.errors import require
 from kvbench.experiment_spec import Experiment, load_experiment, names
 from kvbench.experiment_spec import rel as _rel
-from kvbench.present.pivot import Table
+from kvbench.present.table import Table
 from kvbench.store import REPO_ROOT
 
 __all__ = ["Experiment", "derive", "load_experiment", "load_records", "names", "project",
