@@ -1,6 +1,7 @@
-"""Decode's native matmul (probes/gemv.c through kvbench.kernels.cpu.gemv): x @ W^T equal
-to a float64 reference for every batch it takes, under both instruction sets, on one and
-several threads; where it applies; and the batch-1 weight layout that uses it."""
+"""Decode's native CPU kernels: the matmul (probes/gemv.c through kvbench.kernels.cpu.gemv),
+x @ W^T equal to a float64 reference for every batch it takes, under both instruction sets,
+on one and several threads; where it applies; the batch-1 weight layout that uses it; and
+the cold-KV prefetch setting of decode runs."""
 
 from __future__ import annotations
 
@@ -79,3 +80,16 @@ def test_batch_one_reads_the_weight_as_it_is_and_prefill_falls_back() -> None:
     assert head is not None and head[1] == "native"
     x = torch.randn(1, 24)
     torch.testing.assert_close(matmul(x, head, None), x @ head[0].t(), rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_cold_kv_prefetches_every_dense_call_and_restores_the_default() -> None:
+    """Inside a decode run every dense call prefetches (kvbench.kernels.cpu.cold_kv); the
+    default (half the LLC, for probes' repeated calls) comes back after, also on error."""
+    before = cpu.prefetch_from()
+    with cpu.cold_kv():
+        assert cpu.prefetch_from() == 0
+    assert cpu.prefetch_from() == before
+    with pytest.raises(RuntimeError), cpu.cold_kv():
+        raise RuntimeError("a step failed")
+    assert cpu.prefetch_from() == before

@@ -59,6 +59,7 @@ def run(cls: type[Strategy], sparams: Any, cfg: RunConfig, hooks: Hooks = Hooks(
     import torch
 
     from kvbench.kernels.attention import backend_use
+    from kvbench.kernels.cpu import cold_kv
     from kvbench.models.weights import load
     from kvbench.runtime import bound, opcount
     from kvbench.runtime.context import Counters, RunContext
@@ -144,7 +145,7 @@ def run(cls: type[Strategy], sparams: Any, cfg: RunConfig, hooks: Hooks = Hooks(
             stopped.append(why)
         return bool(stopped)
 
-    with gc_off():
+    with gc_off(), cold_kv():
         advance = hooks.progress(f"{cls.name}: decode", turns * g)
         outcome = decode_run(model, strategy, rows, g, mode, sync, step, turns,
                              turns_hook.between if turns_hook else None)
@@ -186,7 +187,7 @@ def run(cls: type[Strategy], sparams: Any, cfg: RunConfig, hooks: Hooks = Hooks(
         cache.close()
     if cfg.compare_hf and not stopped:
         def again() -> list[float]:  # one more greedy decode of ours, for interleaving
-            with gc_off():
+            with gc_off(), cold_kv():
                 return decode_run(model, start(length), rows[:, :p], g, "generate",
                                   sync).steps
 
