@@ -101,4 +101,7 @@ def lib() -> ctypes.CDLL:
     so.kvb_gemv.argtypes = [vp, vp, vp, i64, i64, i64, i64, ctypes.c_int]
     so.kvb_gemv_isa.restype = ctypes.c_int
     so.kvb_gemv_isa.argtypes = [ctypes.c_int]
+    so.kvb_page_select.restype = ctypes.c_int  # probes/pages.c
+    so.kvb_page_select.argtypes = [vp, i64, i64, i64, i64, vp, vp, i64p, i64, i64, i64, i64,
+                                   ctypes.c_int, i64, i64, vp, vp, ctypes.c_int]
     return so

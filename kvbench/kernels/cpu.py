@@ -196,3 +196,40 @@ def cold_kv() -> Iterator[None]:
         yield
     finally:
         prefetch_from(before)
+
+
+def page_select_ok(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> bool:
+    """Whether `page_select` applies: CPU float32 q [B, Hq, 1, D] and digests with a
+    contiguous last dimension, the library built."""
+    import torch
+
+    return (q.device.type == "cpu" and q.dtype == lo.dtype == hi.dtype == torch.float32
+            and q.shape[2] == 1 and lo.stride(-1) == 1 and hi.stride() == lo.stride()
+            and _lib() is not None)
+
+
+def page_select(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, n_pages: int, k: int,
+                sinks: int, window: int, per: str, page: int, n: int,
+                threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quest's selection in one call (probes/pages.c): page scores of q [B, Hq, 1, D]
+    against digests lo/hi [B, Hkv, >= n_pages, D] per KV head (`per` "kv": the group's q
+    summed) or per query head, the sinks, window and top-k pages (k < n_pages), their token
+    positions < n. Returns (pos int32 [B, H, k * page], lens int32 [B, H]): a row's first
+    lens positions, ascending, the rest 0, as kvbench.strategies._pages.page_tokens gives
+    them for select_pages' pages. Callers check `page_select_ok` first."""
+    import torch
+
+    b, hq, _, d = q.shape
+    hkv = lo.shape[1]
+    h = hkv if per != "query" else hq
+    pos = torch.empty(b, h, k * page, dtype=torch.int32)
+    lens = torch.empty(b, h, dtype=torch.int32)
+    strides = (ctypes.c_int64 * 3)(*lo.stride()[:3])
+    qc = q if q.is_contiguous() else q.contiguous()
+    got = _lib().kvb_page_select(qc.data_ptr(), b, hq, hkv, d, lo.data_ptr(), hi.data_ptr(),
+                                 strides, n_pages, k, sinks, window, int(per != "query"),
+                                 page, n, pos.data_ptr(), lens.data_ptr(),
+                                 threads or torch.get_num_threads())
+    if got != 0:
+        raise KvbenchError(f"native page selection failed ({got})")
+    return pos, lens

@@ -200,6 +200,7 @@ class Quest(Strategy):
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
         """One token: score pages with its query, attend the top ones (module docstring)."""
+        from kvbench.kernels import cpu
         from kvbench.kernels.attention import dense_attention
 
         p = self.p
@@ -214,10 +215,15 @@ class Quest(Strategy):
             return out
         dig = self.dig[layer]
         per, sinks, window = p.rule()
+        lo, hi = dig.lo[:, :, :n_pages], dig.hi[:, :, :n_pages]
         with counters.timed("bookkeeping.select"):
-            scores = page_scores(q, dig.lo[:, :, :n_pages], dig.hi[:, :, :n_pages], per)
-            pages = select_pages(scores, n_pages, k_pages, sinks, window)
-            pos, lens = page_tokens(pages, p.page_size, n)
+            if cpu.page_select_ok(q, lo, hi):  # one native call, as the three below
+                pos, lens = cpu.page_select(q, lo, hi, n_pages, k_pages, sinks, window, per,
+                                            p.page_size, n)
+            else:
+                pages = select_pages(page_scores(q, lo, hi, per), n_pages, k_pages, sinks,
+                                     window)
+                pos, lens = page_tokens(pages, p.page_size, n)
         counters.add("bytes_read", "accel", dig.nbytes(n))
         self.last[layer] = pos, lens
         return attend_selected(q, kc, vc, pos, lens, counters)[0]

@@ -1,0 +1,48 @@
+"""Quest's page selection in one native call (probes/pages.c through
+kvbench.kernels.cpu.page_select) against the torch path it replaces (page_scores,
+select_pages, page_tokens of kvbench.strategies._pages), per KV head and per query head,
+with sinks, a window, a partial last page and digests that are views of larger buffers
+(k at least sinks + window, as the strategies check: beyond it the tie among forced pages
+is arbitrary in both)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvbench.kernels import cpu  # noqa: E402
+from kvbench.strategies._pages import page_scores, page_tokens, select_pages  # noqa: E402
+
+needs_native = pytest.mark.skipif(cpu._lib() is None, reason="native library not built")
+
+
+@needs_native
+@pytest.mark.parametrize("per", ["kv", "query"])
+@pytest.mark.parametrize(("n", "k", "sinks", "window"), [(1000, 8, 1, 2), (1003, 5, 0, 1),
+                                                         (97, 6, 2, 3), (4096, 32, 1, 1)])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_native_selection_equals_the_torch_path(per: str, n: int, k: int, sinks: int,
+                                                window: int, threads: int) -> None:
+    page, b, hq, hkv, d = 16, 2, 6, 2, 32
+    g = torch.Generator().manual_seed(n + k + sinks)
+    n_pages = -(-n // page)
+    lo_buf = torch.randn(b, hkv, n_pages + 7, d, generator=g)  # a preallocated P_max
+    hi_buf = lo_buf + torch.rand(b, hkv, n_pages + 7, d, generator=g)
+    q = torch.randn(b, hq, 1, d, generator=g)
+    lo, hi = lo_buf[:, :, :n_pages], hi_buf[:, :, :n_pages]
+    ref_pos, ref_lens = page_tokens(select_pages(page_scores(q, lo, hi, per), n_pages, k,
+                                                 sinks, window), page, n)
+    pos, lens = cpu.page_select(q, lo, hi, n_pages, k, sinks, window, per, page, n, threads)
+    assert pos.dtype == lens.dtype == torch.int32
+    assert torch.equal(lens.long(), ref_lens.long())
+    assert torch.equal(pos.long(), ref_pos.long())  # the tails are 0 in both
+
+
+@needs_native
+def test_where_native_selection_applies() -> None:
+    q, lo = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 5, 8)
+    assert cpu.page_select_ok(q, lo, lo + 1)
+    assert not cpu.page_select_ok(torch.randn(1, 4, 2, 8), lo, lo)  # two queries: append
+    assert not cpu.page_select_ok(q.bfloat16(), lo.bfloat16(), lo.bfloat16())
+    assert not cpu.page_select_ok(q, lo, torch.randn(1, 2, 9, 8)[:, :, :5])  # strides differ
