@@ -198,6 +198,11 @@ def cold_kv() -> Iterator[None]:
         prefetch_from(before)
 
 
+def native_built() -> bool:
+    """Whether the native library is built and loads."""
+    return _lib() is not None
+
+
 def page_select_ok(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> bool:
     """Whether `page_select` applies: CPU float32 q [B, Hq, 1, D] and digests with a
     contiguous last dimension, the library built."""

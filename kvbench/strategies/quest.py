@@ -140,8 +140,13 @@ class Quest(Strategy):
     def placement(cls, params: QuestParams, ctx: RunContext) -> dict[str, int]:
         """Every layer's k/v [B, Hkv, max_len, D] and digests lo/hi [B, Hkv, P_max, D] (1/S
         of the K+V bytes) on the accelerator; per sparse layer, the last step's selection:
-        int64 positions [B, H, K * S] and lengths [B, H] (H: query or KV heads, K: the
-        budget's pages, fewer than the cache's)."""
+        positions [B, H, K * S] and lengths [B, H] (H: query or KV heads, K: the budget's
+        pages, fewer than the cache's), int32 from the native selection (CPU float32),
+        int64 from torch's."""
+        import torch
+
+        from kvbench.kernels import cpu
+
         s, page = ctx.spec, params.page_size
         kv = ctx.batch * ctx.max_len * s.kv_bytes_per_token(ctx.elem_bytes, ctx.n_layers)
         heads = ctx.batch * (s.n_heads if params.rule()[0] == "query" else s.n_kv_heads)
@@ -149,7 +154,10 @@ class Quest(Strategy):
         sparse = ctx.n_layers - min(params.dense_layers, ctx.n_layers)
         digests = (ctx.n_layers * 2 * ctx.batch * s.n_kv_heads * -(-ctx.max_len // page)
                    * s.head_dim * ctx.elem_bytes)
-        return {"accel": kv + digests + sparse * heads * (k_pages * page + 1) * 8, "host": 0}
+        native = ctx.accel.type == "cpu" and ctx.dtype == torch.float32 and cpu.native_built()
+        return {"accel": kv + digests + sparse * heads * (k_pages * page + 1) * (4 if native
+                                                                                 else 8),
+                "host": 0}
 
     def __init__(self, params: QuestParams, ctx: RunContext) -> None:
         import torch
