@@ -43,36 +43,36 @@ class Derivation:
             raise KvbenchError(f"{where}: {e}") from None
         return d
 
-    def resolve(self) -> Any:
+    def module(self) -> Any:
+        """The function's module (None when it is not a kvbench module that imports)."""
         import importlib
 
-        module, _, name = self.function.partition(":")
+        module = self.function.partition(":")[0]
         try:
-            mod = importlib.import_module(module) if module.startswith("kvbench.") else None
+            return importlib.import_module(module) if module.startswith("kvbench.") else None
         except ImportError:
-            mod = None
-        fn = getattr(mod, name, None) if name else None
+            return None
+
+    def resolve(self) -> Any:
+        name = self.function.partition(":")[2]
+        fn = getattr(self.module(), name, None) if name else None
         require(callable(fn), f"unknown derive function '{self.function}' (a "
                 "'kvbench.module:function')")
         return fn
 
     def params(self) -> set[str]:
         """The parameters its records carry (its module's RECORD_PARAMS)."""
-        import sys
-
         self.resolve()
-        return set(getattr(sys.modules[self.function.partition(":")[0]], "RECORD_PARAMS", ()))
+        return set(getattr(self.module(), "RECORD_PARAMS", ()))
 
     def write(self, records: list[dict[str, Any]]) -> int:
         """`out` rewritten whole with what the function computes from `records`, every
         record checked to carry its module's provenance before anything is written."""
-        import sys
-
         from kvbench.envinfo import collect_env
         from kvbench.store import ResultWriter
 
         recs = self.resolve()(records, **self.args)
-        want = getattr(sys.modules[self.function.partition(":")[0]], "PROVENANCE", "projected")
+        want = getattr(self.module(), "PROVENANCE", "projected")
         for r in recs:
             require(r.provenance == want, f"derive '{self.function}': its record "
                     f"{r.name} {r.metric} is not labelled {want}")

@@ -97,6 +97,19 @@ def target_shape(model: str | None, batch: int, prompt_len: int, gen_len: int,
     return Shape(get_spec(model), batch, prompt_len, gen_len, elem)
 
 
+def profile_at(name: str, probe_files: list[Path], results: list[dict],
+               spec: ModelSpec | None, gpus: int | None = None, pnms: int | None = None,
+               this: list[dict] | None = None) -> Profile:
+    """`resolve`'s profile, replicated to `gpus` GPUs and `pnms` PNMs when either is given
+    (the other one then counts 1)."""
+    p = resolve(name, probe_files, results, spec, this)
+    if gpus is None and pnms is None:
+        return p
+    from kvbench.hwmodel.profile import replicate
+
+    return replicate(p, 1 if gpus is None else gpus, 1 if pnms is None else pnms)
+
+
 def projected(src: list[dict], label: str, hardware: list[str], probe_files: list[Path],
               memory: str, target: Shape | None = None, carried: bool = True,
               gpus: int | None = None, pnms: int | None = None, skip: int = 0
@@ -121,12 +134,7 @@ def projected(src: list[dict], label: str, hardware: list[str], probe_files: lis
     for h in hardware:
         for spec in specs.values():
             if at(h, spec) not in profiles:
-                p = resolve(h, probe_files, src, spec, this)
-                if gpus is not None or pnms is not None:
-                    from kvbench.hwmodel.profile import replicate
-
-                    p = replicate(p, 1 if gpus is None else gpus, 1 if pnms is None else pnms)
-                profiles[at(h, spec)] = p
+                profiles[at(h, spec)] = profile_at(h, probe_files, src, spec, gpus, pnms, this)
     out = [rec for h in hardware for key, recs in groups.items()
            for rec in records(recs, profiles[at(h, specs[key])], memory, target, carried,
                               skip)]

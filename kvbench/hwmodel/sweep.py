@@ -136,16 +136,14 @@ def records(proj: Projection, label: str) -> list[Record]:
 def _busy(proj: Projection, recs: list[dict[str, Any]], target: Any, carried: bool,
           gpus: int | None, pnms: int | None, tag: dict[str, Any]) -> list[Record]:
     """Busy seconds per decode step of each resource:op on each profile (Fig. 13-style)."""
-    from kvbench.hwmodel.cli import resolve
-    from kvbench.hwmodel.profile import replicate
+    from kvbench.hwmodel.cli import profile_at
     from kvbench.hwmodel.project import project_run
     from kvbench.schema import measured
 
     out = []
     for h in proj.hardware:
-        prof = resolve(h, list(proj.probes), recs, target.spec if target else None)
-        if gpus is not None or pnms is not None:
-            prof = replicate(prof, gpus or 1, pnms or 0)
+        prof = profile_at(h, list(proj.probes), recs, target.spec if target else None, gpus,
+                          pnms)
         _, dec = project_run(recs, prof, proj.memory, target, carried, proj.skip)
         for op in sorted({k for s in dec for k in s.ops}):
             r = measured("run", recs[0]["name"], "busy_seconds_per_step", "s", "none",

@@ -40,6 +40,11 @@ def _lib() -> ctypes.CDLL | None:
         return None
 
 
+def native_built() -> bool:
+    """Whether the native library is built and loads."""
+    return _lib() is not None
+
+
 ISAS = ("portable", "avx2")
 
 
@@ -79,7 +84,7 @@ def native_ok(q: torch.Tensor) -> bool:
     import torch
 
     return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
-            and q.shape[2] <= MAX_NATIVE_LQ and _lib() is not None)
+            and q.shape[2] <= MAX_NATIVE_LQ and native_built())
 
 
 def output_buffers(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,7 +165,7 @@ def gemv_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
 
     return (x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32
             and w.is_contiguous() and x.is_contiguous() and x.shape[-1] == w.shape[1]
-            and 1 <= x.numel() // max(x.shape[-1], 1) <= MAX_GEMV_ROWS and _lib() is not None)
+            and 1 <= x.numel() // max(x.shape[-1], 1) <= MAX_GEMV_ROWS and native_built())
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, threads: int | None = None) -> torch.Tensor:
@@ -198,11 +203,6 @@ def cold_kv() -> Iterator[None]:
         prefetch_from(before)
 
 
-def native_built() -> bool:
-    """Whether the native library is built and loads."""
-    return _lib() is not None
-
-
 def page_select_ok(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> bool:
     """Whether `page_select` applies: CPU float32 q [B, Hq, 1, D] and digests with a
     contiguous last dimension, the library built."""
@@ -210,7 +210,7 @@ def page_select_ok(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> bool:
 
     return (q.device.type == "cpu" and q.dtype == lo.dtype == hi.dtype == torch.float32
             and q.shape[2] == 1 and lo.stride(-1) == 1 and hi.stride() == lo.stride()
-            and _lib() is not None)
+            and native_built())
 
 
 def page_select(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, n_pages: int, k: int,
