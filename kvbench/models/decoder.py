@@ -31,6 +31,7 @@ from kvbench.timing import kernel
 
 if TYPE_CHECKING:
     from kvbench.runtime.context import Counters
+    from kvbench.runtime.prefill import Recorder
     from kvbench.strategies import Strategy
 
 
@@ -99,6 +100,7 @@ class Decoder(nn.Module):
         self.n_layers = n_layers
         self.strategy: Strategy | None = None
         self.counters: Counters | None = None
+        self.recorder: Recorder | None = None  # records the prefill (kvbench.runtime.prefill)
         self._rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._at: tuple[tuple[int, int], torch.Tensor, torch.Tensor] | None = None
         self._batch = 0  # the batch size the weights are laid out for (0: none yet)
@@ -145,7 +147,13 @@ class Decoder(nn.Module):
         rows = q.shape[0] * q.shape[2]
         self.counters.dense(self.spec, "pre", rows)
         with self.counters.timed("attention"):
-            if start == 0:
+            if start == 0 and self.recorder is not None:
+                from kvbench.kernels.attention import prompt_attention
+
+                with prompt_attention(q, k, v) as memo:
+                    out = self.strategy.prefill(layer, q, k, v)
+                self.recorder.add(q, k, v, memo.result)
+            elif start == 0:
                 out = self.strategy.prefill(layer, q, k, v)
             elif q.shape[2] == 1:
                 out = self.strategy.decode(layer, q, k, v)

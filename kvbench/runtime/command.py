@@ -57,6 +57,11 @@ _HELP = {
     "bandwidth": "Bandwidth the step's bytes bound (step_bound_s, step_efficiency) divides "
                  "by: probe (measured in this run, after its decode steps) or calibration "
                  "(this machine's `kvbench calibrate`).",
+    "prefill": "Shared prefill: a file to replay this run's prefill from (refused unless "
+               "recorded with the same model, weights, layers, dtype, device, batch and "
+               "prompt tokens) or, when it does not exist, to record this run's own prefill "
+               "into; a directory: the file for this run inside it. Replayed runs waive "
+               "ttft.",
 }
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbench.errors import KvbenchError, require
+from kvbench.runtime import prefill
 from kvbench.runtime.run import RunConfig
 from kvbench.schema import Record, measured, not_measured
 from kvbench.strategies import Strategy, supports_append
@@ -99,6 +100,7 @@ def run(cls: type[Strategy], sparams: Any, cfg: RunConfig, hooks: Hooks = Hooks(
     p, g, turns, length = cfg.prompt_len, cfg.gen_len, cfg.turns, cfg.seq_len
     rows, answers = _rows(cfg, loaded, text, spec.vocab)
     rows = rows.to(device)
+    replay, recorder, shared = _prefill(cfg, spec, layers, dtype, device, weights, rows[:, :p])
     mode = "generate" if cfg.mode == "passkey" else cfg.mode
     model = loaded.model
 
@@ -147,8 +149,10 @@ def run(cls: type[Strategy], sparams: Any, cfg: RunConfig, hooks: Hooks = Hooks(
 
     with gc_off(), cold_kv():
         advance = hooks.progress(f"{cls.name}: decode", turns * g)
+        model.recorder = recorder
         outcome = decode_run(model, strategy, rows, g, mode, sync, step, turns,
-                             turns_hook.between if turns_hook else None)
+                             turns_hook.between if turns_hook else None, replay)
+        model.recorder = None
     sync()
     meter.stop()
     backend = backend_use(reset=True)  # attention backend per phase of the timed run
@@ -189,18 +193,52 @@ def run(cls: type[Strategy], sparams: Any, cfg: RunConfig, hooks: Hooks = Hooks(
         def again() -> list[float]:  # one more greedy decode of ours, for interleaving
             with gc_off(), cold_kv():
                 return decode_run(model, start(length), rows[:, :p], g, "generate",
-                                  sync).steps
+                                  sync, replay=replay).steps
 
         recs += compare_hf(cls.name, params, loaded.hf_model, rows[:, :p], outcome, again,
                            device, sync)
+    if recorder is not None:
+        recorder.save(shared[0], shared[1], rows[:, :p], f"kvbench run {cls.name} "
+                      f"({time.strftime('%Y-%m-%dT%H:%M:%S%z')})")
+    if replay is not None:  # its prefill was not this run's: not timed, no energy of it
+        recs = [_untimed_prefill(r, replay) for r in recs]
     why = (f"interrupted by {stopped[0]} after {len(outcome.steps)} of {turns * g} decode "
            "steps") if stopped else ""
     for rec in recs:
         rec.version = cls.version
         rec.method.setdefault("backend", backend)
+        rec.method.update(prefill.method(replay, shared[0] if shared else None))
         if why:
             rec.method["partial"] = why
     return RunResult(recs, params, fit, accuracy, why, turns_hook is not None)
+
+
+def _prefill(cfg: RunConfig, spec: Any, layers: int, dtype: Any, device: Any, weights: str,
+             prompt: Any) -> tuple[Any, Any, tuple[Any, dict] | None]:
+    """`--prefill`: (the replay to decode from, or the recorder of this run's own prefill,
+    and (file, fields)); (None, None, None) without it."""
+    if not cfg.prefill:
+        return None, None, None
+    require(cfg.turns == 1 and not cfg.prefix_cache, "--prefill: single-turn runs without "
+            "--prefix-cache only (it replaces the first prompt's prefill)")
+    meta = {"model": spec.name, "weights": weights, "layers": layers,
+            "seed": cfg.seed if weights == "random" else None,
+            "dtype": str(dtype).removeprefix("torch."), "accel": device.type,
+            "batch": cfg.batch, "prompt_len": cfg.prompt_len}
+    path = prefill.file_for(cfg.prefill, meta, prompt)
+    if path.exists():
+        return prefill.load(path, meta, prompt, device), None, (path, meta)
+    return None, prefill.Recorder(), (path, meta)
+
+
+def _untimed_prefill(rec: Record, replay: Any) -> Record:
+    """A replayed run's record of its prefill's time or energy, waived (others as they are)."""
+    why = f"prefill replayed from {replay.path}, not run here"
+    if rec.metric in ("ttft", "energy_per_token") or (
+            rec.metric.startswith("trace.") and rec.unit == "s"
+            and rec.params.get("phase") == "prefill"):
+        return not_measured(rec.kind, rec.name, rec.metric, "waived", why, rec.params)
+    return rec
 
 
 def _rows(cfg: RunConfig, loaded: Any, text: str, vocab: int) -> tuple[Any, list[Any]]:

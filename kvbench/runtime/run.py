@@ -65,6 +65,7 @@ class RunConfig:
     prefix_chunk: int = 16  # tokens per hashed chunk (vLLM's block size)
     prefix_reps: int = 3  # timed repetitions of each path per turn
     bandwidth: str = "probe"  # of the step bound: kvbench.runtime.bound.SOURCES
+    prefill: str = ""  # shared prefill file or directory (kvbench.runtime.prefill)
 
     @property
     def seq_len(self) -> int:
@@ -192,14 +193,16 @@ class Outcome:
 
 def decode_run(model: Any, strategy: Strategy, rows: Any, gen_len: int, mode: str,
                sync: Callable[[], None], on_step: Callable[[], bool | None] = lambda: None,
-               turns: int = 1, between: Callable[[int, Any, Strategy], None] | None = None
-               ) -> Outcome:
+               turns: int = 1, between: Callable[[int, Any, Strategy], None] | None = None,
+               replay: Any = None) -> Outcome:
     """`turns` turns of (prompt, gen_len decode steps) as the module describes.
 
     `on_step` runs after every decode step; when it returns True the run stops there (an
     interrupt) and the outcome holds the steps completed so far. `between(turn, seq,
     strategy)` runs before each later turn's prompt, outside the timed region (the prefix
-    cache's save and its TTFT paths, kvbench.prefix.turns).
+    cache's save and its TTFT paths, kvbench.prefix.turns). `replay`: a shared prefill
+    (kvbench.runtime.prefill.Replay) replayed in place of the first prompt's forward; a
+    model with a `recorder` records its own prefill into it.
 
     rows [B, turns * P] (generate: each turn's prompt) or [B, turns * (P + G + 1)] (eval:
     the whole sequence).
@@ -235,7 +238,15 @@ def decode_run(model: Any, strategy: Strategy, rows: Any, gen_len: int, mode: st
         sync()
         counters.step_begin()
         t0 = time.perf_counter_ns()
-        score(model(seq[:, start:base + p], start), base + p)
+        if replay is not None and not turn:
+            from kvbench.runtime.prefill import replay_prefill
+
+            logits = replay_prefill(model, replay)
+        else:
+            logits = model(seq[:, start:base + p], start)
+        if getattr(model, "recorder", None) is not None and not turn:
+            model.recorder.logits = logits
+        score(logits, base + p)
         sync()
         firsts.append((time.perf_counter_ns() - t0) * 1e-9)
         counters.step_end(firsts[-1])
