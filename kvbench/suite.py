@@ -4,6 +4,9 @@
     name = "smoke"                    # baselines: results/baselines/<machine-class>/<name>.jsonl
     output = "results/smoke.jsonl"    # relative to the current directory
     repetitions = 1                   # default for every case
+    order = "round"                   # every case's repetition r before any case's r + 1
+                                      # (drift hits every case alike; default "case": a
+                                      # case's repetitions back to back)
     threshold = "10%"                 # default smallest relative change that counts
     machines = ["a100", "cxl"]        # --ray: run every case on each node of these classes
 

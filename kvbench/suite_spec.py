@@ -29,7 +29,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-_SUITE_KEYS = {"name", "description", "output", "repetitions", "guard", "threshold", "machines"}
+_SUITE_KEYS = {"name", "description", "output", "repetitions", "guard", "threshold", "machines",
+               "order"}
 _CASE_KEYS = {"probe", "strategy", "id", "params", "sweep", "repetitions", "requires", "note",
               "exclusive", "resources"}
 _ACCURACY_MODES = ("eval", "passkey")  # strategy modes whose headline is not a speed
@@ -81,6 +82,7 @@ class Suite:
     description: str = ""
     machines: list[str] = field(default_factory=list)  # fleet: machine classes to fan out to
     text: str = ""  # the TOML, shipped to `--jobs` workers and fleet nodes
+    order: str = "case"  # "round": every case's repetition r before any case's r + 1
 
 
 class _Lines:
@@ -395,6 +397,9 @@ def load_suite(path: Path | str, text: str | None = None) -> Suite:
         problems.append((lines.key("suite", 0, "machines"), "machines must be a list of "
                          "machine class names"))
         machines = []
+    if head.get("order", "case") not in ("case", "round"):
+        problems.append((lines.key("suite", 0, "order"), "order must be 'case' (a case's "
+                         "repetitions back to back) or 'round' (interleaved)"))
     if not doc.get("case"):
         problems.append((1, "the suite has no [[case]]"))
     if len(problems) == 1:
@@ -404,4 +409,5 @@ def load_suite(path: Path | str, text: str | None = None) -> Suite:
         raise KvbenchError(f"{path}: {len(problems)} problem(s), nothing was run\n{detail}")
     return Suite(path, head.get("name", path.stem), Path(head.get("output",
                  f"results/{path.stem}.jsonl")), [c for c in cases if c], ratios,
-                 guards, threshold, head.get("description", ""), machines, text)
+                 guards, threshold, head.get("description", ""), machines, text,
+                 head.get("order", "case"))

@@ -54,7 +54,8 @@ class Unit:
 
 
 def units(suite: Suite, only: str | None = None) -> list[Unit]:
-    """Every unit of the suite in file order, optionally those whose label (or case id)
+    """Every unit of the suite in file order (`order = "round"`: by repetition first),
+    optionally those whose label (or case id)
     matches the glob `only`; brackets in it are literal, as in the labels
     ('quest[*budget_tokens=64]*'), so `*` and `?` are its only wildcards."""
     if only is not None:
@@ -69,6 +70,8 @@ def units(suite: Suite, only: str | None = None) -> list[Unit]:
                 if only is None or fnmatch.fnmatch(label, only) or (
                         case.id and fnmatch.fnmatch(case.id, only)):
                     out.append(Unit(case, params, rep, label))
+    if suite.order == "round":  # repetition r of every case before any case's r + 1
+        out.sort(key=lambda u: u.rep)
     return out
 
 

@@ -67,6 +67,19 @@ def test_sweep_and_repetitions_expand_with_stable_ids(tmp_path):
     assert us[0].command() == "kvbench probe timer --calls 200 --reps 3"
 
 
+def test_round_order_interleaves_repetitions(tmp_path, capsys):
+    """order = "round": every case's repetition r before any case's r + 1, the units (and
+    their ids) otherwise those of the default order; an unknown order is one line."""
+    text = TIMER + "sweep = { reps = [3, 4] }\nrepetitions = 2\n"
+    by_case = units(load_suite(write(tmp_path, text)))
+    path = write(tmp_path, 'order = "round"\n' + text, "r.toml")
+    by_round = units(load_suite(path))
+    assert [(u.params["reps"], u.rep) for u in by_round] == [(3, 0), (4, 0), (3, 1), (4, 1)]
+    assert sorted(u.case_id for u in by_round) == sorted(u.case_id for u in by_case)
+    bad = write(tmp_path, 'order = "random"\n' + TIMER, "b.toml")
+    assert_usage_error(cli(["suite", "run", str(bad)], capsys), "b.toml:4:", "order must be")
+
+
 def test_failing_case_is_recorded_and_suite_goes_on(tmp_path, monkeypatch, capsys):
     from kvbench.probes.timer import TimerProbe
 
