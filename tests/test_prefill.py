@@ -118,6 +118,9 @@ def test_cli_records_then_replays(tmp_path: Path, capsys) -> None:
     assert "kvbench run full" in shared[0]["method"]["prefill"]
     ttft = {r["name"]: r for r in own + shared if r["metric"] == "ttft"}
     assert ttft["full"]["status"] == "ok" and ttft["streaming"]["status"] == "waived"
+    peak = {(r["name"], r["params"]["where"]): r["status"] for r in own + shared
+            if r["metric"] == "peak_memory"}
+    assert peak[("full", "host")] == "ok" and peak[("streaming", "host")] == "waived"
     tbt = next(r for r in shared if r["metric"] == "tbt")
     assert tbt["status"] == "ok" and "prefill" not in tbt["params"]
 

@@ -232,8 +232,12 @@ def _prefill(cfg: RunConfig, spec: Any, layers: int, dtype: Any, device: Any, we
 
 
 def _untimed_prefill(rec: Record, replay: Any) -> Record:
-    """A replayed run's record of its prefill's time or energy, waived (others as they are)."""
+    """A replayed run's record of its prefill's time or energy, and its host peak (the
+    file's mapped pages count in the resident set), waived; others as they are."""
     why = f"prefill replayed from {replay.path}, not run here"
+    if rec.metric == "peak_memory" and rec.params.get("where") == "host":
+        return not_measured(rec.kind, rec.name, rec.metric, "waived", f"{why}: the peak "
+                            "resident set holds the file's mapped pages", rec.params)
     if rec.metric in ("ttft", "energy_per_token") or (
             rec.metric.startswith("trace.") and rec.unit == "s"
             and rec.params.get("phase") == "prefill"):
