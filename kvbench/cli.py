@@ -230,22 +230,28 @@ def experiment_render_cmd(
     check: bool = typer.Option(False, help="Write nothing; exit 1 when the committed "
                                "table.md differs from what the records render."),
 ) -> None:
-    """Write results/NAME/table.md from the committed records only."""
+    """Write results/NAME/table.md from the committed records only; exit 1 when a
+    negative control shows a speed-up beyond its runs' noise."""
     from kvbench.console import wrote
-    from kvbench.experiment import load_experiment, render
+    from kvbench.experiment import controls, load_experiment, render
 
     exp = load_experiment(name)
     text = render(exp)
     target = exp.out / "table.md"
+    failed = [f"{c.title}: {v.run} {v.gain:+.1%} (allowed {v.noise:.1%})"
+              for c, found in controls(exp) for v in found if not v.ok]
     if check:
         same = target.exists() and target.read_text(encoding="utf-8") == text
         print(f"{target}: {'matches its records' if same else 'differs from its records'}")
-        if not same:
-            raise typer.Exit(1)
-        return
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(text, encoding="utf-8")
-    wrote(target)
+    else:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text, encoding="utf-8")
+        wrote(target)
+        same = True
+    for line in failed:
+        print(f"negative control failed: {line}")
+    if failed or not same:
+        raise typer.Exit(1)
 
 
 @app.command("report")

@@ -37,6 +37,7 @@ results and HTML apart, `results/<name>/` holds data and the rendered table, no 
     out = "results/prefix-cache/roi.jsonl"    # rewritten whole by `run`, after the suites
 
     [[table]]   # kvbench.present.pivot.Pivot's fields; [[table.extra]], [[table.paper]]
+    [[control]] # kvbench.present.control: runs that must show no speed-up (render fails)
 
     [suite]     # optional: runs declared inline, a suite file's [suite], [[case]] and
     [[case]]    # [[ratio]] (kvbench.suite_spec); the declaration is then its first suite
@@ -54,6 +55,7 @@ from typing import Any
 from kvbench.errors import require
 from kvbench.experiment_spec import Experiment, load_experiment, names
 from kvbench.experiment_spec import rel as _rel
+from kvbench.present import control
 from kvbench.present.table import Table
 from kvbench.store import REPO_ROOT
 
@@ -98,7 +100,18 @@ def render(exp: Experiment) -> str:
         md += [exp.setup, ""]
     for t in tables:
         md += [*t.markdown(), ""]
+    if exp.controls:
+        md += ["## Negative controls", ""]
+    for c, found in controls(exp, records):
+        md += [*control.markdown(c, found), ""]
     return "\n".join(md)
+
+
+def controls(exp: Experiment, records: list[dict[str, Any]] | None = None
+             ) -> list[tuple[Any, list[Any]]]:
+    """Each declared control with its verdicts (kvbench.present.control)."""
+    records = load_records(exp) if records is None else records
+    return [(c, control.verdicts(c, records, exp.aliases)) for c in exp.controls]
 
 
 def project(exp: Experiment) -> int:

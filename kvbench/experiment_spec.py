@@ -13,7 +13,8 @@ from typing import Any
 from kvbench.derive import Derivation
 from kvbench.errors import KvbenchError, require
 from kvbench.hwmodel.sweep import SWEPT, Projection
-from kvbench.present.pivot import PER_RECORD, TOP_LEVEL, Extra, PaperTable, Pivot
+from kvbench.present.control import Control
+from kvbench.present.pivot import COMPUTED, PER_RECORD, TOP_LEVEL, Extra, PaperTable, Pivot
 from kvbench.store import REPO_ROOT
 from kvbench.suite_spec import EXPERIMENT, INLINE, tomllib  # tomli on Python 3.10
 from kvbench.timing import Stats
@@ -43,6 +44,7 @@ class Experiment:
     labels: dict[Path, dict[str, Any]] = dataclasses.field(default_factory=dict)  # per file
     probes: tuple[Path, Path, Path] | None = None  # probe suite, before, after
     derivations: tuple[Derivation, ...] = ()
+    controls: tuple[Control, ...] = ()
 
     @property
     def out(self) -> Path:
@@ -64,7 +66,7 @@ def _known_params() -> set[str]:
         known |= {f.name for f in dataclasses.fields(cls.params)}
     for probe in PROBES.all():
         known |= {f.name for f in dataclasses.fields(probe.config)} | set(probe.record_params)
-    return known | set(TOP_LEVEL)
+    return known | set(TOP_LEVEL) | set(COMPUTED)
 
 
 def _pivot(raw: dict[str, Any], i: int, path: Path) -> Pivot:
@@ -98,6 +100,18 @@ def _pivot(raw: dict[str, Any], i: int, path: Path) -> Pivot:
         return Pivot(**kw, extras=extras, paper=paper)
     except (TypeError, KeyError) as e:
         raise KvbenchError(f"{where}: {e}") from None
+
+
+def _control(raw: dict[str, Any], i: int, path: Path) -> Control:
+    where = f"{path.name}: control {i + 1}"
+    unknown = sorted(set(raw) - {f.name for f in dataclasses.fields(Control)})
+    require(not unknown, f"{where}: unknown key '{unknown[0] if unknown else ''}'")
+    for key in ("title", "where", "reference"):
+        require(key in raw, f"{where}: '{key}' is required")
+    tolerance = raw.get("tolerance", 0.10)
+    require(isinstance(tolerance, int | float) and 0 <= tolerance < 1,
+            f"{where}: tolerance {tolerance!r}: a share from 0 to 1, e.g. 0.1")
+    return Control(**{**raw, "match": tuple(raw.get("match", ()))})
 
 
 def _projection(raw: dict[str, Any], i: int, path: Path, produced: set[Path]) -> Projection:
@@ -180,7 +194,9 @@ def load_experiment(name_or_path: str | Path) -> Experiment:
                      probes=probes,
                      derivations=tuple(Derivation.parse(d, REPO_ROOT, f"{path.name}: derive "
                                                         f"{i + 1}")
-                                       for i, d in enumerate(doc.get("derive", []))))
+                                       for i, d in enumerate(doc.get("derive", []))),
+                     controls=tuple(_control(c, i, path)
+                                    for i, c in enumerate(doc.get("control", []))))
     _check_names(exp)
     return exp
 
@@ -197,6 +213,10 @@ def _check_names(exp: Experiment) -> None:
         k for p in exp.projections for k in p.tag}
     known |= {k for label in exp.labels.values() for k in label}
     known |= {k for d in exp.derivations for k in d.params()}
+    for c in exp.controls:
+        for key in [*c.match, *c.where, *c.reference]:
+            require(key in known, f"{exp.path.name}: control '{c.title}': unknown parameter "
+                    f"'{key}'")
     for t in exp.tables:
         filters = [t.where, t.reference or {}]
         filters += [e.where for e in t.extras]

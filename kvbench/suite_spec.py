@@ -38,7 +38,7 @@ _RATIO_KEYS = {"name", "numerator", "denominator", "direction", "match"}
 _REQUIRES = {"gpu"}
 INLINE = ("suite", "case", "ratio")  # a suite's tables, also inline in an experiment
 # an experiment's own tables (kvbench.experiment), beside which a suite's may be inline
-EXPERIMENT = ("experiment", "table", "projection", "projection_defaults", "derive")
+EXPERIMENT = ("experiment", "table", "projection", "projection_defaults", "derive", "control")
 
 
 @dataclass

@@ -144,6 +144,12 @@ BAD = [
      "derive 1: unknown derive function 'kvbench.prefix.roi:derivd'"),
     ("[[table]]\ntitle = \"t\"\nmetric = \"perplexity\"\nrows = \"name\"\ncolumns = \"batch\"\n"
      "spread_stats = [\"min\", \"maks\"]", "statistic 'maks': one of"),
+    ("[[control]]\ntitle = \"c\"\nwhere = { name = \"quest\" }\nreference = { name = \"full\" }\n"
+     "match = [\"prompt_lne\"]", "control 'c': unknown parameter 'prompt_lne'"),
+    ("[[control]]\ntitle = \"c\"\nwhere = { name = \"quest\" }", "control 1: 'reference' is "
+     "required"),
+    ("[[control]]\ntitle = \"c\"\nwhere = {}\nreference = {}\ntolerance = 5",
+     "control 1: tolerance 5: a share from 0 to 1"),
 ]
 
 

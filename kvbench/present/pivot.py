@@ -9,8 +9,9 @@ recall). A run is a strategy and its parameters; records that differ only in a
 per-record field (`where`, `layer`, `phase`) belong to one run, and an extra with
 `sum_over` adds them (tokens attended on the accelerator plus the host).
 
-Fields are record keys (`name`, `metric`) or parameters (`"-"` in a filter: absent); an
-alias (`budget`: the first of `budget_tokens`, `gpu_tokens` present) lets strategies with
+Fields are record keys (`name`, `metric`), parameters (`"-"` in a filter: absent) or
+computed from them (`budget_share`: the budget over the prompt, "1/8"); an alias
+(`budget`: the first of `budget_tokens`, `gpu_tokens` present) lets strategies with
 differently named knobs share a column. Two runs in one cell are refused (one line naming
 the cell), so a table never shows one of several values silently. Under the table: the
 commits and dates its records span and the error records it left out. The papers' values
@@ -20,7 +21,8 @@ A reference per row (`reference_in = "row"`) compares the cells of one row with 
 reference cell, e.g. a run's projections (projected / measured - 1) beside the measured
 run, and states each column's median and worst |change| under the table. `median_over`
 pools the runs of one cell that differ only in that parameter (rounds of a grid repeated
-in time) into their median.
+in time) or in the suite unit that ran them (`median_over = "repetition"`: a case's
+repetitions, e.g. interleaved by a suite's `order = "round"`) into their median.
 """
 
 from __future__ import annotations
@@ -103,11 +105,28 @@ def formatted(value: float, fmt: str) -> str:
     return units[fmt](value) if fmt in units else format(value, fmt)
 
 
+def budget_share(p: dict[str, Any]) -> str | None:
+    """A run's budget (budget_tokens, else gpu_tokens) against its prompt: "1/8", or "2x"
+    for a budget past the context; None without both."""
+    budget = next((p[k] for k in ("budget_tokens", "gpu_tokens") if p.get(k)), None)
+    if budget is None or not p.get("prompt_len"):
+        return None
+    ratio = budget / p["prompt_len"]
+    return f"1/{1 / ratio:.3g}" if ratio < 1 else f"{ratio:.3g}x"
+
+
+# fields a run's parameters give without holding them
+COMPUTED = {"budget_share": budget_share}
+
+
 def value_of(r: dict[str, Any], key: str, aliases: dict[str, tuple[str, ...]]) -> Any:
-    """A record's top-level field (TOP_LEVEL), else a parameter (through `aliases`)."""
+    """A record's top-level field (TOP_LEVEL), a computed field (COMPUTED), else a
+    parameter (through `aliases`)."""
     if key in TOP_LEVEL:
         return r.get(key)
     p = r.get("params") or {}
+    if key in COMPUTED:
+        return COMPUTED[key](p)
     for k in aliases.get(key, (key,)):
         if k in p:
             return p[k]
@@ -130,12 +149,14 @@ def matches(r: dict[str, Any], where: dict[str, Any], aliases: dict) -> bool:
     return True
 
 
-def run_key(r: dict[str, Any], but: str | None = None) -> tuple:
-    """The run a record belongs to: its strategy and parameters but the per-record ones
-    (and `but`: the runs of one cell under Pivot.median_over)."""
+def run_key(r: dict[str, Any], but: str | None = None, unit: bool = True) -> tuple:
+    """The run a record belongs to: its strategy, parameters but the per-record ones (and
+    `but`: the runs of one cell under Pivot.median_over) and, with `unit`, the suite unit
+    that ran it (a case's repetitions are runs of their own)."""
     p = r.get("params") or {}
     return r["name"], tuple(sorted((k, repr(v)) for k, v in p.items()
-                                   if k not in PER_RECORD and k != but))
+                                   if k not in PER_RECORD and k != but)), \
+        (r.get("method") or {}).get("suite_case", "") if unit else ""
 
 
 def shown_key(key: str, value: Any) -> str:

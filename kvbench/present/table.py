@@ -65,6 +65,10 @@ class Table:
         mains = [r for r in ok if r["metric"] in self.metrics]
         if pivot.statistic != "value":
             mains = [self._statistic(r) for r in mains]
+        if pivot.reduce is not None:
+            mains = self._reduced(mains)
+        if pivot.median_over is not None:
+            mains = self._pooled(mains)
         # the reference per column (a reference run without the column: one for all)
         self.refs: dict[Any, dict[str, Any]] = {}
         if pivot.reference_in not in ("column", "row"):
@@ -86,10 +90,6 @@ class Table:
                     repr(value_of(r, k, aliases)))
         varying = {(h, k) for h, by in first.items() for k, vals in by.items()
                    if len(vals) > 1}
-        if pivot.reduce is not None:
-            mains = self._reduced(mains)
-        if pivot.median_over is not None:
-            mains = self._pooled(mains)
         self.cells: dict[tuple[str, Any], dict[str, Any]] = {}
         for r in mains:
             if r is self.ref:
@@ -155,7 +155,7 @@ class Table:
         """One record per cell: the median of its runs that differ in `median_over`."""
         groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
         for r in mains:
-            groups[run_key(r, self.p.median_over), r["metric"]].append(r)
+            groups[run_key(r, self.p.median_over, unit=False), r["metric"]].append(r)
         return [{**recs[0], "value": statistics.median(x["value"] for x in recs),
                  "_runs": [run_key(x) for x in recs]} for recs in groups.values()]
 
