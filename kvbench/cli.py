@@ -238,7 +238,7 @@ def experiment_render_cmd(
     exp = load_experiment(name)
     text = render(exp)
     target = exp.out / "table.md"
-    failed = [f"{c.title}: {v.run} {v.gain:+.1%} (allowed {v.noise:.1%})"
+    failed = [f"{c.title}: {v.run} {v.gain:+.1%} (allowed {v.allowed:.1%})"
               for c, found in controls(exp) for v in found if not v.ok]
     if check:
         same = target.exists() and target.read_text(encoding="utf-8") == text

@@ -46,6 +46,26 @@ def test_a_wide_spread_allows_more_and_repetitions_pool() -> None:
     assert v.noise > 0.3 and v.ok
 
 
+def test_bound_allows_what_the_counted_bytes_allow() -> None:
+    """bound = true: a control may gain its bytes' share (full reads 1.25x its bytes: 25%)
+    plus the noise; past that it fails, and without step_bytes it is refused."""
+    def nbytes(name: str, value: float, **params: object) -> dict:
+        return {**tbt(name, [value], **params), "metric": "step_bytes",
+                "params": {"batch": 1, **params, "where": "total"}}
+
+    bound = Control("short context", {"name": "quest"}, {"name": "full"}, ("prompt_len",),
+                    bound=True)
+    recs = [tbt("full", [1.0] * 3, prompt_len=8), tbt("quest", [0.75] * 3, prompt_len=8),
+            nbytes("full", 125.0, prompt_len=8), nbytes("quest", 100.0, prompt_len=8)]
+    (v,) = verdicts(bound, recs, {})
+    assert v.bytes_gain == pytest.approx(0.25) and v.allowed == pytest.approx(0.35) and v.ok
+    recs[1] = tbt("quest", [0.7] * 3, prompt_len=8)  # 43% faster: past 25% + 10%
+    assert not verdicts(bound, recs, {})[0].ok
+    assert verdicts(CONTROL, recs, {})[0].bytes_gain == 0  # bound off: bytes ignored
+    with pytest.raises(KvbenchError, match="bound = true needs it"):
+        verdicts(bound, recs[:3], {})
+
+
 def test_a_control_without_its_reference_is_refused() -> None:
     with pytest.raises(KvbenchError, match="0 reference runs"):
         verdicts(CONTROL, [tbt("full", [1.0], prompt_len=8),

@@ -10,7 +10,10 @@ sum of their relative p10-p90 spreads, and at least `tolerance`. A control past 
 `kvbench experiment render` (exit 1, the table still written with the verdict), so a
 speed-up the experiment reports cannot come from a measurement artefact such as a machine
 that got faster between runs. A case's repetitions pool into one run (their samples
-together).
+together). With `bound = true` a control may also gain what its counted bytes allow (the
+reference's `step_bytes` total over its own, minus 1; kvbench.runtime.bound): at a short
+context a sparse strategy still reads a little less KV, and only a gain past that share
+plus the noise is an artefact.
 
     [[control]]
     title = "A budget covering the context reads full's bytes: no speed-up"
@@ -19,6 +22,7 @@ together).
     match = ["prompt_len", "batch"]
     metric = "tbt"            # default
     tolerance = 0.10          # default: the smallest gain that counts, whatever the spread
+    bound = false             # default: no gain allowed beyond the noise
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class Control:
     metric: str = "tbt"
     tolerance: float = 0.10
     text: str = ""
+    bound: bool = False
 
 
 @dataclass(frozen=True)
@@ -54,10 +59,15 @@ class Verdict:
     reference: Stats
     gain: float  # > 0: the control is better than its reference by this share
     noise: float  # the gain the two runs' spread allows
+    bytes_gain: float = 0.0  # the gain its counted bytes allow (Control.bound)
+
+    @property
+    def allowed(self) -> float:
+        return self.bytes_gain + self.noise
 
     @property
     def ok(self) -> bool:
-        return self.gain <= self.noise
+        return self.gain <= self.allowed
 
 
 @dataclass
@@ -99,8 +109,22 @@ def verdicts(c: Control, records: list[dict[str, Any]], aliases: dict) -> list[V
         lower = run.first.get("direction", "lower") == "lower"
         gain = ref.median / mine.median - 1 if lower else mine.median / ref.median - 1
         spread = sum((s.p90 - s.p10) / s.median for s in (mine, ref))
-        out.append(Verdict(label, mine, ref, gain, max(c.tolerance, spread)))
+        allowed = max(0.0, _bytes(found[0], records) / _bytes(run, records) - 1) \
+            if c.bound else 0.0
+        out.append(Verdict(label, mine, ref, gain, max(c.tolerance, spread), allowed))
     return out
+
+
+def _bytes(run: _Run, records: list[dict[str, Any]]) -> float:
+    """The run's counted bytes per decode step (its `step_bytes` total)."""
+    key = run_key(run.first, unit=False)
+    got = [r["value"] for r in records if r["metric"] == "step_bytes" and r["status"] == "ok"
+           and (r.get("params") or {}).get("where") == "total"
+           and run_key(r, unit=False) == key]
+    if not got:
+        raise KvbenchError(f"control: no step_bytes total for {run.first['name']} "
+                           f"{run.first.get('params')}: bound = true needs it")
+    return got[0]
 
 
 def markdown(c: Control, found: list[Verdict], fmt: str = ".4g") -> list[str]:
@@ -110,12 +134,14 @@ def markdown(c: Control, found: list[Verdict], fmt: str = ".4g") -> list[str]:
         md += [c.text, ""]
     md += [f"{c.metric}, median (p10-p90) of each run's steps, a case's repetitions pooled; "
            f"gain: how much better than its reference; allowed: the two runs' relative "
-           f"p10-p90 spreads added, at least {c.tolerance:.0%}.", "",
+           f"p10-p90 spreads added, at least {c.tolerance:.0%}"
+           + (", plus what its counted bytes allow (the reference's step_bytes over its "
+              "own, minus 1)" if c.bound else "") + ".", "",
            f"| run | control | reference {c.reference} | gain | allowed | verdict |",
            "|---|---|---|---|---|---|"]
     for v in found:
         cells = [f"{format(s.median, fmt)} ({format(s.p10, fmt)}-{format(s.p90, fmt)})"
                  for s in (v.control, v.reference)]
-        md.append(f"| {v.run} | {cells[0]} | {cells[1]} | {v.gain:+.1%} | {v.noise:.1%} | "
+        md.append(f"| {v.run} | {cells[0]} | {cells[1]} | {v.gain:+.1%} | {v.allowed:.1%} | "
                   f"{'pass' if v.ok else 'FAIL: faster than its reference beyond the noise'} |")
     return md
