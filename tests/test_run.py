@@ -97,6 +97,22 @@ def test_bad_input_exits_2(args: list[str], message: str, capsys) -> None:
     assert_usage_error(cli(["run", "full", *args], capsys), message)
 
 
+def test_random_weights_of_a_rotary_model_go_past_its_context() -> None:
+    """Speed runs of random weights take any length RoPE can place, and say so; the bundled
+    checkpoint and learned positions (opt) stop at the trained context."""
+    from kvbench.errors import KvbenchError
+    from kvbench.models import get_spec
+    from kvbench.runtime.run import RunConfig, past_context, resolve
+
+    long = RunConfig(weights="random", prompt_len=9000, gen_len=4)
+    assert resolve(long)[4] == "random"
+    assert "9005 tokens, past smollm2-135m's trained context of 8192" in past_context(
+        long, get_spec("smollm2-135m"))
+    assert past_context(RunConfig(prompt_len=8000), get_spec("smollm2-135m")) == ""
+    with pytest.raises(KvbenchError, match="random weights, for speed only, may go past it"):
+        resolve(RunConfig(prompt_len=9000))
+
+
 def test_prompt_longer_than_text_exits_2(tmp_path: Path, capsys) -> None:
     text = tmp_path / "short.txt"
     text.write_text("a short text")

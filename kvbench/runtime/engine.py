@@ -69,6 +69,7 @@ def run(cls: type[Strategy], sparams: Any, cfg: RunConfig, hooks: Hooks = Hooks(
     from kvbench.runtime.run import (
         check_fit,
         decode_run,
+        past_context,
         peak_memory,
         read_text,
         records,
@@ -83,6 +84,8 @@ def run(cls: type[Strategy], sparams: Any, cfg: RunConfig, hooks: Hooks = Hooks(
     spec, layers, device, dtype, weights = resolve(cfg)
     layers, notes = machine_defaults(spec, cfg.layers, layers, device, weights, dtype.itemsize,
                                      cfg.prompt_len, cfg.gen_len)
+    past = past_context(cfg, spec)
+    notes += [past] if past else []
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     cuda = device.type == "cuda"
@@ -208,6 +211,8 @@ def run(cls: type[Strategy], sparams: Any, cfg: RunConfig, hooks: Hooks = Hooks(
         rec.version = cls.version
         rec.method.setdefault("backend", backend)
         rec.method.update(prefill.method(replay, shared[0] if shared else None))
+        if past:
+            rec.method["context"] = past
         if why:
             rec.method["partial"] = why
     return RunResult(recs, params, fit, accuracy, why, turns_hook is not None)

@@ -103,8 +103,16 @@ def resolve(cfg: RunConfig) -> tuple[ModelSpec, int, Any, Any, str]:
     require(cfg.batch >= 1 and cfg.prompt_len >= 1 and cfg.gen_len >= 1 and cfg.turns >= 1,
             "--batch, --prompt-len, --gen-len and --turns must be at least 1")
     turns = f" x {cfg.turns} turns" if cfg.turns > 1 else ""
-    require(cfg.seq_len <= spec.ctx, f"(prompt {cfg.prompt_len} + {cfg.gen_len} generated "
-            f"tokens + 1){turns} exceeds {spec.name}'s context of {spec.ctx}")
+    weights = cfg.weights if cfg.weights != "auto" else (
+        "bundled" if spec.name == "smollm2-135m" else "random")
+    # a checkpoint's context is what it was trained on; random weights (speed only) of a
+    # rotary family take any length (past_context says so in every record); learned
+    # positions (opt) end at the table's last row
+    require(cfg.seq_len <= spec.ctx or (weights == "random" and spec.family != "opt"),
+            f"(prompt {cfg.prompt_len} + {cfg.gen_len} generated tokens + 1){turns} exceeds "
+            f"{spec.name}'s context of {spec.ctx}" + (
+                "" if spec.family == "opt" else " (random weights, for speed only, may go "
+                "past it)"))
     require(cfg.turns == 1 or not cfg.compare_hf,
             "--compare-hf times single-turn generation; pass --turns 1")
     require(cfg.mode in MODES, f"--mode '{cfg.mode}': one of {', '.join(MODES)}")
@@ -125,9 +133,16 @@ def resolve(cfg: RunConfig) -> tuple[ModelSpec, int, Any, Any, str]:
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     name = dtype_name(cfg.dtype) if cfg.dtype != "auto" else ("bfloat16" if cuda else "float32")
-    weights = cfg.weights if cfg.weights != "auto" else (
-        "bundled" if spec.name == "smollm2-135m" else "random")
     return spec, layers, device, getattr(torch, name), weights
+
+
+def past_context(cfg: RunConfig, spec: ModelSpec) -> str:
+    """What a random-weights run past the model's trained context says ("" within it;
+    `resolve` refuses every other run past it)."""
+    if cfg.seq_len <= spec.ctx:
+        return ""
+    return (f"{cfg.seq_len} tokens, past {spec.name}'s trained context of {spec.ctx}: random "
+            "weights with RoPE positions extended (the shape's speed; no accuracy)")
 
 
 def check_fit(spec: ModelSpec, layers: int, cfg: RunConfig, cls: type[Strategy],
