@@ -4,6 +4,7 @@ its text (markdown, or a header and rows for any renderer)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import statistics
 from collections import defaultdict
@@ -21,6 +22,7 @@ from kvbench.present.pivot import (
     shown_key,
     value_of,
 )
+from kvbench.timing import Stats
 
 
 def _label(r: dict[str, Any], keys: tuple[str, ...], aliases: dict,
@@ -38,6 +40,12 @@ def _label(r: dict[str, Any], keys: tuple[str, ...], aliases: dict,
 
 def _times(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}x"
+
+
+def _pooled_stats(recs: list[dict[str, Any]]) -> dict[str, float] | None:
+    """The stats of pooled runs' samples together (their spread), None without samples."""
+    samples = [v for x in recs for v in x.get("samples") or []]
+    return dataclasses.asdict(Stats.of(samples)) if samples else None
 
 
 def _natural(text: str) -> list[Any]:
@@ -157,7 +165,8 @@ class Table:
         for r in mains:
             groups[run_key(r, self.p.median_over, unit=False), r["metric"]].append(r)
         return [{**recs[0], "value": statistics.median(x["value"] for x in recs),
-                 "_runs": [run_key(x) for x in recs]} for recs in groups.values()]
+                 "stats": _pooled_stats(recs), "_runs": [run_key(x) for x in recs]}
+                for recs in groups.values()]
 
     def _run_records(self, r: dict[str, Any]) -> list[dict[str, Any]]:
         return [x for key in r.get("_runs", [run_key(r)])
