@@ -18,8 +18,10 @@ that block, merged by lse). Everything else (CPU prefill, other dtypes, a fused 
 refuses the shapes) runs the torch path below, query-chunked so a prefill does not
 materialise all scores at once (`query_chunk`: a GPU-sized budget on CUDA). Every call
 counts the backend that ran (`backend_use`: "native", "sdpa-flash", "sdpa-efficient" or
-"torch"), which runs and probes store as `method.backend`; `kvbench.native.native_status`
-says why the native library did not load (`kvbench env` shows it).
+"torch"; sparse strategies add their selection's path, "native-select" or "torch-select",
+and page gathers "native-pages"), which runs and probes store as `method.backend`;
+`kvbench.native.native_status` says why the native library did not load (`kvbench env`
+shows it).
 
 `prompt_attention(q, k, v, result)` holds one prompt's attention for a shared prefill
 (kvbench.runtime.prefill): inside it, the call over that prompt (this very q, keys and values

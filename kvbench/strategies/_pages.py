@@ -128,10 +128,15 @@ def page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, per: str
     H = Hq (per="query") or Hkv (per="kv": the group's query heads summed). As
     max(q_i hi_i, q_i lo_i) = q_i+ hi_i + q_i- lo_i (lo <= hi), a score is two matmuls,
     q+ . hi + q- . lo, and the group's sum sums q+ and q- first: every head and page in a
-    fixed number of calls, the digests read once.
+    fixed number of calls, the digests read once. Counted as backend "torch-select" (a
+    selection in torch ops; Quest's native one is "native-select"), so every record's
+    method.backend says which selection path ran.
     """
     import torch
 
+    from kvbench.kernels.attention import note_backend
+
+    note_backend("torch-select", q)
     b, hq, _, d = q.shape
     hkv, p = lo.shape[1], lo.shape[2]
     qf = q.float().reshape(b * hkv, hq // hkv, d)  # [B * Hkv, G, D]

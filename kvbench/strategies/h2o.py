@@ -129,7 +129,7 @@ class H2O(Strategy):
         """Admit T new tokens (k/v [B, Hkv, T, D]) after the kept ones; out [B, Hq, T, D]."""
         import torch
 
-        from kvbench.kernels.attention import dense_attention
+        from kvbench.kernels.attention import dense_attention, note_backend
 
         n, t0, hkv = self._compact(layer), self.seen[layer], k.shape[1]
         kc = torch.cat([self.k[layer][:, :, :n], k], dim=2)  # [B, Hkv, n + T, D]
@@ -145,6 +145,7 @@ class H2O(Strategy):
         if kc.shape[2] > self.budget:  # keep the recent tokens and the heaviest of the others
             rank = score.masked_fill(pos >= t1 - self.n_recent, float("inf"))
             keep = rank.topk(self.budget, dim=-1).indices.sort(dim=-1).values
+            note_backend("torch-select", q)
             score, pos = score.gather(2, keep), pos.gather(2, keep)
             idx = keep[..., None].expand(-1, -1, -1, k.shape[3])
             kc, vc = kc.gather(2, idx), vc.gather(2, idx)
@@ -158,7 +159,7 @@ class H2O(Strategy):
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
-        from kvbench.kernels.attention import dense_attention
+        from kvbench.kernels.attention import dense_attention, note_backend
 
         kc, vc, score, pos = self.k[layer], self.v[layer], self.score[layer], self.pos[layer]
         t = self.seen[layer]
@@ -181,6 +182,7 @@ class H2O(Strategy):
         self.ctx.counters.attended("accel", q, n)
         with self.ctx.counters.timed("bookkeeping.scores"):
             score[:, :, :n] += group_sum(decode_weights(q, kc[:, :, :n], lse), k.shape[1])
+            note_backend("torch-select", q)  # the eviction's scores, in torch ops
             if n == self.budget + 1:  # evict each row's lightest token outside the window
                 old = pos[:, :, :n] < t + 1 - self.n_recent
                 self.free[layer] = score[:, :, :n].masked_fill(~old, float("inf")).argmin(-1)

@@ -313,6 +313,8 @@ class InfiniGen(Strategy):
         gather and prefetch follow layer i's attention (`_prefetch`)."""
         import torch
 
+        from kvbench.kernels.attention import note_backend
+
         nxt = layer + 1
         if x.shape[1] != 1 or nxt >= self.ctx.n_layers or nxt < self.p.dense_layers \
                 or self.skew[nxt] is None:
@@ -336,6 +338,7 @@ class InfiniGen(Strategy):
                 top = top[:, :1].expand_as(top)
             count = (logits >= top - p.alpha).sum(-1).float().mean()
             vals, idx = logits.topk(min(cap, n), dim=-1)  # [B, Hq, n'_max], best first
+            note_backend("torch-select", pq)
             if authors:
                 self.scores[nxt] = (pq, logits, vals, top[:, :1, 0])
             transfer(self.ids[:idx.numel()], idx.flatten())

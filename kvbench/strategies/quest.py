@@ -209,7 +209,7 @@ class Quest(Strategy):
                v: torch.Tensor) -> torch.Tensor:
         """One token: score pages with its query, attend the top ones (module docstring)."""
         from kvbench.kernels import cpu
-        from kvbench.kernels.attention import dense_attention
+        from kvbench.kernels.attention import dense_attention, note_backend
 
         p = self.p
         n = self._write(layer, k, v)
@@ -228,6 +228,7 @@ class Quest(Strategy):
             if cpu.page_select_ok(q, lo, hi):  # one native call, as the three below
                 pos, lens = cpu.page_select(q, lo, hi, n_pages, k_pages, sinks, window, per,
                                             p.page_size, n)
+                note_backend("native-select", q)
             else:
                 pages = select_pages(page_scores(q, lo, hi, per), n_pages, k_pages, sinks,
                                      window)
