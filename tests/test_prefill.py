@@ -145,3 +145,24 @@ def test_mismatch_and_corrupt_files_are_refused(tmp_path: Path, capsys) -> None:
                        "unreadable")
     assert_usage_error(cli(["run", "full", *ARGS, "--turns", "2", "--prefill", str(f)],
                            capsys), "single-turn")
+
+
+@pytest.mark.parametrize(("t", "n", "chunk"), [(40, 40, 16), (40, 40, 512), (7, 47, 3),
+                                               (5, 30, 4)])
+def test_column_scores_equal_the_softmax_columns(t: int, n: int, chunk: int) -> None:
+    """What H2O and HGCA keep from a prefill (replayed or their own): the causal attention
+    mass per key, equal to softmax rows summed in float64, for a prefill (t == n), an
+    append after n - t cached keys, and keys that all precede the queries (q_start = n)."""
+    from kvbench.kernels.attention import dense_attention
+    from kvbench.strategies import column_scores
+
+    g = torch.Generator().manual_seed(t + n)
+    q, k = torch.randn(2, 6, t, 8, generator=g), torch.randn(2, 2, n, 8, generator=g)
+    for start in (n - t, n):
+        _, lse = dense_attention(q, k, k, q_start=start, backend="torch")
+        got = column_scores(q, k, lse, q_start=start, chunk=chunk)
+        logits = q.double() @ k.double().repeat_interleave(3, 1).transpose(-1, -2) * 8 ** -0.5
+        pos = torch.arange(start, start + t)[:, None]
+        logits.masked_fill_(torch.arange(n)[None, :] > pos, float("-inf"))
+        want = torch.softmax(logits, dim=-1).sum(dim=2)
+        assert torch.allclose(got.double(), want, atol=1e-5), (start, (got - want).abs().max())

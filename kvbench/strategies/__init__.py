@@ -258,7 +258,9 @@ def column_scores(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *,
     q [B, Hq, T, D] at key positions q_start..q_start+T-1 (query i sees keys 0..q_start+i),
     k [B, Hkv, N, D], lse [B, Hq, T] (fp32, from dense_attention on the same q/k). Prefill:
     q_start 0, N = T = P; append: N = q_start + T; q_start = N: keys that all precede the
-    queries (hgca's host cache). Query chunks, fp32: memory stays O(chunk * N).
+    queries (hgca's host cache). Query chunks, fp32: memory stays O(chunk * N). A chunk
+    reads only the keys its queries see (a prefill does half the products of a square) and
+    masks only the keys some of its queries do not; the exp runs in place.
     """
     import torch
 
@@ -268,13 +270,17 @@ def column_scores(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *,
     kk = k.float().repeat_interleave(g, dim=1)  # [B, Hq, N, D]
     s = scale if scale is not None else d ** -0.5
     out = torch.zeros(b, hq, n, dtype=torch.float32, device=q.device)
-    cols = torch.arange(n, device=q.device)
     for i in range(0, t, chunk):
-        qi = q[:, :, i:i + chunk].float()
-        logits = torch.matmul(qi, kk.transpose(-1, -2)) * s  # [B, Hq, c, N]
-        rows = torch.arange(q_start + i, q_start + i + qi.shape[2], device=q.device)
-        logits.masked_fill_(cols[None, :] > rows[:, None], float("-inf"))
-        out += torch.exp(logits - lse[:, :, i:i + chunk, None]).sum(dim=2)
+        qi = q[:, :, i:i + chunk].float() * s
+        c, first = qi.shape[2], q_start + i  # the chunk's queries see keys 0..first + row
+        end = min(n, first + c)
+        w = torch.matmul(qi, kk[:, :, :end].transpose(-1, -2))  # [B, Hq, c, end]
+        w.sub_(lse[:, :, i:i + c, None])
+        if first < end:  # keys first..end-1: row r sees those up to first + r
+            cols = torch.arange(first, end, device=q.device)
+            rows = torch.arange(first, first + c, device=q.device)
+            w[..., first:].masked_fill_(cols[None, :] > rows[:, None], float("-inf"))
+        out[:, :, :end] += w.exp_().sum(dim=2)
     return out
 
 
