@@ -30,7 +30,8 @@ def test_gain_beyond_the_noise_fails_and_within_it_passes() -> None:
             tbt("quest", [0.7, 0.7, 0.7], prompt_len=8, budget_tokens=16),   # 43% faster
             tbt("quest", [1.95, 1.96, 1.97], prompt_len=16, budget_tokens=32)]  # 2%: noise
     got = {v.run: v for v in verdicts(CONTROL, recs, {})}
-    fast, same = got["name quest, prompt_len 8"], got["name quest, prompt_len 16"]
+    fast = got["name quest, budget_share 2x, prompt_len 8"]
+    same = got["name quest, budget_share 2x, prompt_len 16"]
     assert fast.gain == pytest.approx(1 / 0.7 - 1) and not fast.ok
     assert fast.noise == pytest.approx(0.10)  # tight runs: the tolerance
     assert same.ok and same.gain == pytest.approx(2.0 / 1.96 - 1)
@@ -90,7 +91,7 @@ def test_render_exits_1_on_a_failed_control(tmp_path: Path, capsys, monkeypatch)
     assert load_experiment(path).controls[0].match == ("prompt_len",)
     result = cli(["experiment", "render", str(path)], capsys)
     assert result.returncode == 1
-    assert "negative control failed: covering budget: name quest, prompt_len 8 +100.0%" \
-        in result.stdout
+    assert "negative control failed: covering budget: name quest, budget_share 2x, prompt_len " \
+        "8 +100.0%" in result.stdout
     table = (tmp_path / "table.md").read_text()
     assert "## Negative controls" in table and "FAIL" in table

@@ -35,6 +35,9 @@ from kvbench.errors import KvbenchError
 from kvbench.present.pivot import matches, run_key, shown_key, value_of
 from kvbench.timing import Stats
 
+# what tells a control's runs apart in its rows besides the fields it matches on
+LABEL = ("variant", "topk_per", "budget_share")
+
 
 @dataclass(frozen=True)
 class Control:
@@ -100,8 +103,8 @@ def verdicts(c: Control, records: list[dict[str, Any]], aliases: dict) -> list[V
     for key, run in controls.items():
         at = tuple(repr(value_of(run.first, k, aliases)) for k in c.match)
         found = [x for x in refs.get(at, []) if run_key(x.first, unit=False) != key]
-        label = ", ".join(f"{k} {shown_key(k, value_of(run.first, k, aliases))}"
-                          for k in ("name", *c.match))
+        label = ", ".join(f"{k} {shown_key(k, v)}" for k in ("name", *LABEL, *c.match)
+                          if (v := value_of(run.first, k, aliases)) is not None)
         if len(found) != 1:
             raise KvbenchError(f"control '{c.title}': {len(found)} reference runs "
                                f"{c.reference} for {label} (need one)")

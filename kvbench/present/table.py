@@ -226,11 +226,13 @@ class Table:
         return c if isinstance(c, str) else " / ".join(c)
 
     def columns(self) -> list[Any]:
-        """Sorted, or in the order of the metric list for `columns = "metric"`."""
+        """Sorted (numbers in text as numbers: "1 / 2048" before "1 / 16384"), or in the
+        order of the metric list for `columns = "metric"`."""
         found = {k[1] for k in self.cells}
         if self.p.columns == "metric":
             return [m for m in self.metrics if m in found]
-        return sorted(found, key=lambda c: (c is None, str(type(c)), c))
+        return sorted(found, key=lambda c: (c is None, str(type(c)),
+                                            _natural(c) if isinstance(c, str) else c))
 
     def grid(self) -> tuple[list[str], list[list[str]]]:
         """The table as a header and rows of text (any renderer: markdown, HTML, rich)."""
