@@ -233,13 +233,13 @@ def experiment_render_cmd(
     """Write results/NAME/table.md from the committed records only; exit 1 when a
     negative control shows a speed-up beyond its runs' noise."""
     from kvbench.console import wrote
-    from kvbench.experiment import controls, load_experiment, render
+    from kvbench.experiment import load_experiment, report
 
     exp = load_experiment(name)
-    text = render(exp)
+    text, verdicts = report(exp)
     target = exp.out / "table.md"
     failed = [f"{c.title}: {v.run} {v.gain:+.1%} (allowed {v.allowed:.1%})"
-              for c, found in controls(exp) for v in found if not v.ok]
+              for c, found in verdicts for v in found if not v.ok]
     if check:
         same = target.exists() and target.read_text(encoding="utf-8") == text
         print(f"{target}: {'matches its records' if same else 'differs from its records'}")

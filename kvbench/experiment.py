@@ -60,7 +60,7 @@ from kvbench.present.table import Table
 from kvbench.store import REPO_ROOT
 
 __all__ = ["Experiment", "derive", "load_experiment", "load_records", "names", "project",
-           "render", "run"]
+           "render", "report", "run"]
 
 
 def load_records(exp: Experiment) -> list[dict[str, Any]]:
@@ -77,6 +77,11 @@ def load_records(exp: Experiment) -> list[dict[str, Any]]:
 
 def render(exp: Experiment) -> str:
     """table.md of the experiment from its committed records (every table checked first)."""
+    return report(exp)[0]
+
+
+def report(exp: Experiment) -> tuple[str, list[tuple[Any, list[Any]]]]:
+    """table.md of the experiment and its controls' verdicts, from one read of its records."""
     records = load_records(exp)
     require(bool(records), f"experiment '{exp.name}': no records yet in "
             f"{', '.join(_rel(p) for p in exp.records)} (run "
@@ -100,18 +105,12 @@ def render(exp: Experiment) -> str:
         md += [exp.setup, ""]
     for t in tables:
         md += [*t.markdown(), ""]
-    if exp.controls:
+    verdicts = [(c, control.verdicts(c, records, exp.aliases)) for c in exp.controls]
+    if verdicts:
         md += ["## Negative controls", ""]
-    for c, found in controls(exp, records):
+    for c, found in verdicts:
         md += [*control.markdown(c, found), ""]
-    return "\n".join(md)
-
-
-def controls(exp: Experiment, records: list[dict[str, Any]] | None = None
-             ) -> list[tuple[Any, list[Any]]]:
-    """Each declared control with its verdicts (kvbench.present.control)."""
-    records = load_records(exp) if records is None else records
-    return [(c, control.verdicts(c, records, exp.aliases)) for c in exp.controls]
+    return "\n".join(md), verdicts
 
 
 def project(exp: Experiment) -> int:
