@@ -169,7 +169,6 @@ def dense_attention(
     path), "native" or "torch" (the chunked torch path); `threads` caps the native
     kernel's threads (default: every CPU this process may use).
     """
-    from kvbench.kernels import cpu
 
     d = check_qkv(q, k, v)[3]
     require(backend in ("auto", "native", "torch"), f"unknown attention backend '{backend}'")
@@ -178,16 +177,21 @@ def dense_attention(
     start = lk - lq if q_start is None else int(q_start)
     if lk == 0 or lq == 0 or q.shape[0] == 0:
         return empty_result(q)
-    if _PROMPT and _PROMPT[-1].matches(q, k, v, causal, start, scale):
-        memo = _PROMPT[-1]
-        if memo.result is None:
-            _PROMPT.pop()  # compute it below, once
-            try:
-                memo.result = dense_attention(q, k, v, scale=scale, backend=backend,
-                                              threads=threads)
-            finally:
-                _PROMPT.append(memo)
+    memo = _PROMPT[-1] if _PROMPT and _PROMPT[-1].matches(q, k, v, causal, start,
+                                                          scale) else None
+    if memo is not None and memo.result is None:  # recording: computed once, kept
+        memo.result = _attend(q, k, v, causal, scale, start, backend, threads)
+    if memo is not None:
         return memo.result
+    return _attend(q, k, v, causal, scale, start, backend, threads)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+            start: int, backend: str, threads: int | None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """dense_attention's computation on the backend that applies (arguments resolved)."""
+    from kvbench.kernels import cpu
+
     native = cpu.native_ok(q)
     require(backend != "native" or native, "the native kernel needs CPU float32/bfloat16 "
             f"tensors with Lq <= {cpu.MAX_NATIVE_LQ} and a built kvbench._native")
