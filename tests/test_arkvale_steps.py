@@ -164,6 +164,7 @@ def test_enter_takes_the_slot_of_the_page_leaving_the_window() -> None:
                                   dense_layers=1), ctx)
         assert s.c == 3
         s.slot_page[1][:] = torch.tensor([[0, 4, 3], [4, 0, 3], [0, 3, 4]])[:, None, :]
+        s.pool_k[1].copy_(torch.randn_like(s.pool_k[1]))  # allocated empty: may hold NaN
         before = s.pool_k[1].clone()
         cur = torch.randn(3, 2, 1, 4, 4)
         s._enter(1, 5, cur, cur + 1)
