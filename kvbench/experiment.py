@@ -174,9 +174,17 @@ def run(exp: Experiment, resume: bool, only: str | None = None) -> int:
     outputs = [o for s in suites if (o := REPO_ROOT / s.output).exists()]
     if only is None:
         project(exp)
-    fresh = {case(json.loads(ln)) for o in outputs for ln in read_lines(o)}
+    new = [json.loads(ln) for o in outputs for ln in read_lines(o)]
+    fresh = {case(r) for r in new if r.get("kind") != "env"}
+    envs = {r["env_id"] for r in new if r.get("kind") == "env"}
+
+    def stays(r: dict[str, Any]) -> bool:
+        """An old line not replaced: an env line the outputs do not repeat (the records
+        kept still name it), a record of a case the outputs do not hold."""
+        return r["env_id"] not in envs if r.get("kind") == "env" else case(r) not in fresh
+
     target = exp.records[0]
-    kept = [ln for ln in read_lines(target) if case(json.loads(ln)) not in fresh] \
+    kept = [ln for ln in read_lines(target) if stays(json.loads(ln))] \
         if target.exists() else []
     tmp = target.with_name(target.name + ".new.jsonl")
     tmp.write_text("".join(ln + "\n" for ln in kept))

@@ -124,6 +124,19 @@ def test_every_committed_table_is_what_its_records_render(name: str) -> None:
     assert (exp.out / "table.md").read_text() == render(exp)
 
 
+@pytest.mark.parametrize("name", experiment.names())
+def test_every_committed_record_names_an_environment_its_file_holds(name: str) -> None:
+    """The environment is stored with every record: each records file holds the env line
+    of every env_id its records name (a fold must not drop another suite's)."""
+    from kvbench.store import read_lines
+
+    for path in (p for p in load_experiment(name).records if p.exists()):
+        lines = [json.loads(ln) for ln in read_lines(path)]
+        envs = {r["env_id"] for r in lines if r.get("kind") == "env"}
+        named = {r["env_id"] for r in lines if r.get("kind") != "env" and r.get("env_id")}
+        assert named <= envs, (path.name, sorted(named - envs))
+
+
 BAD = [
     ("suites = [\"suites/nope.toml\"]", "unknown suite 'suites/nope.toml'"),
     ("[[table]]\ntitle = \"t\"\nmetric = \"perplexity\"\nrows = \"name\"\ncolumns = \"bugdet\"",
@@ -182,7 +195,8 @@ def test_unknown_metric_and_unknown_experiment(tmp_path: Path,
 
 def test_run_folds_the_suites_outputs_into_the_records(tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A re-run suite's records replace its old ones; another suite's records stay."""
+    """A re-run suite's records replace its old ones; another suite's records stay, and so
+    does the environment line they name (the outputs' own environment lines come once)."""
     import dataclasses
 
     import kvbench.suite as suite_mod
@@ -196,7 +210,10 @@ def test_run_folds_the_suites_outputs_into_the_records(tmp_path: Path,
         return json.dumps({**r, "version": version,
                            "method": {"suite": str(suite), "suite_case": case}}) + "\n"
 
-    old = [tagged(RECORDS[0], ours, "c1"), tagged(RECORDS[6], other, "c9"),
+    env_old = json.dumps({"schema_version": 1, "kind": "env", "env_id": "old-env",
+                          "env": {}}) + "\n"
+    env_new = env_old.replace("old-env", "new-env")
+    old = [env_old, env_new, tagged(RECORDS[0], ours, "c1"), tagged(RECORDS[6], other, "c9"),
            tagged(RECORDS[5], ours, "c2"), tagged(RECORDS[2], ours, "c2", "0")]
     from kvbench.store import open_text, read_lines
 
@@ -207,7 +224,7 @@ def test_run_folds_the_suites_outputs_into_the_records(tmp_path: Path,
     monkeypatch.setattr(suite_mod, "load_suite", lambda p: fake)
 
     def run_suite(suite: object, path: Path, resume: bool, only: str | None) -> int:
-        path.write_text(tagged(RECORDS[2], ours, "c2"))  # case c2 re-run at version 1
+        path.write_text(env_new + tagged(RECORDS[2], ours, "c2"))  # c2 re-run at version 1
         return 0
 
     monkeypatch.setattr(suite_mod, "run_suite", run_suite)
@@ -215,8 +232,9 @@ def test_run_folds_the_suites_outputs_into_the_records(tmp_path: Path,
     exp = dataclasses.replace(load_experiment(FIX / "toy.toml"), suites=(ours,),
                               records=(target,), keep_traces=())
     assert experiment.run(exp, resume=False) == 0
-    got = [(json.loads(ln)["name"], json.loads(ln)["value"], json.loads(ln)["version"])
-           for ln in read_lines(target)]
+    lines = [json.loads(ln) for ln in read_lines(target)]
+    assert [r["env_id"] for r in lines if r["kind"] == "env"] == ["old-env", "new-env"]
+    got = [(r["name"], r["value"], r["version"]) for r in lines if r["kind"] != "env"]
     # c1 (not re-run), c9 (another suite) and c2 at version 0 stay; c2 at version 1 is new
     assert got == [("full", 10.0, "1"), ("h2o", 20.0, "1"), ("quest", 12.5, "0"),
                    ("quest", 12.5, "1")]
