@@ -259,10 +259,10 @@ def test_a_declared_projection_sweeps_and_labels_its_records(tmp_path: Path) -> 
     assert {(r["name"], r["params"]["batch"], r["params"]["bookkeeping"]) for r in tps} == {
         (s, b, k) for s in ("offload", "h2o", "hgca") for b in (1, 4)
         for k in ("none", "measured")}
-    t = Table(exp.tables[0], recs, exp.aliases)
-    row = t.cells[("opt-6.7b (batch 4)", "hgca")]
-    assert row["params"]["bookkeeping"] == "none"
-    ratio = row["value"] / t.cells[("opt-6.7b (batch 4)", "offload")]["value"]
+    t = Table(exp.tables[1], recs, exp.aliases)  # table 2: bookkeeping none
+    row = t.cells[("opt-6.7b (batch 4)", "hgca / 1")]  # hgca at beta 1 (also run at 0)
+    assert (row["params"]["bookkeeping"], row["params"]["beta"]) == ("none", 1.0)
+    ratio = row["value"] / t.cells[("opt-6.7b (batch 4)", "offload / -")]["value"]
     assert f"| {ratio:.2f}x |" in "\n".join(t.markdown())
 
 
