@@ -28,7 +28,7 @@ results and HTML apart, `results/<name>/` holds data and the rendered table, no 
     model = ["opt-6.7b", "opt-13b"]   # lists sweep; absent: each run's own shape
     batch = [1, 8]
     bookkeeping = ["measured", "none"]
-    out = "results/hgca-fig12/projected.jsonl"
+    out = "results/hgca-fig12/projected.jsonl.gz"   # .gz: compressed after writing
     # hardware = "this" with probes = [files]: the profile built from those probe records
 
     [[derive]]   # kvbench.derive: records a function computes from the others (projected)
@@ -119,7 +119,7 @@ def project(exp: Experiment) -> int:
     from kvbench.envinfo import collect_env
     from kvbench.hwmodel.sweep import records
     from kvbench.schema import Record
-    from kvbench.store import ResultWriter
+    from kvbench.store import ResultWriter, open_text
 
     outs: dict[Path, list[Record]] = {}
     for proj in exp.projections:
@@ -128,9 +128,15 @@ def project(exp: Experiment) -> int:
                     "does not exist (run the suites first)")
         outs.setdefault(proj.out, []).extend(records(proj, _rel(proj.source)))
     for out, recs in outs.items():
-        out.unlink(missing_ok=True)
-        with ResultWriter(out, collect_env()) as w:
+        # the writer appends plain lines: an `out` ending in .gz is compressed from them
+        plain = out.with_name(out.name + ".new.jsonl") if out.suffix == ".gz" else out
+        plain.unlink(missing_ok=True)
+        with ResultWriter(plain, collect_env()) as w:
             w.write_all(recs)
+        if plain != out:
+            with open_text(out, "w") as f:
+                f.write(plain.read_text(encoding="utf-8"))
+            plain.unlink()
     return sum(map(len, outs.values()))
 
 

@@ -255,6 +255,12 @@ def test_a_declared_projection_sweeps_and_labels_its_records(tmp_path: Path) -> 
     n = experiment.project(dataclasses.replace(exp, projections=(proj,)))
     recs = load(tmp_path / "p.jsonl").records
     assert n == len(recs) > 0 and {r["provenance"] for r in recs} == {"projected"}
+    gz = dataclasses.replace(proj, out=tmp_path / "p.jsonl.gz")  # committed compressed
+    assert experiment.project(dataclasses.replace(exp, projections=(gz,))) == n
+    assert (tmp_path / "p.jsonl.gz").read_bytes()[:2] == b"\x1f\x8b"
+    assert [r["value"] for r in load(tmp_path / "p.jsonl.gz").records] == [
+        r["value"] for r in recs]
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["p.jsonl", "p.jsonl.gz"]
     tps = [r for r in recs if r["metric"] == "decode_tokens_per_s"]
     assert {(r["name"], r["params"]["batch"], r["params"]["bookkeeping"]) for r in tps} == {
         (s, b, k) for s in ("offload", "h2o", "hgca") for b in (1, 4)
