@@ -53,6 +53,27 @@ def default_out_path(name: str) -> Path:
     return path
 
 
+def _cut_torn_tail(path: Path) -> None:
+    """Before appending: cut the torn last line an interrupted write left (bytes after the
+    last newline; `load` skips such a line only while it is last, and it holds no whole
+    record), so the next record starts a line of its own."""
+    if not path.is_file():
+        return
+    with path.open("rb+") as f:
+        end = f.seek(0, os.SEEK_END)
+        pos = end
+        while pos > 0:
+            step = min(pos, 1 << 16)
+            f.seek(pos - step)
+            nl = f.read(step).rfind(b"\n")
+            if nl >= 0:
+                pos = pos - step + nl + 1
+                break
+            pos -= step
+        if pos < end:
+            f.truncate(pos)
+
+
 class ResultWriter:
     """Appends records to one JSONL file, writing the environment line first if new to it.
 
@@ -73,6 +94,7 @@ class ResultWriter:
         """Open the file for appending on first use, writing the env line if it is new."""
         if self._fh is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            _cut_torn_tail(self.path)
             known = load(self.path).envs if self.path.exists() and self.path.stat().st_size \
                 else {}
             self._fh = self.path.open("a", encoding="utf-8")

@@ -61,6 +61,25 @@ def test_torn_last_line_is_reported_and_rest_kept(tmp_path: Path) -> None:
     assert len(rs.warnings) == 1 and "torn last line" in rs.warnings[0]
 
 
+@pytest.mark.parametrize("tail", ['{"schema_version": 1, "kind": "probe", "na', "x" * 70000])
+def test_appending_after_a_torn_line_cuts_it(tmp_path: Path, tail: str) -> None:
+    """A resumed sweep appends after a killed one: the torn fragment is cut first, so the
+    new record is a line of its own and the file loads whole (the fragment, longer than one
+    read back, included)."""
+    path = tmp_path / "r.jsonl"
+    write_two(path)
+    whole = path.read_bytes()
+    with path.open("a") as fh:
+        fh.write(tail)
+    with ResultWriter(path, ENV) as w:
+        w.write(measured("probe", "x", "bw", "GB/s", "higher", [3.0]))
+        w.write(measured("probe", "x", "bw", "GB/s", "higher", [4.0]))
+    assert path.read_bytes().startswith(whole)
+    rs = load(path)
+    assert [r["value"] for r in rs.records][-2:] == [3.0, 4.0] and rs.warnings == []
+    assert len(rs.records) == 4
+
+
 @pytest.mark.parametrize(("content", "message"), [
     ("hello world\n{}\n", "not kvbench JSON Lines"),
     ('{"a": 1}\n', "not a kvbench record"),
