@@ -10,7 +10,9 @@ strategy is covered the moment it registers):
   fail for every strategy that has a budget;
 - without `append` it refuses `--turns 2` with one line and exit 2;
 - a parameter out of range is one line and exit 2;
-- its records carry the run and breakdown fields.
+- its records carry the run and breakdown fields;
+- a decode step at its small budget reads no more device values on the host than it
+  declares (`Strategy.host_reads`), and one that declares some does read them.
 """
 
 from __future__ import annotations
@@ -146,6 +148,34 @@ def test_small_budget_differs_from_full(name: str, bundled, short_full) -> None:
     assert max(abs(a - b) for a, b in zip(nll[1:], short_full[1:3], strict=True)) > 100 * TOL
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_host_reads_as_declared(name: str, bundled) -> None:
+    """One decode step at the small budget (or the defaults), counted as every run counts
+    it (kvbench.runtime.opcount, an untimed step after the run; on the CPU every read of a
+    tensor's value counts, an upper bound of a GPU's): no more syncs than the strategy's
+    `host_reads` allow per layer, none where it declares none, and some where it declares
+    some (a stale declaration fails too)."""
+    from kvbench.runtime.opcount import count_step
+
+    cls = STRATEGIES.get(name)
+    spec, model = bundled.model.spec, bundled.model
+    length = P2 + G2 + 1
+    rows = token_rows(bundled.encode(read_text("")), 1, P2, spec.vocab)  # the prompt
+    cpu = torch.device("cpu")
+    counters = Counters(spec.n_kv_heads, 4, metrics=cls.metrics)
+    ctx = RunContext(spec, spec.n_layers, 1, length, torch.float32, cpu, cpu, counters, model)
+    params = dataclasses.replace(cls.params(), **dict(cls.sparse or ()))
+    params, _ = cls.for_run(params, length)
+    strategy = cls(params, ctx)
+    model.setup(strategy, counters, length)
+    out = decode_run(model, strategy, rows, G2, "generate", lambda: None)
+    counted = count_step(model, strategy, out.tokens, lambda: None)
+    most, why = cls.host_reads
+    assert counted.syncs <= most * spec.n_layers, (name, dict(counted.syncs_by_op))
+    assert (counted.syncs > 0) == (most > 0) and bool(why) == (most > 0), (
+        name, dict(counted.syncs_by_op), cls.host_reads)
+
+
 def _cli(args: list[str], capsys) -> tuple[int, str]:
     with pytest.raises(SystemExit) as e:
         main(args)
@@ -203,3 +233,7 @@ def test_records_carry_breakdown(name: str, capsys, tmp_path: Path) -> None:
     params = runs[0]["params"]
     for f in dataclasses.fields(STRATEGIES.get(name).params):
         assert f.name in params  # every strategy parameter is recorded
+    (syncs,) = [r for r in runs if r["metric"] == "syncs_per_step"]
+    most, why = STRATEGIES.get(name).host_reads
+    assert syncs["method"]["by_design"] == (f"at most {most} per layer: {why}" if most
+                                            else "none")

@@ -172,7 +172,7 @@ def run(cls: type[Strategy], sparams: Any, cfg: RunConfig, hooks: Hooks = Hooks(
     # bandwidth probe
     counted = "interrupted: no step after the timed ones" if stopped else \
         opcount.count_step(model, strategy, outcome.tokens, sync)
-    recs += opcount.records(cls.name, params, counted, model.counters.step)
+    recs += opcount.records(cls.name, params, counted, model.counters.step, cls.host_reads)
     if bw is None:
         try:
             bw = bound.probe(cuda, torch.get_num_threads())

@@ -182,9 +182,10 @@ def count_step(model: Any, strategy: Any, seq: Any, sync: Callable[[], None]) ->
 
 
 def records(name: str, params: dict[str, ParamValue], counted: Counting | str,
-            step: int) -> Iterator[Record]:
+            step: int, by_design: tuple[int, str] = (0, "")) -> Iterator[Record]:
     """`ops_per_step` and `syncs_per_step` of `counted` (decode step `step`, untimed), or
-    waived records giving the reason `counted` when the step was not run."""
+    waived records giving the reason `counted` when the step was not run; `by_design`: the
+    strategy's declared host reads (`Strategy.host_reads`), named in the syncs' method."""
     if isinstance(counted, str):
         for metric in ("ops_per_step", "syncs_per_step"):
             yield not_measured("run", name, metric, "waived", counted, params)
@@ -200,5 +201,7 @@ def records(name: str, params: dict[str, ParamValue], counted: Counting | str,
                                       "(kvbench.runtime.opcount.syncs), run's thread, "
                                       + ("those reading a CUDA tensor" if counted.cuda_only
                                          else "every one (CPU run: an upper bound of a GPU's)"),
-                    "ops": dict(counted.syncs_by_op)})
+                    "ops": dict(counted.syncs_by_op),
+                    "by_design": f"at most {by_design[0]} per layer: {by_design[1]}"
+                    if by_design[0] else "none"})
 

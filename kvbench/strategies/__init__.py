@@ -154,6 +154,11 @@ class Strategy:
     # names its unit, direction and how it derives from what the strategy counts; a
     # quantity counted (`counters.add`) that no metric declares fails the run's records
     metrics: ClassVar[tuple[Metric, ...]] = ()
+    # device values its decode step reads on the host by design: at most this many per
+    # layer, and why (e.g. the page ids a recall copies from host memory); the run's
+    # syncs_per_step names it (`by_design`) and tests/test_strategy_contract.py holds every
+    # strategy's counted step to it, so an undeclared read fails there
+    host_reads: ClassVar[tuple[int, str]] = (0, "")
 
     def __init__(self, params: Any, ctx: RunContext) -> None:
         self.p = params

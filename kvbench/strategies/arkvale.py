@@ -129,6 +129,8 @@ class ArkVale(Strategy):
     params = ArkValeParams
     exact = (("budget_tokens", 1 << 20),)  # no page leaves the accelerator
     sparse = (("budget_tokens", 32), ("page_size", 8), ("sinks", 1), ("window_pages", 1))
+    host_reads = (1, "the ids of the pages to recall from host memory (one nonzero per sparse "
+                  "layer over the budget), as the authors' recall reads them")
     metrics = (PAGES,)
 
     @classmethod

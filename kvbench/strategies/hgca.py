@@ -125,6 +125,8 @@ class Hgca(Strategy):
     params = HgcaParams
     exact = (("beta", 0.0),)  # every host entry selected (section 3.2.2)
     sparse = ()  # its defaults: beta 1, a window a quarter of the context
+    host_reads = (3, "its host side's own KV_ctx row lengths (the longest row, the entries "
+                  "attended, the count per head): host memory on a GPU, counted on a CPU run")
     metrics = (Metric("selected_fraction", "ratio", reduction="own", of="tokens",
                       derive=selected_fraction),)
 

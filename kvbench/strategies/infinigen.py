@@ -127,6 +127,8 @@ class InfiniGen(Strategy):
     # every token attended (authors: densely, a cap covering the context)
     exact = (("alpha", float("inf")), ("budget_tokens", 1 << 20))
     sparse = (("budget_tokens", 16),)
+    host_reads = (1, "the number of tokens the speculation selects, which sizes the prefetch "
+                  "from host memory (the authors' code reads it too)")
 
     @classmethod
     def kv_placement(cls, params: InfiniGenParams, kv_bytes: int) -> dict[str, int]:

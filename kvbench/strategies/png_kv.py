@@ -83,6 +83,8 @@ class PngKV(PnmKV):
     params = PngParams
     exact = (("budget_tokens", 1 << 20),)  # every page selected
     sparse = (("budget_tokens", 32), ("page_size", 8), ("sinks", 1), ("window_pages", 1))
+    host_reads = (4, "PNM-KV's two plus the steady pages to recall into the GPU pool "
+                  "(one nonzero per sparse layer, as ArkVale's recall)")
     metrics = (*PnmKV.metrics, PAGES)
 
     @classmethod
@@ -137,7 +139,7 @@ class PngKV(PnmKV):
         pg = order[b, h, i]
         slot = (~ev).to(torch.int8).argsort(dim=-1, stable=True)[b, h, crank[b, h, i]]
         counters = self.ctx.counters
-        counters.add("pages", "evicted", float((valid & ev).sum()))
+        counters.add("pages", "evicted", valid & ev)  # summed at the step's end: no sync
         counters.add("pages", "recalled", float(pg.numel()))
         sp.masked_fill_(ev, -1)
         if pg.numel():  # line 11: recall the pages from the device's memory

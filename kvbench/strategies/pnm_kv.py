@@ -50,6 +50,8 @@ class PnmKV(Strategy):
     params = PnmParams
     exact = (("budget_tokens", 1 << 20),)  # every page selected
     sparse = (("budget_tokens", 32), ("page_size", 8), ("sinks", 1), ("window_pages", 1))
+    host_reads = (2, "the device's own selection (the most pages a row selected, the tokens "
+                  "each device attends for its load): device memory, counted on a CPU run")
     metrics = PNM_METRICS
 
     @classmethod

@@ -165,6 +165,8 @@ class Scout(Strategy):
     params = ScoutParams
     exact = (("budget_tokens", 1 << 20),)  # every block resident and selected
     sparse = (("budget_tokens", 32),)
+    host_reads = (1, "the selection's host tokens: whether the layer-ahead host attention "
+                  "runs, its positions then copied to the host")
     metrics = (
         PAGES,
         Metric("cpu_compute_ratio_per_step", "ratio", "lower", "step_mean", of="cpu_ratio",
