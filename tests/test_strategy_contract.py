@@ -12,7 +12,9 @@ strategy is covered the moment it registers):
 - a parameter out of range is one line and exit 2;
 - its records carry the run and breakdown fields;
 - a decode step at its small budget reads no more device values on the host than it
-  declares (`Strategy.host_reads`), and one that declares some does read them.
+  declares (`Strategy.host_reads`), and one that declares some does read them;
+- a decode step dispatches as many torch ops with 16 query / 8 KV heads as with 4 / 2: no
+  Python loop over heads.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from kvbench.cli import main
 from kvbench.errors import KvbenchError
 from kvbench.runtime.context import Counters, RunContext
 from kvbench.runtime.run import decode_run, read_text, token_rows
+from kvbench.models import ModelSpec
+from kvbench.runtime.opcount import Counting
 from kvbench.strategies import STRATEGIES, supports_append
 
 NAMES = STRATEGIES.names()
@@ -148,32 +152,113 @@ def test_small_budget_differs_from_full(name: str, bundled, short_full) -> None:
     assert max(abs(a - b) for a, b in zip(nll[1:], short_full[1:3], strict=True)) > 100 * TOL
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_host_reads_as_declared(name: str, bundled) -> None:
-    """One decode step at the small budget (or the defaults), counted as every run counts
-    it (kvbench.runtime.opcount, an untimed step after the run; on the CPU every read of a
-    tensor's value counts, an upper bound of a GPU's): no more syncs than the strategy's
-    `host_reads` allow per layer, none where it declares none, and some where it declares
-    some (a stale declaration fails too)."""
+def _counted_step(name: str, spec, model) -> tuple[Counting, int]:
+    """One decode step of `name` at its small budget on `model`, counted as a run counts
+    it (kvbench.runtime.opcount: an untimed step after P2 prompt tokens and G2 decode
+    steps), and the layers it ran."""
     from kvbench.runtime.opcount import count_step
 
     cls = STRATEGIES.get(name)
-    spec, model = bundled.model.spec, bundled.model
     length = P2 + G2 + 1
-    rows = token_rows(bundled.encode(read_text("")), 1, P2, spec.vocab)  # the prompt
+    text = read_text("").encode("utf-8")
+    rows = token_rows(list(text) if spec.vocab > 255 else [t % spec.vocab for t in text], 1,
+                      P2, spec.vocab)
     cpu = torch.device("cpu")
     counters = Counters(spec.n_kv_heads, 4, metrics=cls.metrics)
-    ctx = RunContext(spec, spec.n_layers, 1, length, torch.float32, cpu, cpu, counters, model)
+    ctx = RunContext(spec, model.n_layers, 1, length, torch.float32, cpu, cpu, counters,
+                     model)
     params = dataclasses.replace(cls.params(), **dict(cls.sparse or ()))
     params, _ = cls.for_run(params, length)
     strategy = cls(params, ctx)
     model.setup(strategy, counters, length)
     out = decode_run(model, strategy, rows, G2, "generate", lambda: None)
-    counted = count_step(model, strategy, out.tokens, lambda: None)
-    most, why = cls.host_reads
-    assert counted.syncs <= most * spec.n_layers, (name, dict(counted.syncs_by_op))
+    return count_step(model, strategy, out.tokens, lambda: None), model.n_layers
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_host_reads_as_declared(name: str, bundled) -> None:
+    """One decode step at the small budget (or the defaults), counted as every run counts
+    it (on the CPU every read of a tensor's value counts, an upper bound of a GPU's): no
+    more syncs than the strategy's `host_reads` allow per layer, none where it declares
+    none, and some where it declares some (a stale declaration fails too)."""
+    counted, layers = _counted_step(name, bundled.model.spec, bundled.model)
+    most, why = STRATEGIES.get(name).host_reads
+    assert counted.syncs <= most * layers, (name, dict(counted.syncs_by_op))
     assert (counted.syncs > 0) == (most > 0) and bool(why) == (most > 0), (
-        name, dict(counted.syncs_by_op), cls.host_reads)
+        name, dict(counted.syncs_by_op), STRATEGIES.get(name).host_reads)
+
+
+REPEAT = 4  # the wide model: every head of the narrow one, 4 times
+# ops that only make a view (no data touched): their count follows shapes, e.g. a reshape
+# of a size-1 dimension, not the work
+VIEWS = frozenset({"aten.view", "aten._unsafe_view", "aten.alias", "aten.as_strided",
+                   "aten.expand", "aten.squeeze", "aten.unsqueeze", "aten.transpose",
+                   "aten.permute", "aten.t", "aten.slice", "aten.select", "aten.detach"})
+
+
+def _models() -> list:
+    """A narrow random llama (4 query / 2 KV heads of 16, 4 layers) and a wide one with 4x
+    the heads that computes the same: its q/k/v rows are the narrow one's heads repeated
+    (query head r * 4 + h is head h, its KV head r * 2 + h // 2 is KV head h // 2), its
+    out-projection the narrow one's columns repeated over 4. Every head of the wide model
+    attends what its narrow twin does, so data-dependent paths (a recall, an empty host
+    part) take the same branches in both."""
+    from kvbench.models.weights import load
+
+    cpu = torch.device("cpu")
+    narrow = ModelSpec("heads-4-2", "llama", 4, 4, 2, 64, 64, 256, 256, head_dim=16)
+    wide = dataclasses.replace(narrow, name="heads-16-8", n_heads=16, n_kv_heads=8)
+    a = load(narrow, "random", 4, torch.float32, cpu).model
+    b = load(wide, "random", 4, torch.float32, cpu).model
+    sd = a.state_dict()
+    d, hq, hkv = 16, narrow.n_heads, narrow.n_kv_heads
+    for key, w in sd.items():
+        if key.endswith("qkv_proj.weight"):
+            q, k, v = w.split((hq * d, hkv * d, hkv * d))
+            sd[key] = torch.cat([q.repeat(REPEAT, 1), k.repeat(REPEAT, 1),
+                                 v.repeat(REPEAT, 1)])
+        elif key.endswith("o_proj.weight"):
+            sd[key] = w.repeat(1, REPEAT) / REPEAT
+    b.load_state_dict(sd)
+    return [(narrow, a), (wide, b)]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_decode_ops_do_not_grow_with_heads(name: str) -> None:
+    """Decode steps (4 layers: two dense, two sparse where a strategy has dense layers)
+    dispatch as many torch ops with 16 query and 8 KV heads as with 4 and 2 heads that
+    attend the same (`_models`): selection, attention and bookkeeping run every head in
+    the same calls; no Python loop over heads, KV groups or pages. Every step of 8 counted
+    (the first with the prefill), ops that only make views (`VIEWS`) left out."""
+    cls = STRATEGIES.get(name)
+    g = 8
+    length = P2 + g + 1
+    cpu = torch.device("cpu")
+    ops = []
+    for spec, model in _models():
+        rows = token_rows(list(read_text("").encode("utf-8")), 1, P2, spec.vocab)
+        counters = Counters(spec.n_kv_heads, 4, metrics=cls.metrics)
+        ctx = RunContext(spec, spec.n_layers, 1, length, torch.float32, cpu, cpu, counters,
+                         model)
+        params, _ = cls.for_run(dataclasses.replace(cls.params(), **dict(cls.sparse or ())),
+                                length)
+        strategy = cls(params, ctx)
+        model.setup(strategy, counters, length)
+        steps: list[int] = []
+        counting = [Counting().__enter__()]
+
+        def step() -> None:
+            counting[0].__exit__(None, None, None)
+            steps.append(sum(n for op, n in counting[0].by_op.items() if op not in VIEWS))
+            counting[0] = Counting().__enter__()
+
+        try:
+            out = decode_run(model, strategy, rows, g, "generate", lambda: None, step)
+        finally:
+            counting[0].__exit__(None, None, None)
+        ops.append(steps)
+        assert len(out.steps) == g
+    assert ops[0] == ops[1], (name, ops)
 
 
 def _cli(args: list[str], capsys) -> tuple[int, str]:
