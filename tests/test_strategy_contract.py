@@ -30,10 +30,10 @@ from conftest import assert_usage_error, cli
 
 from kvbench.cli import main
 from kvbench.errors import KvbenchError
-from kvbench.runtime.context import Counters, RunContext
-from kvbench.runtime.run import decode_run, read_text, token_rows
 from kvbench.models import ModelSpec
+from kvbench.runtime.context import Counters, RunContext
 from kvbench.runtime.opcount import Counting
+from kvbench.runtime.run import decode_run, read_text, token_rows
 from kvbench.strategies import STRATEGIES, supports_append
 
 NAMES = STRATEGIES.names()
