@@ -152,27 +152,20 @@ def test_small_budget_differs_from_full(name: str, bundled, short_full) -> None:
     assert max(abs(a - b) for a, b in zip(nll[1:], short_full[1:3], strict=True)) > 100 * TOL
 
 
-def _counted_step(name: str, spec, model) -> tuple[Counting, int]:
-    """One decode step of `name` at its small budget on `model`, counted as a run counts
-    it (kvbench.runtime.opcount: an untimed step after P2 prompt tokens and G2 decode
-    steps), and the layers it ran."""
-    from kvbench.runtime.opcount import count_step
-
+def _small(name: str, spec: ModelSpec, model, g: int):
+    """`name` at its small budget (`Strategy.sparse`) set up on `model` for a prompt of P2
+    tokens and g decode steps, and the prompt's rows."""
     cls = STRATEGIES.get(name)
-    length = P2 + G2 + 1
-    text = read_text("").encode("utf-8")
-    rows = token_rows(list(text) if spec.vocab > 255 else [t % spec.vocab for t in text], 1,
-                      P2, spec.vocab)
+    length = P2 + g + 1
     cpu = torch.device("cpu")
     counters = Counters(spec.n_kv_heads, 4, metrics=cls.metrics)
     ctx = RunContext(spec, model.n_layers, 1, length, torch.float32, cpu, cpu, counters,
                      model)
-    params = dataclasses.replace(cls.params(), **dict(cls.sparse or ()))
-    params, _ = cls.for_run(params, length)
+    params, _ = cls.for_run(dataclasses.replace(cls.params(), **dict(cls.sparse or ())),
+                            length)
     strategy = cls(params, ctx)
     model.setup(strategy, counters, length)
-    out = decode_run(model, strategy, rows, G2, "generate", lambda: None)
-    return count_step(model, strategy, out.tokens, lambda: None), model.n_layers
+    return strategy, token_rows(list(read_text("").encode("utf-8")), 1, P2, spec.vocab)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -181,7 +174,12 @@ def test_host_reads_as_declared(name: str, bundled) -> None:
     it (on the CPU every read of a tensor's value counts, an upper bound of a GPU's): no
     more syncs than the strategy's `host_reads` allow per layer, none where it declares
     none, and some where it declares some (a stale declaration fails too)."""
-    counted, layers = _counted_step(name, bundled.model.spec, bundled.model)
+    from kvbench.runtime.opcount import count_step
+
+    model = bundled.model
+    strategy, rows = _small(name, model.spec, model, G2)
+    out = decode_run(model, strategy, rows, G2, "generate", lambda: None)
+    counted, layers = count_step(model, strategy, out.tokens, lambda: None), model.n_layers
     most, why = STRATEGIES.get(name).host_reads
     assert counted.syncs <= most * layers, (name, dict(counted.syncs_by_op))
     assert (counted.syncs > 0) == (most > 0) and bool(why) == (most > 0), (
@@ -201,8 +199,8 @@ def _models() -> list:
     the heads that computes the same: its q/k/v rows are the narrow one's heads repeated
     (query head r * 4 + h is head h, its KV head r * 2 + h // 2 is KV head h // 2), its
     out-projection the narrow one's columns repeated over 4. Every head of the wide model
-    attends what its narrow twin does, so data-dependent paths (a recall, an empty host
-    part) take the same branches in both."""
+    attends what its narrow twin does (up to rounding), so data-dependent paths (a recall,
+    an empty host part) take the same branches in both."""
     from kvbench.models.weights import load
 
     cpu = torch.device("cpu")
@@ -223,6 +221,26 @@ def _models() -> list:
     return [(narrow, a), (wide, b)]
 
 
+def _step_ops(name: str, spec: ModelSpec, model, g: int) -> list[int]:
+    """Ops (`VIEWS` left out) of each of g decode steps of `name` at its small budget on
+    `model`, the first with the prefill."""
+    strategy, rows = _small(name, spec, model, g)
+    steps: list[int] = []
+    counting = [Counting().__enter__()]
+
+    def step() -> None:
+        counting[0].__exit__(None, None, None)
+        steps.append(sum(n for op, n in counting[0].by_op.items() if op not in VIEWS))
+        counting[0] = Counting().__enter__()
+
+    try:
+        out = decode_run(model, strategy, rows, g, "generate", lambda: None, step)
+    finally:
+        counting[0].__exit__(None, None, None)
+    assert len(out.steps) == g
+    return steps
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_decode_ops_do_not_grow_with_heads(name: str) -> None:
     """Decode steps (4 layers: two dense, two sparse where a strategy has dense layers)
@@ -230,34 +248,7 @@ def test_decode_ops_do_not_grow_with_heads(name: str) -> None:
     attend the same (`_models`): selection, attention and bookkeeping run every head in
     the same calls; no Python loop over heads, KV groups or pages. Every step of 8 counted
     (the first with the prefill), ops that only make views (`VIEWS`) left out."""
-    cls = STRATEGIES.get(name)
-    g = 8
-    length = P2 + g + 1
-    cpu = torch.device("cpu")
-    ops = []
-    for spec, model in _models():
-        rows = token_rows(list(read_text("").encode("utf-8")), 1, P2, spec.vocab)
-        counters = Counters(spec.n_kv_heads, 4, metrics=cls.metrics)
-        ctx = RunContext(spec, spec.n_layers, 1, length, torch.float32, cpu, cpu, counters,
-                         model)
-        params, _ = cls.for_run(dataclasses.replace(cls.params(), **dict(cls.sparse or ())),
-                                length)
-        strategy = cls(params, ctx)
-        model.setup(strategy, counters, length)
-        steps: list[int] = []
-        counting = [Counting().__enter__()]
-
-        def step() -> None:
-            counting[0].__exit__(None, None, None)
-            steps.append(sum(n for op, n in counting[0].by_op.items() if op not in VIEWS))
-            counting[0] = Counting().__enter__()
-
-        try:
-            out = decode_run(model, strategy, rows, g, "generate", lambda: None, step)
-        finally:
-            counting[0].__exit__(None, None, None)
-        ops.append(steps)
-        assert len(out.steps) == g
+    ops = [_step_ops(name, spec, model, 8) for spec, model in _models()]
     assert ops[0] == ops[1], (name, ops)
 
 
