@@ -61,23 +61,31 @@ def test_torn_last_line_is_reported_and_rest_kept(tmp_path: Path) -> None:
     assert len(rs.warnings) == 1 and "torn last line" in rs.warnings[0]
 
 
-@pytest.mark.parametrize("tail", ['{"schema_version": 1, "kind": "probe", "na', "x" * 70000])
-def test_appending_after_a_torn_line_cuts_it(tmp_path: Path, tail: str) -> None:
+@pytest.mark.parametrize(("before", "tail"), [
+    (2, '{"schema_version": 1, "kind": "probe", "na'),
+    (2, "x" * 70000),  # longer than one read back (64 KiB)
+    (2, "x" * 65535),  # the last newline is the first byte of the first block read back
+    (300, "x" * 70000),  # whole lines beyond the first block, the newline in the second
+    (0, "x" * 65537),  # nothing whole: the file is cut to nothing
+])
+def test_appending_after_a_torn_line_cuts_it(tmp_path: Path, before: int, tail: str) -> None:
     """A resumed sweep appends after a killed one: the torn fragment is cut first, so the
-    new record is a line of its own and the file loads whole (the fragment, longer than one
-    read back, included)."""
+    new record is a line of its own and the file loads whole, every earlier line kept."""
     path = tmp_path / "r.jsonl"
-    write_two(path)
-    whole = path.read_bytes()
+    if before:
+        with ResultWriter(path, ENV) as w:
+            for i in range(before):
+                w.write(measured("probe", "x", "bw", "GB/s", "higher", [float(i)] * 8))
+    whole = path.read_bytes() if before else b""
     with path.open("a") as fh:
         fh.write(tail)
     with ResultWriter(path, ENV) as w:
-        w.write(measured("probe", "x", "bw", "GB/s", "higher", [3.0]))
-        w.write(measured("probe", "x", "bw", "GB/s", "higher", [4.0]))
+        w.write(measured("probe", "x", "bw", "GB/s", "higher", [-1.0]))
+        w.write(measured("probe", "x", "bw", "GB/s", "higher", [-2.0]))
     assert path.read_bytes().startswith(whole)
     rs = load(path)
-    assert [r["value"] for r in rs.records][-2:] == [3.0, 4.0] and rs.warnings == []
-    assert len(rs.records) == 4
+    assert [r["value"] for r in rs.records] == [*map(float, range(before)), -1.0, -2.0]
+    assert rs.warnings == [] and list(rs.envs) == [ENV["env_id"]]
 
 
 @pytest.mark.parametrize(("content", "message"), [
