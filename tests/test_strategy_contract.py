@@ -44,6 +44,20 @@ P, G, TURNS = 88, 12, 2  # decode crosses page boundaries (96, 192) of arkvale (
 TOL = 5e-5  # |dNLL| a token: fp32 summation order's noise (test_exact_setting_equals_full)
 
 
+def _started(name: str, model, overrides: dict, length: int):
+    """Strategy `name` with `overrides` (resolved by `for_run`, as a run does), batch 1,
+    fp32 on the CPU, set up on `model` for sequences of `length` tokens."""
+    cls = STRATEGIES.get(name)
+    spec, cpu = model.spec, torch.device("cpu")
+    counters = Counters(spec.n_kv_heads, 4, metrics=cls.metrics)
+    ctx = RunContext(spec, model.n_layers, 1, length, torch.float32, cpu, cpu, counters,
+                     model)
+    params, _ = cls.for_run(dataclasses.replace(cls.params(), **overrides), length)
+    strategy = cls(params, ctx)
+    model.setup(strategy, counters, length)
+    return strategy
+
+
 def _nll(bundled, name: str, overrides: dict, turns: int, p: int = P, g: int = G
          ) -> list[float]:
     """Eval-mode NLL of every scored token (g + 1 a turn) of strategy `name` with
@@ -54,14 +68,7 @@ def _nll(bundled, name: str, overrides: dict, turns: int, p: int = P, g: int = G
     spec, model = bundled.model.spec, bundled.model
     length = turns * (p + g + 1)
     rows = token_rows(bundled.encode(read_text("")), 1, length, spec.vocab)
-    cpu = torch.device("cpu")
-    counters = Counters(spec.n_kv_heads, 4)
-    ctx = RunContext(spec, spec.n_layers, 1, length, torch.float32, cpu, cpu, counters, model)
-    cls = STRATEGIES.get(name)
-    params = dataclasses.replace(cls.params(), **overrides) if overrides else cls.params()
-    params, _ = cls.for_run(params, length)
-    strategy = cls(params, ctx)
-    model.setup(strategy, counters, length)
+    strategy = _started(name, model, overrides, length)
     return decode_run(model, strategy, rows, g, "eval", lambda: None, turns=turns).nll
 
 
@@ -152,20 +159,11 @@ def test_small_budget_differs_from_full(name: str, bundled, short_full) -> None:
     assert max(abs(a - b) for a, b in zip(nll[1:], short_full[1:3], strict=True)) > 100 * TOL
 
 
-def _small(name: str, spec: ModelSpec, model, g: int):
-    """`name` at its small budget (`Strategy.sparse`) set up on `model` for a prompt of P2
-    tokens and g decode steps, and the prompt's rows."""
-    cls = STRATEGIES.get(name)
-    length = P2 + g + 1
-    cpu = torch.device("cpu")
-    counters = Counters(spec.n_kv_heads, 4, metrics=cls.metrics)
-    ctx = RunContext(spec, model.n_layers, 1, length, torch.float32, cpu, cpu, counters,
-                     model)
-    params, _ = cls.for_run(dataclasses.replace(cls.params(), **dict(cls.sparse or ())),
-                            length)
-    strategy = cls(params, ctx)
-    model.setup(strategy, counters, length)
-    return strategy, token_rows(list(read_text("").encode("utf-8")), 1, P2, spec.vocab)
+def _small(name: str, model, g: int):
+    """`name` at its small budget (`Strategy.sparse`) on `model` for a prompt of P2 tokens
+    and g decode steps, and the prompt's rows."""
+    strategy = _started(name, model, dict(STRATEGIES.get(name).sparse or ()), P2 + g + 1)
+    return strategy, token_rows(list(read_text("").encode("utf-8")), 1, P2, model.spec.vocab)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -177,7 +175,7 @@ def test_host_reads_as_declared(name: str, bundled) -> None:
     from kvbench.runtime.opcount import count_step
 
     model = bundled.model
-    strategy, rows = _small(name, model.spec, model, G2)
+    strategy, rows = _small(name, model, G2)
     out = decode_run(model, strategy, rows, G2, "generate", lambda: None)
     counted, layers = count_step(model, strategy, out.tokens, lambda: None), model.n_layers
     most, why = STRATEGIES.get(name).host_reads
@@ -218,13 +216,13 @@ def _models() -> list:
         elif key.endswith("o_proj.weight"):
             sd[key] = w.repeat(1, REPEAT) / REPEAT
     b.load_state_dict(sd)
-    return [(narrow, a), (wide, b)]
+    return [a, b]
 
 
-def _step_ops(name: str, spec: ModelSpec, model, g: int) -> list[int]:
+def _step_ops(name: str, model, g: int) -> list[int]:
     """Ops (`VIEWS` left out) of each of g decode steps of `name` at its small budget on
     `model`, the first with the prefill."""
-    strategy, rows = _small(name, spec, model, g)
+    strategy, rows = _small(name, model, g)
     steps: list[int] = []
     counting = [Counting().__enter__()]
 
@@ -248,7 +246,7 @@ def test_decode_ops_do_not_grow_with_heads(name: str) -> None:
     attend the same (`_models`): selection, attention and bookkeeping run every head in
     the same calls; no Python loop over heads, KV groups or pages. Every step of 8 counted
     (the first with the prefill), ops that only make views (`VIEWS`) left out."""
-    ops = [_step_ops(name, spec, model, 8) for spec, model in _models()]
+    ops = [_step_ops(name, model, 8) for model in _models()]
     assert ops[0] == ops[1], (name, ops)
 
 

@@ -169,7 +169,6 @@ def dense_attention(
     path), "native" or "torch" (the chunked torch path); `threads` caps the native
     kernel's threads (default: every CPU this process may use).
     """
-
     d = check_qkv(q, k, v)[3]
     require(backend in ("auto", "native", "torch"), f"unknown attention backend '{backend}'")
     lq, lk = q.shape[2], k.shape[2]
