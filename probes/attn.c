@@ -20,10 +20,15 @@
  * The inner loops (attn_loops.c) have an AVX2/FMA version chosen at run time on x86 CPUs
  * that have it and a portable one (kvb_attn_isa reports or forces the choice).
  *
- * Dense rows of at most 256 bytes over a KV of at least kvb_attn_prefetch_from bytes (half
- * the LLC, set by kvbench.native) are fetched to L2 ahead of use, a few lines per key inside
- * the loops: a block's V rows while its scores run, the next block's K rows while its P.V
- * runs. Decode otherwise alternates compute on one block with misses on the next.
+ * Rows of at most 256 bytes over a KV of at least kvb_attn_prefetch_from bytes (half the
+ * LLC, set by kvbench.native) are fetched to L2 ahead of use, a few lines per key inside the
+ * loops: a block's V rows while its scores run, the next block's K rows while its P.V runs.
+ * Decode otherwise alternates compute on one block with misses on the next. Selected rows
+ * (idx: a sparse strategy's pages) take the same path; before, they were prefetched to L1 a
+ * block at a time in one burst, and 1024 selected keys of 4 x 3 heads x 64 float32 over
+ * 8000 (8 layers' KV, cold) took 690-860 us as 64 random pages of 16 and 490-530 us as one
+ * run, against 470-540 and 315-380 us with the L2 path (interleaved, 2-core AMD EPYC VM,
+ * 2026-11-27).
  * Measured on the 2-core Zen 3 CI VM, timed call by call against the kernel without it
  * (results/wave1-speed/prefetch-ab-2026-11-23.txt):
  *   - 16K-32K tokens: +16-26% for 9/3 x 128 bfloat16, +21-24% for 8/8 x 64 bfloat16,
@@ -87,13 +92,6 @@ typedef struct {
     const void *kp[BLK], *vp[BLK], *kn[BLK]; /* kn: the next block's K rows (prefetch) */
 } work_t;
 
-/* Prefetch one whole row (64 B lines) of `base` at element offset `off`. */
-static inline void prefetch_row(const job_t *j, const void *base, int64_t off) {
-    const int64_t esz = j->dtype == 0 ? 4 : 2;
-    const char *p = (const char *)base + off * esz;
-    for (int64_t c = 0; c < j->D * esz; c += 64) __builtin_prefetch(p + c);
-}
-
 /* Pointers to rows pos[0..nb) of k or v (element offset off, row stride `stride`). */
 static inline void row_ptrs(const job_t *j, const void *base, int64_t off, int64_t stride,
                             const int32_t *pos, int64_t nb, const void **ptr) {
@@ -118,28 +116,20 @@ static void do_range(job_t *j, const isa_t *isa, work_t *w, int64_t r, int64_t k
     }
     memset(w->acc, 0, sizeof(float) * nr * D);
     int32_t pos[BLK];
-    /* Sparse rows are scattered (a page each): while a block is used, the rows of the next
-     * block are prefetched one by one so their misses overlap. */
-    if (idx)
-        for (int64_t jj = k0; jj < k1 && jj < k0 + BLK; jj++) {
-            prefetch_row(j, j->k, kb + idx[jj] * j->ks[2]);
-            prefetch_row(j, j->v, vb + idx[jj] * j->vs[2]);
-        }
     for (int64_t j0 = k0; j0 < k1; j0 += BLK) {
         const int64_t nb = k1 - j0 < BLK ? k1 - j0 : BLK;
         const int64_t nx = k1 - j0 - BLK < BLK ? k1 - j0 - BLK : BLK; /* next block's size */
         for (int64_t jj = 0; jj < nb; jj++) pos[jj] = idx ? idx[j0 + jj] : (int32_t)(j0 + jj);
-        for (int64_t jj = 0; idx && jj < nx; jj++)
-            prefetch_row(j, j->k, kb + idx[j0 + BLK + jj] * j->ks[2]);
         row_ptrs(j, j->k, kb, j->ks[2], pos, nb, w->kp);
         row_ptrs(j, j->v, vb, j->vs[2], pos, nb, w->vp);
         /* this block's V rows are fetched while its scores run, the next block's K rows
-         * while its P.V runs (sparse rows are prefetched one by one above and below) */
+         * while its P.V runs (dense or selected rows alike) */
         const int64_t esz = j->dtype ? 2 : 4;
         pf_t pfv = {w->vp, 0, D * esz}, pfk = {w->kn, 0, D * esz};
         if (j->prefetch) {
             for (int64_t jj = 0; jj < nx; jj++)
-                w->kn[jj] = (const char *)j->k + (kb + (j0 + BLK + jj) * j->ks[2]) * esz;
+                w->kn[jj] = (const char *)j->k +
+                            (kb + (idx ? idx[j0 + BLK + jj] : j0 + BLK + jj) * j->ks[2]) * esz;
             pfv.n = nb;
             pfk.n = nx > 0 ? nx : 0;
         }
@@ -161,8 +151,6 @@ static void do_range(job_t *j, const isa_t *isa, work_t *w, int64_t r, int64_t k
             w->l[t] = w->l[t] * w->corr[t] + isa->expsum(s, nb, mn);
             w->m[t] = mn;
         }
-        for (int64_t jj = 0; idx && jj < nx; jj++)
-            prefetch_row(j, j->v, vb + idx[j0 + BLK + jj] * j->vs[2]);
         isa->pv(w->acc, w->corr, w->s, w->vp, nr, nb, D, &pfk);
     }
 }
@@ -279,7 +267,7 @@ int kvb_attn(int dtype, const void *q, const void *k, const void *v, void *out, 
                  nmax, Hs, scale, causal, q_start, group < 1 ? 1 : group, 0, 1, 0, 0, NULL,
                  kvb_attn_loops(dtype, D, kvb_attn_isa(-1)), 0, 0};
     const int64_t rows = B * Hs, n = idx ? nmax : Lk, esz = dtype ? 2 : 4;
-    j->prefetch = !idx && D * esz <= 256 && 2 * rows * Lk * D * esz >= g_prefetch_from;
+    j->prefetch = D * esz <= 256 && 2 * rows * Lk * D * esz >= g_prefetch_from;
     int nt = threads < 1 ? 1 : threads > 256 ? 256 : threads;
     if (nt > 1 && rows < SPLIT_ROWS * nt && n >= 2 * MIN_CHUNK) {
         int64_t s = (SPLIT_ROWS * nt + rows - 1) / rows;

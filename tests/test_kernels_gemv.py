@@ -1,7 +1,7 @@
 """Decode's native CPU kernels: the matmul (probes/gemv.c through kvbench.kernels.cpu.gemv),
 x @ W^T equal to a float64 reference for every batch it takes, under both instruction sets,
-on one and several threads; where it applies; the batch-1 weight layout that uses it; and
-the cold-KV prefetch setting of decode runs."""
+on one and several threads; where it applies; the decode batches' weight layout that uses
+it; and the cold-KV prefetch setting of decode runs."""
 
 from __future__ import annotations
 
@@ -27,13 +27,14 @@ def isa(request: pytest.FixtureRequest):
     so.kvb_gemv_isa(before)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
-@pytest.mark.parametrize(("n", "k"), [(7, 16), (13, 20), (200, 64), (1031, 576)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize(("n", "k"), [(7, 16), (13, 20), (29, 40), (200, 64), (1031, 576)])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_gemv_matches_the_reference(isa: str, rows: int, n: int, k: int,
                                     threads: int) -> None:
-    """Every row count 1..8 (each has its own register block), N not a multiple of any
-    block or thread split, K not a multiple of the vector width (the portable tail)."""
+    """Every row count 1..8 (each has its own register block), N not a multiple of the
+    thread split, K a multiple of the vector width but not of the unrolled step (40: the
+    vector tail) and not of the width at all (20: the portable loop)."""
     g = torch.Generator().manual_seed(rows * 1000 + n + k)
     w = torch.randn(n, k, generator=g)
     x = torch.randn(2, rows, k, generator=g)[1]  # a view into a larger buffer
@@ -63,23 +64,34 @@ def test_where_gemv_applies() -> None:
 
 
 @needs_native
-def test_batch_one_reads_the_weight_as_it_is_and_prefill_falls_back() -> None:
-    """At batch 1 the layout is the weight itself ("native": no copy); more rows than the
-    kernel takes (a prefill) go through F.linear; the bias is added either way."""
+@pytest.mark.parametrize("batch", [1, 4, 8])
+def test_decode_batches_read_the_weight_as_it_is_and_prefill_falls_back(batch: int) -> None:
+    """At batch 1 to 8 the layout is the weight itself ("native": no copy, whether or not
+    memory is spare); more rows than the kernel takes (a prefill) go through F.linear; the
+    bias is added either way."""
     lin = Linear(24, 40)
     before = lin.weight.data_ptr()
-    lin.pack(1, spare=True)
+    lin.pack(batch, spare=False)
     assert lin.fast is not None and lin.fast[1] == "native"
     assert lin.weight.data_ptr() == before == lin.fast[0].data_ptr()
-    for x in (torch.randn(1, 1, 24), torch.randn(1, 12, 24)):
+    for x in (torch.randn(batch, 1, 24), torch.randn(1, 12, 24)):
         torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias),
                                    rtol=1e-5, atol=1e-5)
-    p = packed(torch.randn(40, 24), 4, spare=False)
-    assert p is None  # batch 4 without memory for oneDNN's copy: F.linear
-    head = packed(torch.randn(40, 24), 1, spare=False)
+    head = packed(torch.randn(40, 24), batch, spare=False)
     assert head is not None and head[1] == "native"
-    x = torch.randn(1, 24)
+    x = torch.randn(batch, 24)
     torch.testing.assert_close(matmul(x, head, None), x @ head[0].t(), rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+def test_more_rows_than_the_kernel_takes_pack_for_onednn_where_memory_allows() -> None:
+    w = torch.randn(40, 24)
+    assert packed(w, cpu.MAX_GEMV_ROWS + 1, spare=False) is None  # F.linear
+    p = packed(w, cpu.MAX_GEMV_ROWS + 1, spare=True)
+    assert p is not None and p[1] == "dnn"
+    x = torch.randn(cpu.MAX_GEMV_ROWS + 1, 24)
+    torch.testing.assert_close(matmul(x, p, None), x @ w.t(), rtol=1e-5, atol=1e-5)
 
 
 @needs_native

@@ -5,14 +5,16 @@ memory-bound and the layout of W decides how close it runs to the read bandwidth
 on the 2-core development box (SmolLM2-135M's 30 layers of weights, 425 MB fp32, and its
 49152 x 576 head, streamed as decode does, torch 2.13 with MKL and oneDNN):
 
-- batch 1: kvbench's own kernel (probes/gemv.c: each W row read once, in order, AVX2/FMA)
-  on W [out, in] as it is streamed all 538 MB at 25-27 GB/s on 2 threads, against 16-17
-  GB/s for x @ W^T with W^T stored [in, out] contiguous (itself 1.7x the layers' and 2x the
-  head's speed of `F.linear` on W [out, in]); the machine's read loop: 32-35 GB/s;
-- batch > 1: oneDNN's weight packed for that batch (`torch.ops.mkldnn._reorder_linear_weight`,
-  what inductor's CPU freezing uses) ran the layers about 2x and the head 3x faster than
-  `F.linear` (22-24 GB/s at batch 4 and 8, where the native kernel, FMA-bound, reached
-  14-18), while the [in, out] layout gained nothing.
+- batch 1 to 8: kvbench's own kernel (probes/gemv.c: each W row read once, in order, with
+  the stream prefetched into L2 far ahead, AVX2/FMA) on W [out, in] as it is. Interleaved in
+  one sitting (2026-11-27), 8 layers' matmuls (113 MB) and the head (113 MB): batch 1 at
+  24 and 28 GB/s, batch 4 at 23 and 28, batch 8 at 17 and 26, where oneDNN's weight packed
+  for that batch (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's CPU freezing
+  uses) ran at 14-17 and 20-22 GB/s, `F.linear` slower still; the machine's read loop: 35-38
+  GB/s. Before its prefetch the kernel ran batch 4 at 13 GB/s, behind oneDNN.
+- batch 1 without the native library: x @ W^T with W^T stored [in, out] contiguous (about
+  1.7x `F.linear` on W [out, in]);
+- batch > 8, or 2 to 8 without the native library: oneDNN's packed weight.
 
 `packed(w, batch, spare)` makes that layout ("native", "t" or "dnn"; None where none
 applies: CUDA, dtypes other than float32, oneDNN missing, or no `spare` memory for the
@@ -42,7 +44,7 @@ def packed(w: torch.Tensor, batch: int, spare: bool) -> Packed | None:
     from kvbench.kernels import cpu
 
     w = w.detach()
-    if batch == 1 and cpu.gemv_ok(w[:1], w):
+    if batch <= cpu.MAX_GEMV_ROWS and cpu.gemv_ok(w[:1], w):
         return w, "native"
     if batch == 1:
         return (w.t() if w.t().is_contiguous() else w.t().contiguous()), "t"
