@@ -1,7 +1,8 @@
 """Decode's native CPU kernels: the matmul (probes/gemv.c through kvbench.kernels.cpu.gemv),
 x @ W^T equal to a float64 reference for every batch it takes, under both instruction sets,
 on one and several threads; where it applies; the decode batches' weight layout that uses
-it; and the cold-KV prefetch setting of decode runs."""
+it; the RMSNorm (probes/norm.c) against torch's and where the decoder uses it; and the
+cold-KV prefetch setting of decode runs."""
 
 from __future__ import annotations
 
@@ -92,6 +93,39 @@ def test_more_rows_than_the_kernel_takes_pack_for_onednn_where_memory_allows() -
     assert p is not None and p[1] == "dnn"
     x = torch.randn(cpu.MAX_GEMV_ROWS + 1, 24)
     torch.testing.assert_close(matmul(x, p, None), x @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("shape", [(1, 1, 576), (4, 1, 576), (3, 13), (64, 40)])
+def test_rms_norm_matches_torch(shape: tuple[int, ...]) -> None:
+    """Rows of a decode step and odd widths (the loop's scalar tail), large and small values."""
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(*shape, generator=g) * torch.logspace(-3, 3, shape[-1])
+    w = torch.randn(shape[-1], generator=g)
+    ref = torch.nn.functional.rms_norm(x, (shape[-1],), w, 1e-5)
+    torch.testing.assert_close(cpu.rms_norm(x, w, 1e-5), ref, rtol=1e-5, atol=1e-6)
+
+
+@needs_native
+def test_where_rms_norm_applies_and_the_decoder_uses_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvbench.models.decoder import RMSNorm
+
+    w = torch.randn(8)
+    assert cpu.rms_norm_ok(torch.randn(cpu.MAX_NORM_ROWS, 8), w)
+    assert not cpu.rms_norm_ok(torch.randn(cpu.MAX_NORM_ROWS + 1, 8), w)  # a prefill
+    assert not cpu.rms_norm_ok(torch.randn(4, 16)[:, :8], w)  # not contiguous
+    assert not cpu.rms_norm_ok(torch.randn(4, 8).bfloat16(), w)
+    assert not cpu.rms_norm_ok(torch.randn(4, 7), w)
+    norm = RMSNorm(8, 1e-6)
+    calls: list[int] = []
+    native = cpu.rms_norm
+    monkeypatch.setattr(cpu, "rms_norm", lambda x, w, eps: calls.append(1) or native(x, w, eps))
+    decode, prefill = torch.randn(4, 1, 8), torch.randn(1, 100, 8)
+    for x in (decode, prefill):
+        ref = torch.nn.functional.rms_norm(x, (8,), norm.weight, 1e-6)
+        torch.testing.assert_close(norm(x), ref, rtol=1e-5, atol=1e-6)
+    assert calls == [1]  # the decode rows only
 
 
 @needs_native

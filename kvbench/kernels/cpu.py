@@ -183,6 +183,31 @@ def gemv(x: torch.Tensor, w: torch.Tensor, threads: int | None = None) -> torch.
     return y
 
 
+MAX_NORM_ROWS = 64  # rows probes/norm.c takes per call (decode's); prefill goes to torch
+
+
+def rms_norm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `rms_norm` applies: CPU float32, x [..., D] contiguous with at most
+    MAX_NORM_ROWS rows, w [D] contiguous, the library built."""
+    import torch
+
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32
+            and x.is_contiguous() and w.is_contiguous() and w.dim() == 1
+            and x.shape[-1] == w.shape[0] and x.numel() <= MAX_NORM_ROWS * w.shape[0]
+            and native_built())
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """w * x / sqrt(mean(x^2, -1) + eps) for x [..., D] in one native call (probes/norm.c);
+    callers check `rms_norm_ok` first."""
+    import torch
+
+    y = torch.empty_like(x)
+    d = w.shape[0]
+    _lib().kvb_rmsnorm(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.numel() // d, d, eps)
+    return y
+
+
 @contextmanager
 def cold_kv() -> Iterator[None]:
     """Dense calls prefetch whatever their KV's size for the block: a decode step reads
