@@ -5,8 +5,8 @@
  * and its speed is how close that stream runs to the memory's read bandwidth. Each W row
  * is read once, in order, and dotted with all B rows of x (they stay in L1: B x K floats),
  * with W prefetched into L2 far ahead (ROW below). Threads split N into contiguous ranges,
- * so each reads one sequential stream. AVX2/FMA where the CPU has
- * it (chosen at run time, as attn.c does), else a portable loop GCC vectorises.
+ * so each reads one sequential stream. AVX2/FMA where the CPU has it (chosen at run time,
+ * as attn.c does), else a portable loop GCC vectorises.
  *
  * Measured against MKL/oneDNN on the 2-core AMD EPYC VM (kvbench.models.linear's doc).
  */
