@@ -199,9 +199,12 @@ def experiment_list_cmd() -> None:
 def experiment_run_cmd(
     name: str = typer.Argument(..., help="Experiment name (experiments/NAME.toml) or path."),
     resume: bool = typer.Option(False, help="Continue the suites' outputs (cases already "
-                                "recorded are skipped)."),
+                                "recorded are skipped); without it an earlier output is "
+                                "refused."),
     only: str | None = typer.Option(None, help="Only cases whose label (e.g. "
-                                    "'quest[*budget_tokens=64*]*') or id matches this glob."),
+                                    "'quest[*budget_tokens=64*]*') or id matches this glob, "
+                                    "measured again (with --resume: only those not recorded "
+                                    "yet)."),
     project_only: bool = typer.Option(False, help="Only re-run the projections and "
                                       "derivations (seconds) from their sources; no suites."),
 ) -> None:

@@ -3,11 +3,13 @@
 `experiments/<name>.toml` declares what runs (suites), where the records it rests on are
 committed, and its tables (kvbench.present.pivot): rows x columns of a metric with a filter,
 a reference column (full attention), the tokens attended per step as an extra, and the
-paper's values with their citation. `kvbench experiment run NAME [--resume]` runs the
-suites (each into its own output, resumable) and folds their outputs into the committed
-records file; `kvbench experiment render NAME` writes `results/<name>/table.md` from the
-committed records only, so every cell traces to a record. As asv keeps benchmark code,
-results and HTML apart, `results/<name>/` holds data and the rendered table, no code.
+paper's values with their citation. `kvbench experiment run NAME [--resume] [--only
+GLOB]` runs the suites (each into its own output: `--resume` continues it, `--only` measures
+its matching cases again, otherwise an earlier output is refused) and folds their outputs
+into the committed records file; `kvbench experiment render NAME` writes
+`results/<name>/table.md` from the committed records only, so every cell traces to a
+record. As asv keeps benchmark code, results and HTML apart, `results/<name>/` holds data
+and the rendered table, no code.
 
     [experiment]
     name = "page-sparse"            # results/<name>/ takes the outputs
@@ -148,12 +150,27 @@ def _probes(suite: Path, out: Path) -> int:
     return run_suite(dataclasses.replace(load_suite(suite), path=Path(_rel(suite))), out)
 
 
+def _forget(out: Path, keys: set[str]) -> None:
+    """Drop the records of suite units `keys` from the suite output `out` (environment lines
+    and other units stay), so that a run of those units appends them afresh."""
+    import json
+
+    from kvbench.store import read_lines, unit_key
+
+    tmp = out.with_name(out.name + ".forget")
+    tmp.write_text("".join(ln + "\n" for ln in read_lines(out)
+                           if unit_key(json.loads(ln)) not in keys))
+    tmp.replace(out)
+
+
 def run(exp: Experiment, resume: bool, only: str | None = None) -> int:
-    """Run every suite (resumable; `only`: the cases whose label or id matches the glob)
-    and fold their outputs into the first records file: a record there is replaced when the
-    outputs hold the same case of the same strategy version, and kept otherwise (other
-    suites, cases not re-run, earlier versions); then the derivations. Returns the cases
-    that ended in error."""
+    """Run every suite and fold their outputs into the first records file: a record there
+    is replaced when the outputs hold the same case of the same strategy version, and kept
+    otherwise (other suites, cases not re-run, earlier versions); then the derivations.
+    `resume` continues the suites' outputs (recorded cases skipped); without it an earlier
+    output is refused, except with `only` (the cases whose label or id matches the glob),
+    whose cases are measured again: their old records leave the output first. Returns the
+    cases that ended in error."""
     import json
 
     from kvbench.store import read_lines, slim, unit_key
@@ -163,13 +180,19 @@ def run(exp: Experiment, resume: bool, only: str | None = None) -> int:
     suites = [dataclasses.replace(load_suite(s), path=Path(_rel(s))) for s in exp.suites]
     require(only is None or any(units(s, only) for s in suites), f"--only '{only}' matches "
             f"no case of experiment '{exp.name}'")
+    # absolute outputs stay as they are
+    runs = [(s, REPO_ROOT / s.output) for s in suites if only is None or units(s, only)]
+    held = [out for _, out in runs if out.exists() and out.stat().st_size]
+    require(resume or only is not None or not held, f"'{_rel(held[0]) if held else ''}' "
+            "holds an earlier run: pass --resume to continue it, or move it away to "
+            "measure again")
     errors = 0
     if exp.probes and only is None and not (resume and exp.probes[1].exists()):
         errors += _probes(exp.probes[0], exp.probes[1])
-    for s in suites:
-        out = REPO_ROOT / s.output  # absolute outputs stay as they are
-        if only is None or units(s, only):
-            errors += run_suite(s, out, resume=resume or out.exists(), only=only)
+    for s, out in runs:
+        if only is not None and not resume and out in held:  # measured again
+            _forget(out, {u.key for u in units(s, only)})
+        errors += run_suite(s, out, resume=out.exists(), only=only)
     if exp.probes and only is None:
         errors += _probes(exp.probes[0], exp.probes[2])
 

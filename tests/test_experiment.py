@@ -240,6 +240,61 @@ def test_run_folds_the_suites_outputs_into_the_records(tmp_path: Path,
                    ("quest", 12.5, "1")]
 
 
+def _one_suite(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+               ) -> tuple[experiment.Experiment, Path, list[tuple[bool, set[str]]]]:
+    """A toy experiment over one fake suite of cases c1 and c2 whose output already holds
+    both; run_suite records (resume, the cases its output holds when it starts)."""
+    import kvbench.suite as suite_mod
+    from kvbench.store import unit_key
+
+    spec, out = tmp_path / "a.toml", tmp_path / "a-out.jsonl"
+    spec.write_text("")
+    env = json.dumps({"schema_version": 1, "kind": "env", "env_id": "e", "env": {}})
+    out.write_text("".join(f"{ln}\n" for ln in [env] + [json.dumps(
+        {**RECORDS[0], "method": {"suite": str(spec), "suite_case": c}}) for c in ("c1", "c2")]))
+    monkeypatch.setattr(suite_mod, "load_suite",
+                        lambda p: suite_mod.Suite(spec, "a", out, [], [], {}, 0.05))
+    calls: list[tuple[bool, set[str]]] = []
+
+    def run_suite(suite: object, path: Path, resume: bool, only: str | None) -> int:
+        calls.append((resume, {k for ln in path.read_text().splitlines()
+                               if (k := unit_key(json.loads(ln)))}))
+        return 0
+
+    class Unit:
+        def __init__(self, key: str) -> None:
+            self.key = key
+
+    monkeypatch.setattr(suite_mod, "run_suite", run_suite)
+    monkeypatch.setattr(suite_mod, "units", lambda s, only=None: [
+        Unit(c) for c in ("c1", "c2") if only is None or only == c])
+    exp = dataclasses.replace(load_experiment(FIX / "toy.toml"), suites=(spec,),
+                              records=(tmp_path / "summary.jsonl.gz",), keep_traces=())
+    return exp, out, calls
+
+
+def test_an_earlier_output_is_refused_without_resume(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain run does not continue an earlier output silently (it would measure nothing):
+    one line naming it, nothing run; --resume continues it, the recorded cases kept."""
+    exp, _, calls = _one_suite(tmp_path, monkeypatch)
+    with pytest.raises(KvbenchError, match="holds an earlier run: pass --resume"):
+        experiment.run(exp, resume=False)
+    assert calls == []
+    assert experiment.run(exp, resume=True) == 0
+    assert calls == [(True, {"c1", "c2"})]
+
+
+def test_only_measures_its_cases_again(tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """--only drops its cases' records from the output before they run (the others and the
+    environment line stay); with --resume it runs only what is not recorded."""
+    exp, out, calls = _one_suite(tmp_path, monkeypatch)
+    assert experiment.run(exp, resume=False, only="c2") == 0
+    assert calls == [(True, {"c1"})]
+    assert json.loads(out.read_text().splitlines()[0])["kind"] == "env"
+
+
 def test_a_declared_projection_sweeps_and_labels_its_records(tmp_path: Path) -> None:
     """Every point of the sweep is projected from the source's runs, labelled by its
     bookkeeping setting and provenance 'projected'; the table pivots them."""
