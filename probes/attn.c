@@ -23,19 +23,19 @@
  * Rows of at most 256 bytes over a KV of at least kvb_attn_prefetch_from bytes (half the
  * LLC, set by kvbench.native) are fetched to L2 ahead of use, a few lines per key inside the
  * loops: a block's V rows while its scores run, the next block's K rows while its P.V runs.
- * Decode otherwise alternates compute on one block with misses on the next. Selected rows
- * (idx: a sparse strategy's pages) take the same path; before, they were prefetched to L1 a
- * block at a time in one burst, and 1024 selected keys of 4 x 3 heads x 64 float32 over
- * 8000 (8 layers' KV, cold) took 690-860 us as 64 random pages of 16 and 490-530 us as one
- * run, against 470-540 and 315-380 us with the L2 path (interleaved, 2-core AMD EPYC VM,
- * 2026-11-27).
- * Measured on the 2-core Zen 3 CI VM, timed call by call against the kernel without it
+ * Decode otherwise alternates compute on one block with misses on the next. Measured for
+ * dense rows on the 2-core Zen 3 CI VM, timed call by call against the kernel without it
  * (results/wave1-speed/prefetch-ab-2026-11-23.txt):
  *   - 16K-32K tokens: +16-26% for 9/3 x 128 bfloat16, +21-24% for 8/8 x 64 bfloat16,
  *     +6-13% for 32/32 x 128 bfloat16, +3-17% for 9/3 x 64 float32;
  *   - at exactly 16 MiB (8/8 x 64 float32, 4K tokens): +16%;
  *   - where it cost (so it is off there): 1-4% on 512-byte rows, 19-25% on a KV of
  *     6-8 MiB, which stays in cache.
+ * Selected rows (idx: a sparse strategy's pages) take the same path; before, they were
+ * prefetched to L1 a block at a time in one burst, and 1024 selected keys of 4 x 3 heads x
+ * 64 float32 over 8000 (8 layers' KV, cold) took 690-860 us as 64 random pages of 16 and
+ * 490-530 us as one run, against 470-540 and 315-380 us with the L2 path (interleaved,
+ * 2-core AMD EPYC VM, 2026-11-27).
  *
  * dtype 0 is float32, 1 is bfloat16 (converted by shifting to/from the float32 high half).
  * q/out are contiguous [B, Hq, Lq, D], lse [B, Hq, Lq] float32; k/v have element strides

@@ -11,6 +11,7 @@
 #define _GNU_SOURCE
 #pragma GCC optimize("O3")
 #include "attn.h"
+#include "sum8.h"
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define KVB_X86 1
@@ -27,7 +28,7 @@ static inline __attribute__((always_inline)) void scores_gen(
             for (; d + 8 <= D; d += 8)
                 for (int u = 0; u < 8; u++) a[u] += q[t * D + d + u] * elem(kp[j], d + u, bf16);
             for (; d < D; d++) r += q[t * D + d] * elem(kp[j], d, bf16);
-            s[t * BLK + j] = r + (((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])));
+            s[t * BLK + j] = r + kvb_sum8(a);
         }
 }
 

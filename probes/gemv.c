@@ -13,6 +13,8 @@
 #define _GNU_SOURCE
 #pragma GCC optimize("O3")
 #include <stdint.h>
+
+#include "sum8.h"
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define KVB_X86 1
@@ -31,14 +33,7 @@ static void rows_gen(const gemv_t *g, int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; n++) {
         const float *wr = g->w + n * g->K;
         for (int64_t b = 0; b < g->B; b++) {
-            const float *xr = g->x + b * g->ldx;
-            float a[8] = {0, 0, 0, 0, 0, 0, 0, 0}, r = 0.0f;
-            int64_t k = 0;
-            for (; k + 8 <= g->K; k += 8)
-                for (int u = 0; u < 8; u++) a[u] += wr[k + u] * xr[k + u];
-            for (; k < g->K; k++) r += wr[k] * xr[k];
-            g->y[b * g->N + n] = r + (((a[0] + a[1]) + (a[2] + a[3])) +
-                                      ((a[4] + a[5]) + (a[6] + a[7])));
+            g->y[b * g->N + n] = kvb_dot(wr, g->x + b * g->ldx, g->K);
         }
     }
 }

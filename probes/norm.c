@@ -4,25 +4,21 @@
  * sum, div_, fill_, two copies, mul): 50-60 us a call inside a decode step of the bundled
  * model at batch 1, two per layer and one for the head (about 3.5 ms of a 34 ms step,
  * torch.profiler, 2-core AMD EPYC VM). This loop does the same arithmetic in one call, in
- * float32 like the reference (eight partial sums of squares, combined pairwise), on the
+ * float32 like the reference (sum8.h: eight partial sums of squares, pairwise), on the
  * calling thread: a decode row is a few KiB. Rows are contiguous, `dim` floats apart.
  */
 #pragma GCC optimize("O3")
 #include <math.h>
 #include <stdint.h>
 
+#include "sum8.h"
+
 void kvb_rmsnorm(const float *x, const float *w, float *y, int64_t rows, int64_t dim,
                  float eps) {
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * dim;
         float *yr = y + r * dim;
-        float a[8] = {0, 0, 0, 0, 0, 0, 0, 0}, t = 0.0f;
-        int64_t i = 0;
-        for (; i + 8 <= dim; i += 8)
-            for (int u = 0; u < 8; u++) a[u] += xr[i + u] * xr[i + u];
-        for (; i < dim; i++) t += xr[i] * xr[i];
-        const float ss = t + (((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])));
-        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
-        for (i = 0; i < dim; i++) yr[i] = w[i] * (xr[i] * inv);
+        const float inv = 1.0f / sqrtf(kvb_dot(xr, xr, dim) / (float)dim + eps);
+        for (int64_t i = 0; i < dim; i++) yr[i] = w[i] * (xr[i] * inv);
     }
 }

@@ -17,6 +17,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "sum8.h"
+
 typedef struct { float s; int32_t p; } ranked;
 
 /* Partition so that a[0..k) are the k largest scores (Hoare quickselect, ties arbitrary). */
@@ -52,7 +54,7 @@ static inline float bound(const float *qp, const float *qn, const float *u, cons
     for (; d + 8 <= D; d += 8)
         for (int i = 0; i < 8; i++) a[i] += qp[d + i] * u[d + i] + qn[d + i] * l[d + i];
     for (; d < D; d++) s += qp[d] * u[d] + qn[d] * l[d];
-    return s + (((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])));
+    return s + kvb_sum8(a);
 }
 
 static int by_id(const void *x, const void *y) {
