@@ -38,10 +38,18 @@ def reference(s, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         for h in range(hq):
             kh, r = h // g, h // (hq // rows)
             n = int(L.lens[i * rows + r])
-            kk = torch.cat([keys[i, kh], L.ck[i, r, :n].double()])
-            vv = torch.cat([vals[i, kh], L.cv[i, r, :n].double()])
+            pos, at = (x[i * rows + r, :n].long() for x in (L.cpos, L.cidx))
+            assert torch.equal(L.ck[i, kh, at], L.hk[i, kh, pos])  # the copy: those entries
+            assert torch.equal(L.cv[i, kh, at], L.hv[i, kh, pos])
+            kk = torch.cat([keys[i, kh], L.hk[i, kh, pos].double()])
+            vv = torch.cat([vals[i, kh], L.hv[i, kh, pos].double()])
             w = torch.softmax(kk @ qd[i, h, 0] * d ** -0.5, dim=0)
             out[i, h, 0] = w @ vv
+        for kh in range(k.shape[1]):  # a KV head's copy holds each entry of its rows once
+            mine = range(kh * rows // k.shape[1], (kh + 1) * rows // k.shape[1])
+            union = {p for r in mine for p in L.cpos[i * rows + r, :int(L.lens[i * rows + r])]
+                     .tolist()}
+            assert int(L.ulens[i * k.shape[1] + kh]) == len(union)
     return out
 
 

@@ -126,3 +126,29 @@ def test_torch_path_padding_never_reads_nan(device, monkeypatch):
         assert out.device.type == device and bool(torch.isfinite(out).all())
         assert max_err(out.cpu(), ref) < 1e-5
     assert max_err(lse.cpu(), ref_lse) < 1e-4
+
+
+@pytest.mark.parametrize("path", ["native", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_per_query_head_rows_read_the_shared_kv(path, dtype, monkeypatch):
+    """heads = Hq (HGCA's per-head selection under GQA): each query head attends its own
+    positions of its KV head's k/v, the same as attention over a per-head copy; a row's
+    padding (past its length) is never attended."""
+    from kvbench.kernels import cpu
+
+    if path == "torch":
+        monkeypatch.setattr(cpu, "native_ok", lambda q: False)
+    b, hq, hkv, lk = 2, 6, 2, 70
+    q, k, v = make(b, hq, hkv, 1, lk, 33, dtype, 5)
+    keep = torch.rand(b, hq, lk, generator=torch.Generator().manual_seed(5)) < 0.4
+    keep[0, 4] = False  # a query head with nothing selected
+    sel = pack_indices(ragged(keep), b, hq, lk)
+    out, lse = sparse_attention(q, k, v, sel, causal=False, heads=hq)
+    kq, vq = (x.repeat_interleave(hq // hkv, dim=1) for x in (k, v))  # a copy per head
+    ref, ref_lse = reference(q, kq, vq, causal=False, keep=keep)
+    some = keep.any(-1)
+    assert max_err(out[some], ref[some]) <= TOL[dtype]
+    assert max_err(lse[some], ref_lse[some].float()) < 1e-3
+    assert bool(torch.isneginf(lse[0, 4]).all()) and not bool(torch.isneginf(lse[0, 3]).any())
+    with pytest.raises(KvbenchError, match="selection rows per sequence"):
+        sparse_attention(q, k, v, sel, heads=4)

@@ -94,8 +94,8 @@ def test_hgca_ring_and_host_accounting() -> None:
     assert torch.equal(torch.cat([p[0] for p in L.resident()], dim=2), allk[:, :, 64:])
     hv = L.hv[:, :, :64].reshape(-1, 64, 64)
     for r in range(L.lens.numel()):  # KV_ctx[r]: host entries of row r, in host order
-        pos = _selected_positions(L, r, L.hk[:, :, :64])
-        assert pos == sorted(set(pos))
+        pos = _selected_positions(L, r)
+        assert pos == sorted(set(pos)) and all(0 <= p < 64 for p in pos)
         assert torch.equal(L.cv.view(-1, L.cv.shape[2], 64)[r, :len(pos)], hv[r, pos])
     assert bool(((L.lens > 0) & (L.lens < 64)).any())  # beta 1: a partial selection
     c = s.ctx.counters
@@ -122,10 +122,12 @@ def test_hgca_selection_rule_per_head() -> None:
     s._select(L, k, v, maw, 16, None)
     assert L.n_host == 8 and torch.equal(L.hk[:, :, :8], k)
     assert L.lens.tolist() == [2, 0, 2]
+    assert _selected_positions(L, 0) == [2, 5] and _selected_positions(L, 2) == [0, 1]
     assert torch.equal(L.ck[0, 0, :2], k[0, 0, [2, 5]])
     assert torch.equal(L.cv[0, 2, :2], v[0, 2, [0, 1]])
     s._select(L, k, v, maw, 16, None)  # a second block appends after the first
-    assert L.lens.tolist() == [4, 0, 4] and torch.equal(L.ck[0, 0, 2:4], k[0, 0, [2, 5]])
+    assert L.lens.tolist() == [4, 0, 4] and _selected_positions(L, 0) == [2, 5, 10, 13]
+    assert torch.equal(L.ck[0, 0, 2:4], k[0, 0, [2, 5]])
 
 
 def test_hgca_prefill_weights_and_beta() -> None:
@@ -147,7 +149,7 @@ def test_hgca_prefill_weights_and_beta() -> None:
         assert L.n_host == 32 and L.n == 8
         lens.append(L.lens.clone())
         if beta == 1.0:
-            assert all(3 in _selected_positions(L, r, k) for r in range(3))
+            assert all(3 in _selected_positions(L, r) for r in range(3))
     assert all(bool((a >= b).all()) for a, b in itertools.pairwise(lens))
     assert lens[0].tolist() == [32, 32, 32] and int(lens[-1].max()) < 32
 
@@ -183,11 +185,10 @@ def test_hgca_decode_moving_average() -> None:
     assert torch.allclose(L.maw[:, :, :9], 0.7 * prev + 0.3 * soft, atol=1e-6)
 
 
-def _selected_positions(L, row: int, k: torch.Tensor) -> list[int]:
-    """Prompt positions of the entries in KV_ctx[row] (matched by key)."""
-    keys = L.ck.view(-1, L.ck.shape[2], 64)[row, :int(L.lens[row])]
-    allk = k.view(-1, k.shape[2], 64)[row]
-    return [int((allk == x).all(dim=-1).nonzero()[0]) for x in keys]
+def _selected_positions(L, row: int) -> list[int]:
+    """KV_cpu positions of the entries in KV_ctx[row] (the oldest tokens first: the prompt
+    positions of a prefill's evictions)."""
+    return L.cpos[row, :int(L.lens[row])].tolist()
 
 
 def test_streaming_attends_sinks_and_recent_window(device: torch.device) -> None:
@@ -401,7 +402,7 @@ def test_hgca_maw_handed_to_selection_after_the_ring_wraps(monkeypatch) -> None:
     margin = (ref.view(3, 3, 16).amax(dim=1) - 1.0 / w).abs().min()
     assert margin > 1e-5 and keep.any() and not keep.all()
     for r in range(3):  # KV_ctx[r] after block 0: the entries of blocks 1-2 above beta / W
-        got = [p - 8 for p in _selected_positions(L, r, L.hk[:, :, :24]) if p >= 8]
+        got = [p - 8 for p in _selected_positions(L, r) if p >= 8]
         assert got == keep[r].nonzero().flatten().tolist()
 
 

@@ -4,11 +4,19 @@ strategies.hgca.
 The accelerator holds a ring of fixed-size blocks, k/v [B, Hkv, W, D], with a moving
 average of attention weights (MAW) per resident entry and query head, [B, Hq, W]. The
 host holds KV_cpu (every evicted entry, k/v [B, Hkv, N, D]) and the contextual cache
-KV_ctx: per row the selected entries, stored contiguously ([B, R, N, D] with per-row
-lengths), which is what the host's sparse attention reads. R is Hq for the `authors`
+KV_ctx: per row R its selected entries, in position order. R is Hq for the `authors`
 variant (each query head its own selection, `topk_keep`) and Hkv for `union-ema` (a KV
-head's query heads share the union of their selections, `union_keep`). Only the CPU reads
-KV_cpu and KV_ctx (native kernel, gathers), so they are pageable; the eviction staging that
+head's query heads share the union of their selections, `union_keep`). KV_ctx is stored
+per KV head: a contiguous copy of the union of its rows' selections (k/v [B, Hkv, N, D],
+`ulens` entries each), plus per row the indices of its entries in that copy (`cidx`
+[B * R, N] int32, `lens` entries) and their positions in KV_cpu (`cpos`). The host's
+sparse attention streams the copy, each row gathering its own entries. The artifact
+copies each head's selection into a KV_ctx of its own: under GQA (which it does not run)
+that is G copies of a KV head's entries, read G times from memory; gathering the rows
+from KV_cpu instead reads at the density of the selection, and at HGCA's 30-40% a
+hardware prefetcher pulls nearly every line (as much as dense attention over KV_cpu).
+Only the CPU reads KV_cpu and KV_ctx (native kernel, gathers), so they are pageable; the
+eviction staging that
 the side stream's D2H writes is exactly sized and pinned on CUDA (strategies._hostcopy,
 GPU audit finding 3).
 """
@@ -139,10 +147,12 @@ class LayerKV:
         self.hk = torch.empty(b, hkv, n, d, dtype=hd)  # KV_cpu
         self.hv = torch.empty_like(self.hk)
         self.n_host = 0
-        self.ck = torch.empty(b, rows, n, d, dtype=hd)  # KV_ctx, contiguous per row
+        self.ck = torch.empty(b, hkv, n, d, dtype=hd)  # KV_ctx: per KV head, its rows' union
         self.cv = torch.empty_like(self.ck)
+        self.ulens = torch.zeros(b * hkv, dtype=torch.int32)
         self.lens = torch.zeros(b * rows, dtype=torch.int32)
-        self.cpos = torch.empty(b * rows, n, dtype=torch.int32)  # KV_ctx entries' positions
+        self.cidx = torch.empty(b * rows, n, dtype=torch.int32)  # row r's entries in ck/cv
+        self.cpos = torch.empty(b * rows, n, dtype=torch.int32)  # ... and in KV_cpu
         self.seen = (0, 0)  # (host entries, resident entries) the last decode step attended
         self.sk = self.host.empty((b, hkv, block, d), hd)  # eviction staging
         self.sv = self.host.empty((b, hkv, block, d), hd)
@@ -174,8 +184,8 @@ class LayerKV:
         he = host_dtype(ctx.dtype).itemsize
         accel = b * w * (2 * hkv * d * ctx.elem_bytes + hq * 4)  # ring k/v, MAW
         host = b * hkv * d * he * (2 * ctx.max_len + 2 * block)  # KV_cpu, staging
-        host += b * rows * (2 * d * he * ctx.max_len + 4 * ctx.max_len + 4)
-        # KV_ctx, its positions and row lengths
+        host += b * hkv * (2 * d * he * ctx.max_len + 4)  # KV_ctx's copies and lengths
+        host += b * rows * (8 * ctx.max_len + 4)  # its rows' indices, positions and lengths
         host += b * hq * (block * 4 + d * he + 4)  # staging MAW, output and lse
         return accel, host
 
@@ -196,23 +206,33 @@ class LayerKV:
         self.n_host += n
         return h0
 
+    def clear(self) -> None:
+        """Empty KV_ctx (a re-selection rebuilds it)."""
+        self.lens.zero_()
+        self.ulens.zero_()
+
     def keep(self, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, first: int) -> None:
-        """KV_ctx[row] += the entries of k/v [B, Hkv, n, D] (positions first, first + 1, ...)
-        that keep [B, R, n] (bool, from `topk_keep` or `union_keep`) marks for the row, in
-        position order; a row of query head h reads KV head h // (R / Hkv)."""
+        """KV_ctx[row] += the entries of k/v [B, Hkv, n, D] (KV_cpu positions first,
+        first + 1, ...) that keep [B, R, n] (bool, from `topk_keep` or `union_keep`) marks
+        for the row, in position order; a row of query head h reads KV head h // (R / Hkv).
+        The KV head's copy takes the union of its rows' new entries."""
         import torch
 
         b, hkv, n, d = k.shape
         r = keep.shape[1]
+        union = keep.view(b, hkv, r // hkv, n).any(dim=2).view(b * hkv, n)
+        slot = self.ulens.long()[:, None] + union.long().cumsum(dim=1) - 1  # [B * Hkv, n]
+        urows, uj = union.nonzero(as_tuple=True)
+        for dst, x in ((self.ck, k), (self.cv, v)):
+            dst.view(b * hkv, -1, d)[urows, slot[urows, uj]] = x.reshape(b * hkv, n, d)[urows, uj]
         keep = keep.reshape(b * r, n)
         rows, j = keep.nonzero(as_tuple=True)
-        src = rows // (r // hkv)  # row b * R + h reads KV row b * Hkv + h // g
+        src = rows // r * hkv + rows % r // (r // hkv)  # row b * R + h: copy row b * Hkv + h // G
         pos = self.lens.long()[rows] + (keep.long().cumsum(dim=1) - 1)[rows, j]
-        ck, cv = self.ck.view(b * r, -1, d), self.cv.view(b * r, -1, d)
-        ck[rows, pos] = k.reshape(b * hkv, n, d)[src, j]
-        cv[rows, pos] = v.reshape(b * hkv, n, d)[src, j]
+        self.cidx[rows, pos] = slot[src, j].to(torch.int32)
         self.cpos[rows, pos] = (first + j).to(torch.int32)
         self.lens += keep.sum(dim=1, dtype=torch.int32)
+        self.ulens += union.sum(dim=1, dtype=torch.int32)
 
 
 def union_keep(weight: torch.Tensor, hkv: int, threshold: float | None) -> torch.Tensor:

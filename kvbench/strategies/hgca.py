@@ -42,7 +42,8 @@ second Python thread doing small tensor work beside the attention would only fig
 caller for the interpreter lock and the two cores. Each layer joins its worker jobs at
 its next step.
 
-Counters: attended accel (window) and host (mean selected entries per row); moved d2h
+Counters: attended accel (window) and host (mean selected entries per row; the bytes
+read are the KV heads' KV_ctx copies, the union of their rows' entries); moved d2h
 (evicted blocks, queries) and h2d (partial outputs); time phases on the critical path
 "bookkeeping.issue" (queueing side-stream work and worker jobs), "bookkeeping.maw" and
 "bookkeeping.evict" (CPU-only), "bookkeeping.handoff" (waiting for the worker),
@@ -69,6 +70,7 @@ beyond/attention_methods.py (hybrid_decode, hybrid_append), the paper's Algorith
 | groups, batch > 1 | over (batch, head) rows | within a sequence | no (same at batch 1) |
 | alpha, beta | runs: 0.5-0.9, 0.5-1 | 0.003, 1.0 | --alpha, --beta |
 | dtype | fp16 MAW and KV | fp32 MAW, model-dtype KV | no |
+| KV_ctx | a copy per head of its entries | a copy per KV head of its rows' union, indexed | no |
 """
 
 from __future__ import annotations
@@ -159,15 +161,13 @@ class Hgca(Strategy):
 
     @classmethod
     def placement(cls, params: HgcaParams, ctx: RunContext) -> dict[str, int]:
-        """Per layer (LayerKV.nbytes): ring k/v and MAW on the accelerator; KV_cpu, KV_ctx
-        (float32 for a float16 model), eviction staging and output buffers on the host;
-        plus the host's row index [B * R, max_len] int32 (R: `rows`). "pinned": the staging and
-        output buffers (LayerKV.pinned), part of "host"."""
+        """Per layer (LayerKV.nbytes): ring k/v and MAW on the accelerator; KV_cpu (float32
+        for a float16 model), KV_ctx's positions [B * R, max_len] int32 (R: `rows`),
+        eviction staging and output buffers on the host. "pinned": the staging and output
+        buffers (LayerKV.pinned), part of "host"."""
         p, _ = cls.for_run(params, ctx.max_len)
-        rows = cls.rows(p, ctx)
-        accel, host = LayerKV.nbytes(ctx, p.window(ctx.max_len), p.block, rows)
-        index = ctx.batch * rows * ctx.max_len * 4
-        return {"accel": ctx.n_layers * accel, "host": ctx.n_layers * host + index,
+        accel, host = LayerKV.nbytes(ctx, p.window(ctx.max_len), p.block, cls.rows(p, ctx))
+        return {"accel": ctx.n_layers * accel, "host": ctx.n_layers * host,
                 "pinned": ctx.n_layers * LayerKV.pinned(ctx, p.block)}
 
     @staticmethod
@@ -184,7 +184,6 @@ class Hgca(Strategy):
         self.w = params.window(ctx.max_len)
         rows = self.rows(params, ctx)
         self.layers = [LayerKV(ctx, self.w, params.block, rows) for _ in range(ctx.n_layers)]
-        self.idx = torch.arange(ctx.max_len, dtype=torch.int32).repeat(ctx.batch * rows, 1)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hgca-select")
         self.stream = torch.cuda.Stream(ctx.accel) if ctx.accel.type == "cuda" else None
         self.scale = ctx.spec.head_dim ** -0.5
@@ -299,10 +298,10 @@ class Hgca(Strategy):
 
         t0 = time.perf_counter()
         with torch.inference_mode():
-            hk, hv = L.hk[:, :, :n], L.hv[:, :, :n]
-            a_cpu = column_scores(qh, hk, lse, scale=self.scale, q_start=n) / qh.shape[2]
-            L.lens.zero_()
-            L.keep(hk, hv, self._chosen(a_cpu, n), 0)
+            a_cpu = column_scores(qh, L.hk[:, :, :n], lse, scale=self.scale,
+                                  q_start=n) / qh.shape[2]
+            L.clear()
+            L.keep(L.hk[:, :, :n], L.hv[:, :, :n], self._chosen(a_cpu, n), 0)
         return {"reselect": time.perf_counter() - t0}
 
     def _update_maw(self, L: LayerKV, q: torch.Tensor, lse: torch.Tensor, slot: int) -> None:
@@ -328,12 +327,14 @@ class Hgca(Strategy):
         stage graph's "host" fork beside the accelerator window."""
         with self.ctx.counters.fork("host"):
             self.ctx.counters.moved("d2h", q.numel() * q.element_size())
-        return q.to(device="cpu", dtype=L.ck.dtype)
+        return q.to(device="cpu", dtype=L.hk.dtype)
 
     def _host(self, L: LayerKV, q: torch.Tensor, qh: torch.Tensor | None,
               nmax: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Sparse attention of qh (q copied to the host) over each row's KV_ctx (the longest
         nmax entries) on the host thread pool (line 12); None when no entry is selected."""
+        import torch
+
         from kvbench.kernels.sparse import Selection, sparse_attention
 
         if qh is None:
@@ -346,11 +347,17 @@ class Hgca(Strategy):
         elif L.merged is not None:  # the last step's merge read them with an async H2D
             L.merged.synchronize()  # (GPU audit finding 15): done before the rewrite
             L.merged = None
-        sel = Selection(self.idx[:, :nmax], L.lens, nmax)  # row r: KV_ctx[r, :lens[r]]
-        out, lse = sparse_attention(qh, L.ck, L.cv, sel, causal=False, scale=self.scale,
-                                    threads=self.p.cpu_threads, out=L.out, lse=L.lse)
-        with c.fork("host"):
-            c.attended("host", q, int(L.lens.sum()) / len(L.lens))
+        nh = L.n_host  # every row's entries lie in the first ulens <= nh of its KV head's copy
+        sel = Selection(L.cidx[:, :nmax].contiguous(), L.lens, nh)
+        out, lse = sparse_attention(qh, L.ck[:, :, :nh], L.cv[:, :, :nh], sel, causal=False,
+                                    scale=self.scale, threads=self.p.cpu_threads, out=L.out,
+                                    lse=L.lse, heads=L.lens.numel() // q.shape[0])
+        attended, union = torch.stack([L.lens.sum(), L.ulens.sum()]).tolist()
+        b, hq, _, d = q.shape
+        mean = attended / len(L.lens)
+        with c.fork("host"):  # tokens per row; bytes: the KV heads' copies (their unions)
+            c.attention("host", b * mean, 4.0 * b * hq * mean * d,
+                        2.0 * union * d * c.elem_bytes, q.numel() * c.elem_bytes)
             c.moved("h2d", out.numel() * out.element_size() + lse.numel() * 4)
         return out, lse
 
