@@ -58,6 +58,7 @@ typedef struct {
     int64_t B, Hq, Hkv, Lq, Lk, D;
     const int64_t *ks, *vs;
     const int32_t *idx, *lens;
+    const uint8_t *keep; /* sparse, optional: [B * Hq, nmax], 0 where a query head skips a key */
     int64_t nmax, Hs; /* Hs: selection rows per sequence (Hkv, or up to Hq when sparse) */
     float scale;
     int causal;
@@ -141,6 +142,11 @@ static void do_range(job_t *j, const isa_t *isa, work_t *w, int64_t r, int64_t k
             const int64_t limit = j->q_start + t % Lq;
             for (int64_t jj = 0; mask && jj < nb; jj++)
                 if (pos[jj] > limit) s[jj] = -INFINITY;
+            if (j->keep) { /* the query head's own subset of the row's selected keys */
+                const uint8_t *kt = j->keep + (b * j->Hq + h0 + t / Lq) * j->nmax + j0;
+                for (int64_t jj = 0; jj < nb; jj++)
+                    if (!kt[jj]) s[jj] = -INFINITY;
+            }
             const float bm = isa->rowmax(s, nb);
             if (bm == -INFINITY) { /* nothing visible in this block for this query */
                 w->corr[t] = NAN;
@@ -250,7 +256,10 @@ static void merge_row(job_t *j, int64_t r) {
 }
 
 /* Returns 0, -1 when a buffer could not be had (outputs then undefined), or -2 when Hs does
- * not fit (Hkv | Hs | Hq, Hs = Hkv when dense).
+ * not fit (Hkv | Hs | Hq, Hs = Hkv when dense) or `keep` comes without a selection. keep
+ * (optional, sparse only) [B * Hq, nmax] bytes: query head h of sequence b attends the j-th
+ * selected key of its row only where keep[(b * Hq + h) * nmax + j] is non-zero (HGCA's
+ * per-head selections over the union a KV head's copy holds: one pass for the group).
  *
  * The tasks run in an OpenMP parallel region: the library links the OpenMP runtime that torch
  * has already loaded (kvbench.native loads torch first), so the kernel's threads are torch's
@@ -259,12 +268,12 @@ static void merge_row(job_t *j, int64_t r) {
 int kvb_attn(int dtype, const void *q, const void *k, const void *v, void *out, float *lse,
              int64_t B, int64_t Hq, int64_t Hkv, int64_t Lq, int64_t Lk, int64_t D,
              const int64_t *kstrides, const int64_t *vstrides, const int32_t *idx,
-             const int32_t *lens, int64_t nmax, int64_t Hs, float scale, int causal,
-             int64_t q_start, int64_t group, int threads) {
-    if (Hs < 1 || Hs % Hkv || Hq % Hs || (!idx && Hs != Hkv)) return -2;
+             const int32_t *lens, const uint8_t *keep, int64_t nmax, int64_t Hs, float scale,
+             int causal, int64_t q_start, int64_t group, int threads) {
+    if (Hs < 1 || Hs % Hkv || Hq % Hs || (!idx && (Hs != Hkv || keep))) return -2;
     job_t job, *j = &job;
     *j = (job_t){dtype, q, k, v, out, lse, B, Hq, Hkv, Lq, Lk, D, kstrides, vstrides, idx, lens,
-                 nmax, Hs, scale, causal, q_start, group < 1 ? 1 : group, 0, 1, 0, 0, NULL,
+                 keep, nmax, Hs, scale, causal, q_start, group < 1 ? 1 : group, 0, 1, 0, 0, NULL,
                  kvb_attn_loops(dtype, D, kvb_attn_isa(-1)), 0, 0};
     const int64_t rows = B * Hs, n = idx ? nmax : Lk, esz = dtype ? 2 : 4;
     j->prefetch = D * esz <= 256 && 2 * rows * Lk * D * esz >= g_prefetch_from;

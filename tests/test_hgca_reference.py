@@ -38,9 +38,7 @@ def reference(s, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         for h in range(hq):
             kh, r = h // g, h // (hq // rows)
             n = int(L.lens[i * rows + r])
-            pos, at = (x[i * rows + r, :n].long() for x in (L.cpos, L.cidx))
-            assert torch.equal(L.ck[i, kh, at], L.hk[i, kh, pos])  # the copy: those entries
-            assert torch.equal(L.cv[i, kh, at], L.hv[i, kh, pos])
+            pos = L.cpos[i * rows + r, :n].long()
             kk = torch.cat([keys[i, kh], L.hk[i, kh, pos].double()])
             vv = torch.cat([vals[i, kh], L.hv[i, kh, pos].double()])
             w = torch.softmax(kk @ qd[i, h, 0] * d ** -0.5, dim=0)
@@ -49,7 +47,13 @@ def reference(s, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             mine = range(kh * rows // k.shape[1], (kh + 1) * rows // k.shape[1])
             union = {p for r in mine for p in L.cpos[i * rows + r, :int(L.lens[i * rows + r])]
                      .tolist()}
-            assert int(L.ulens[i * k.shape[1] + kh]) == len(union)
+            u = int(L.ulens[i * k.shape[1] + kh])
+            assert u == len(union)  # the copy: those entries, in position order
+            assert torch.equal(L.ck[i, kh, :u], L.hk[i, kh, sorted(union)])
+            assert torch.equal(L.cv[i, kh, :u], L.hv[i, kh, sorted(union)])
+            for h in range(kh * g, (kh + 1) * g) if L.ckeep is not None else ():
+                mine = L.cpos[i * rows + h, :int(L.lens[i * rows + h])].tolist()
+                assert L.ckeep[i, h, :u].tolist() == [p in mine for p in sorted(union)]
     return out
 
 

@@ -128,27 +128,38 @@ def test_torch_path_padding_never_reads_nan(device, monkeypatch):
     assert max_err(lse.cpu(), ref_lse) < 1e-4
 
 
-@pytest.mark.parametrize("path", ["native", "torch"])
+@pytest.mark.parametrize("path", ["native", "native-portable", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_per_query_head_rows_read_the_shared_kv(path, dtype, monkeypatch):
-    """heads = Hq (HGCA's per-head selection under GQA): each query head attends its own
-    positions of its KV head's k/v, the same as attention over a per-head copy; a row's
-    padding (past its length) is never attended."""
+def test_keep_narrows_a_group_selection_per_query_head(path, dtype, monkeypatch):
+    """keep [B, Hq, N] (HGCA's per-head top-k over a KV head's union): each query head
+    attends only its own subset of its KV head's selected keys, exactly attention over that
+    subset; a head whose subset is empty has no keys (lse -inf); padding past a row's length
+    is never attended whatever keep says there."""
     from kvbench.kernels import cpu
 
     if path == "torch":
         monkeypatch.setattr(cpu, "native_ok", lambda q: False)
-    b, hq, hkv, lk = 2, 6, 2, 70
-    q, k, v = make(b, hq, hkv, 1, lk, 33, dtype, 5)
-    keep = torch.rand(b, hq, lk, generator=torch.Generator().manual_seed(5)) < 0.4
-    keep[0, 4] = False  # a query head with nothing selected
-    sel = pack_indices(ragged(keep), b, hq, lk)
-    out, lse = sparse_attention(q, k, v, sel, causal=False, heads=hq)
-    kq, vq = (x.repeat_interleave(hq // hkv, dim=1) for x in (k, v))  # a copy per head
-    ref, ref_lse = reference(q, kq, vq, causal=False, keep=keep)
-    some = keep.any(-1)
+    b, hq, hkv, lk = 2, 6, 2, 150  # 150 keys: blocks of 64 with a tail
+    q, k, v = make(b, hq, hkv, 1, lk, 33 if path == "native-portable" else 32, dtype, 5)
+    gen = torch.Generator().manual_seed(5)
+    union = torch.rand(b, hkv, lk, generator=gen) < 0.7
+    mine = torch.rand(b, hq, lk, generator=gen) < 0.6
+    mine &= union.repeat_interleave(hq // hkv, dim=1)  # each head's subset of its union
+    mine[0, 4] = False  # a query head with nothing selected
+    sel = pack_indices(ragged(union), b, hkv, lk)
+    n = sel.idx.shape[1]
+    keep = torch.ones(b, hq, n, dtype=torch.bool)  # per head, over its row's selection order
+    for i in range(b):
+        for h in range(hq):
+            row = sel.idx[i * hkv + h // (hq // hkv), :int(sel.lens[i * hkv + h // (hq // hkv)])]
+            keep[i, h, :len(row)] = mine[i, h, row.long()]
+    with native_isa("portable" if path == "native-portable" else "avx2"):
+        out, lse = sparse_attention(q, k, v, sel, causal=False, keep=keep)
+    kq, vq = (x.repeat_interleave(hq // hkv, dim=1) for x in (k, v))  # per-head reference
+    ref, ref_lse = reference(q, kq, vq, causal=False, keep=mine)
+    some = mine.any(-1)
     assert max_err(out[some], ref[some]) <= TOL[dtype]
     assert max_err(lse[some], ref_lse[some].float()) < 1e-3
     assert bool(torch.isneginf(lse[0, 4]).all()) and not bool(torch.isneginf(lse[0, 3]).any())
-    with pytest.raises(KvbenchError, match="selection rows per sequence"):
-        sparse_attention(q, k, v, sel, heads=4)
+    with pytest.raises(KvbenchError, match="keep must be bool"):
+        sparse_attention(q, k, v, sel, keep=keep[:, :, 1:])

@@ -306,12 +306,13 @@ def query_chunk(b: int, hq: int, lk: int, cuda: bool) -> int:
 
 @kernel
 def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                    causal: bool, q_start: int, key_pos: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    causal: bool, q_start: int, key_pos: torch.Tensor | None = None,
+                    keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference-quality torch path: float32 scores and softmax, chunked over queries.
 
     `key_pos` `[B, Hkv, Lk]` gives each key's absolute position (default 0 .. Lk-1; -1
-    marks padding that no query sees), so gathered sparse keys use the same path.
+    marks padding that no query sees), so gathered sparse keys use the same path. `keep`
+    `[B, Hq, Lk]` bool: the keys each query head sees (default all).
     """
     import torch
 
@@ -342,6 +343,8 @@ def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
             s.masked_fill_(keys > limit.view(1, 1, c, 1), float("-inf"))
         if key_pos is not None:
             s.masked_fill_(keys < 0, float("-inf"))
+        if keep is not None:
+            s.masked_fill_(~keep.to(q.device).view(b * hkv, g, 1, lk), float("-inf"))
         m = s.amax(dim=-1, keepdim=True)
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
         p = torch.exp(s - m)

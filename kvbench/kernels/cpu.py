@@ -112,9 +112,12 @@ def run(
     group: int | None = None,
     threads: int | None = None,
     heads: int | None = None,
+    keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Call kvb_attn; returns (out, lse), writing into `out`/`lse` when given. `heads`:
-    selection rows per sequence (default Hkv; sparse calls only)."""
+    selection rows per sequence (default Hkv; sparse calls only). `keep` (sparse only)
+    bool [B, Hq, N] (N = idx's width): which of its row's selected keys a query head
+    attends (default all)."""
     import torch
 
     so = _lib()
@@ -145,10 +148,14 @@ def run(
         assert lens is not None and idx.dtype == torch.int32 and idx.shape[0] == rows
         idx, lens = idx.contiguous(), lens.to(torch.int32).contiguous()
         nmax = idx.shape[1]
+    if keep is not None:
+        assert idx is not None and keep.shape == (b, hq, nmax) and keep.dtype == torch.bool
+        keep = keep.contiguous()
     rc = so.kvb_attn(0 if q.dtype == torch.float32 else 1, q.data_ptr(), k.data_ptr(),
                      v.data_ptr(), out.data_ptr(), lse.data_ptr(), b, hq, hkv, lq, lk, d, ks, vs,
                      None if idx is None else idx.data_ptr(),
-                     None if lens is None else lens.data_ptr(), nmax, hs, scale, int(causal),
+                     None if lens is None else lens.data_ptr(),
+                     None if keep is None else keep.data_ptr(), nmax, hs, scale, int(causal),
                      q_start, group or group_size(rows, nt), nt)
     if rc != 0:
         raise KvbenchError("native attention kernel could not allocate its work buffers")

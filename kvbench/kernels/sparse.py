@@ -2,8 +2,8 @@
 
 Each (batch, KV head) row attends to its own variable-length list of selected positions of
 the host-resident KV cache (HGCA's per-head sparsification, section 3.2.2; with grouped
-query attention the G query heads of a KV head share its selection, or, `heads` = Hq, each
-query head has its own list over its KV head's shared entries). The lists are packed
+query attention the G query heads of a KV head share its selection; `keep` narrows it per
+query head, as HGCA's per-head top-k over a KV head's union does). The lists are packed
 into one index tensor padded to a common length N (`lens` marks the valid prefix of each
 row, so padding is never attended), rows are merged into tasks of adjacent heads sized
 batch x heads / threads, and a pool of native threads writes one preallocated output
@@ -92,7 +92,7 @@ def sparse_attention(
     threads: int | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
-    heads: int | None = None,
+    keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q `[B, Hq, Lq, D]` over the selected positions of k/v `[B, Hkv, Lk, D]`.
 
@@ -100,10 +100,10 @@ def sparse_attention(
     `out`/`lse` when given (kvbench.kernels.cpu.output_buffers makes pinned ones). Causal
     queries sit at positions q_start + i (default Lk - Lq) and skip later selected keys.
     `group` rows per task and `threads` default to HGCA's batch x heads / threads split.
-    `indices` is a Selection from pack_indices or what pack_indices takes. `heads`: selection
-    rows per sequence R, Hkv (the default: a KV head's G query heads share its selection) up
-    to Hq (each query head its own list, HGCA's per-head sparsification over GQA); row
-    b * R + r reads KV head r // (R / Hkv) of the shared k/v, never a per-row copy.
+    `indices` is a Selection from pack_indices or what pack_indices takes. `keep` bool
+    `[B, Hq, N]` (N: the selection's width): the j-th selected key of its KV head's row is
+    attended by query head h only where keep[b, h, j] (default: by all of the group); the
+    group's keys are still read once for all its heads.
     Off the native kernel's reach (CUDA, float16, Lq > 32) the keys are gathered and the
     torch path runs instead; the rows' padding gathers position 0 (or whatever the index
     holds past lens), whose k/v are zeroed there, so a NaN or inf outside a row's selection
@@ -113,17 +113,18 @@ def sparse_attention(
 
     from kvbench.kernels import cpu
 
-    b, hq, hkv, d = check_qkv(q, k, v)
+    b, _, hkv, d = check_qkv(q, k, v)
     lq, lk = q.shape[2], k.shape[2]
-    r = heads or hkv
-    require(r % hkv == 0 and hq % r == 0,
-            f"{r} selection rows per sequence: need Hkv={hkv} | rows | Hq={hq}")
-    sel = indices if isinstance(indices, Selection) else pack_indices(indices, b, r, lk,
+    sel = indices if isinstance(indices, Selection) else pack_indices(indices, b, hkv, lk,
                                                                        lengths)
-    require(sel.idx.shape[0] == b * r and sel.lk <= lk,
-            f"selection for {sel.idx.shape[0]} rows below {sel.lk} does not fit B x {r} = "
-            f"{b * r} rows of {lk} positions")
+    require(sel.idx.shape[0] == b * hkv and sel.lk <= lk,
+            f"selection for {sel.idx.shape[0]} rows below {sel.lk} does not fit B x Hkv = "
+            f"{b * hkv} rows of {lk} positions")
     idx, lens = sel.idx, sel.lens
+    require(keep is None or (tuple(keep.shape) == (b, q.shape[1], idx.shape[1])
+                             and keep.dtype == torch.bool),
+            f"keep must be bool [B={b}, Hq={q.shape[1]}, N={idx.shape[1]}] (N: the "
+            "selection's width)")
     scale = d ** -0.5 if scale is None else float(scale)
     start = lk - lq if q_start is None else int(q_start)
     if idx.shape[1] == 0 or lq == 0 or b == 0:
@@ -136,22 +137,21 @@ def sparse_attention(
     if cpu.native_ok(q):
         note_backend("native", q)
         return cpu.run(q, k, v, scale=scale, causal=causal, q_start=start, idx=idx, lens=lens,
-                       out=out, lse=lse, group=group, threads=threads, heads=r)
+                       out=out, lse=lse, group=group, threads=threads, keep=keep)
     note_backend("torch", q)
     n = idx.shape[1]
-    pos = idx.to(torch.int64).view(b, r, n)
-    pad = torch.arange(n).view(1, 1, n) >= lens.view(b, r, 1)  # [B, R, N], on the host
-    gather = pos.to(q.device).view(b, hkv, r // hkv, n, 1).expand(-1, -1, -1, -1, d)
-    # a KV head's keys serve its R / Hkv rows through a stride-0 view, not a copy
-    kg, vg = (x.unsqueeze(2).expand(-1, -1, r // hkv, -1, -1).gather(3, gather).view(
-        b, r, n, d) for x in (k, v))  # [B, R, N, D]
+    pos = idx.to(torch.int64).view(b, hkv, n)
+    pad = torch.arange(n).view(1, 1, n) >= lens.view(b, hkv, 1)  # [B, Hkv, N], on the host
+    gather = pos.to(q.device)[..., None].expand(b, hkv, n, d)
+    kg, vg = k.gather(2, gather), v.gather(2, gather)  # [B, Hkv, N, D]
     if bool(pad.any()):
         # a padded slot gets weight 0, but 0 x NaN/inf is NaN: what it gathered (scout's
         # non-resident blocks are NaN, png-kv's empty pool slots never written) is zeroed
         hole = pad.to(q.device)[..., None]
         kg.masked_fill_(hole, 0)
         vg.masked_fill_(hole, 0)
-    res = torch_attention(q, kg, vg, scale, causal, start, key_pos=pos.masked_fill(pad, -1))
+    res = torch_attention(q, kg, vg, scale, causal, start, key_pos=pos.masked_fill(pad, -1),
+                          keep=keep)
     if out is None or lse is None:
         return res
     out.copy_(res[0])

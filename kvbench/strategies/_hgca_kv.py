@@ -8,9 +8,10 @@ KV_ctx: per row R its selected entries, in position order. R is Hq for the `auth
 variant (each query head its own selection, `topk_keep`) and Hkv for `union-ema` (a KV
 head's query heads share the union of their selections, `union_keep`). KV_ctx is stored
 per KV head: a contiguous copy of the union of its rows' selections (k/v [B, Hkv, N, D],
-`ulens` entries each), plus per row the indices of its entries in that copy (`cidx`
-[B * R, N] int32, `lens` entries) and their positions in KV_cpu (`cpos`). The host's
-sparse attention streams the copy, each row gathering its own entries. The artifact
+`ulens` entries each), for `authors` which of them each query head attends (`ckeep`
+[B, Hq, N] bool), and per row its entries' positions in KV_cpu (`cpos` [B * R, N] int32,
+`lens` entries). The host's sparse attention streams each copy once for the KV head's
+query group, each head skipping the entries it did not select. The artifact
 copies each head's selection into a KV_ctx of its own: under GQA (which it does not run)
 that is G copies of a KV head's entries, read G times from memory; gathering the rows
 from KV_cpu instead reads at the density of the selection, and at HGCA's 30-40% a
@@ -150,9 +151,10 @@ class LayerKV:
         self.ck = torch.empty(b, hkv, n, d, dtype=hd)  # KV_ctx: per KV head, its rows' union
         self.cv = torch.empty_like(self.ck)
         self.ulens = torch.zeros(b * hkv, dtype=torch.int32)
+        # authors: query head h attends copy entry u where ckeep[b, h, u]
+        self.ckeep = torch.zeros(b, hq, n, dtype=torch.bool) if rows != hkv else None
         self.lens = torch.zeros(b * rows, dtype=torch.int32)
-        self.cidx = torch.empty(b * rows, n, dtype=torch.int32)  # row r's entries in ck/cv
-        self.cpos = torch.empty(b * rows, n, dtype=torch.int32)  # ... and in KV_cpu
+        self.cpos = torch.empty(b * rows, n, dtype=torch.int32)  # row r's entries in KV_cpu
         self.seen = (0, 0)  # (host entries, resident entries) the last decode step attended
         self.sk = self.host.empty((b, hkv, block, d), hd)  # eviction staging
         self.sv = self.host.empty((b, hkv, block, d), hd)
@@ -185,7 +187,8 @@ class LayerKV:
         accel = b * w * (2 * hkv * d * ctx.elem_bytes + hq * 4)  # ring k/v, MAW
         host = b * hkv * d * he * (2 * ctx.max_len + 2 * block)  # KV_cpu, staging
         host += b * hkv * (2 * d * he * ctx.max_len + 4)  # KV_ctx's copies and lengths
-        host += b * rows * (8 * ctx.max_len + 4)  # its rows' indices, positions and lengths
+        host += b * rows * (4 * ctx.max_len + 4)  # its rows' positions and lengths
+        host += b * hq * ctx.max_len if rows != hkv else 0  # ckeep
         host += b * hq * (block * 4 + d * he + 4)  # staging MAW, output and lse
         return accel, host
 
@@ -210,6 +213,8 @@ class LayerKV:
         """Empty KV_ctx (a re-selection rebuilds it)."""
         self.lens.zero_()
         self.ulens.zero_()
+        if self.ckeep is not None:
+            self.ckeep.zero_()
 
     def keep(self, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, first: int) -> None:
         """KV_ctx[row] += the entries of k/v [B, Hkv, n, D] (KV_cpu positions first,
@@ -227,9 +232,10 @@ class LayerKV:
             dst.view(b * hkv, -1, d)[urows, slot[urows, uj]] = x.reshape(b * hkv, n, d)[urows, uj]
         keep = keep.reshape(b * r, n)
         rows, j = keep.nonzero(as_tuple=True)
-        src = rows // r * hkv + rows % r // (r // hkv)  # row b * R + h: copy row b * Hkv + h // G
+        if self.ckeep is not None:  # row b * Hq + h: copy row b * Hkv + h // G
+            src = rows // r * hkv + rows % r // (r // hkv)
+            self.ckeep.view(b * r, -1)[rows, slot[src, j]] = True
         pos = self.lens.long()[rows] + (keep.long().cumsum(dim=1) - 1)[rows, j]
-        self.cidx[rows, pos] = slot[src, j].to(torch.int32)
         self.cpos[rows, pos] = (first + j).to(torch.int32)
         self.lens += keep.sum(dim=1, dtype=torch.int32)
         self.ulens += union.sum(dim=1, dtype=torch.int32)

@@ -107,7 +107,7 @@ if TYPE_CHECKING:
 def selected_fraction(name: str, params: dict[str, ParamValue],
                       per_layer: PerLayer) -> Iterator[Record]:
     """Selected share of the host-resident entries per (layer, KV_ctx row), summed over the
-    decode steps (`_count_selected`'s "host_selected.h*" and "host_resident" tokens)."""
+    decode steps (`_sizes`'s "host_selected.h*" and "host_resident" tokens)."""
     resident = {layer: sum(v) for (q, w, layer), v in per_layer.items()
                 if q == "tokens" and w == "host_resident"}
     fractions = [sum(v) / resident[layer] for (q, w, layer), v in sorted(per_layer.items())
@@ -127,8 +127,9 @@ class Hgca(Strategy):
     params = HgcaParams
     exact = (("beta", 0.0),)  # every host entry selected (section 3.2.2)
     sparse = ()  # its defaults: beta 1, a window a quarter of the context
-    host_reads = (3, "its host side's own KV_ctx row lengths (the longest row, the entries "
-                  "attended, the count per head): host memory on a GPU, counted on a CPU run")
+    host_reads = (1, "its host side's own KV_ctx sizes (the longest copy, the entries "
+                  "attended and copied, the count per head), in one read: host memory on a "
+                  "GPU, counted on a CPU run")
     metrics = (Metric("selected_fraction", "ratio", reduction="own", of="tokens",
                       derive=selected_fraction),)
 
@@ -161,13 +162,14 @@ class Hgca(Strategy):
 
     @classmethod
     def placement(cls, params: HgcaParams, ctx: RunContext) -> dict[str, int]:
-        """Per layer (LayerKV.nbytes): ring k/v and MAW on the accelerator; KV_cpu (float32
-        for a float16 model), KV_ctx's positions [B * R, max_len] int32 (R: `rows`),
-        eviction staging and output buffers on the host. "pinned": the staging and output
-        buffers (LayerKV.pinned), part of "host"."""
+        """Per layer (LayerKV.nbytes): ring k/v and MAW on the accelerator; KV_cpu and KV_ctx
+        (float32 for a float16 model), eviction staging and output buffers on the host;
+        plus the host kernel's row index [B * Hkv, max_len] int32. "pinned": the staging
+        and output buffers (LayerKV.pinned), part of "host"."""
         p, _ = cls.for_run(params, ctx.max_len)
         accel, host = LayerKV.nbytes(ctx, p.window(ctx.max_len), p.block, cls.rows(p, ctx))
-        return {"accel": ctx.n_layers * accel, "host": ctx.n_layers * host,
+        index = ctx.batch * ctx.spec.n_kv_heads * ctx.max_len * 4
+        return {"accel": ctx.n_layers * accel, "host": ctx.n_layers * host + index,
                 "pinned": ctx.n_layers * LayerKV.pinned(ctx, p.block)}
 
     @staticmethod
@@ -184,6 +186,9 @@ class Hgca(Strategy):
         self.w = params.window(ctx.max_len)
         rows = self.rows(params, ctx)
         self.layers = [LayerKV(ctx, self.w, params.block, rows) for _ in range(ctx.n_layers)]
+        # the host kernel's selection over a KV head's copy: its first ulens entries
+        self.idx = torch.arange(ctx.max_len, dtype=torch.int32).repeat(
+            ctx.batch * ctx.spec.n_kv_heads, 1)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hgca-select")
         self.stream = torch.cuda.Stream(ctx.accel) if ctx.accel.type == "cuda" else None
         self.scale = ctx.spec.head_dim ** -0.5
@@ -330,11 +335,11 @@ class Hgca(Strategy):
         return q.to(device="cpu", dtype=L.hk.dtype)
 
     def _host(self, L: LayerKV, q: torch.Tensor, qh: torch.Tensor | None,
-              nmax: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Sparse attention of qh (q copied to the host) over each row's KV_ctx (the longest
-        nmax entries) on the host thread pool (line 12); None when no entry is selected."""
-        import torch
-
+              sizes: tuple[int, float, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Sparse attention of qh (q copied to the host) over each row's KV_ctx on the host
+        thread pool (line 12): one pass over each KV head's copy (its longest `sizes[0]`
+        entries) for its query group, a query head skipping what it did not select (`ckeep`);
+        None when no entry is selected. sizes: `_sizes`."""
         from kvbench.kernels.sparse import Selection, sparse_attention
 
         if qh is None:
@@ -347,28 +352,33 @@ class Hgca(Strategy):
         elif L.merged is not None:  # the last step's merge read them with an async H2D
             L.merged.synchronize()  # (GPU audit finding 15): done before the rewrite
             L.merged = None
-        nh = L.n_host  # every row's entries lie in the first ulens <= nh of its KV head's copy
-        sel = Selection(L.cidx[:, :nmax].contiguous(), L.lens, nh)
-        out, lse = sparse_attention(qh, L.ck[:, :, :nh], L.cv[:, :, :nh], sel, causal=False,
-                                    scale=self.scale, threads=self.p.cpu_threads, out=L.out,
-                                    lse=L.lse, heads=L.lens.numel() // q.shape[0])
-        attended, union = torch.stack([L.lens.sum(), L.ulens.sum()]).tolist()
+        umax, mean, union = sizes
+        sel = Selection(self.idx[:, :umax], L.ulens, umax)  # copy row r: its first ulens[r]
+        keep = None if L.ckeep is None else L.ckeep[:, :, :umax]
+        out, lse = sparse_attention(qh, L.ck[:, :, :umax], L.cv[:, :, :umax], sel,
+                                    causal=False, scale=self.scale, threads=self.p.cpu_threads,
+                                    out=L.out, lse=L.lse, keep=keep)
         b, hq, _, d = q.shape
-        mean = attended / len(L.lens)
         with c.fork("host"):  # tokens per row; bytes: the KV heads' copies (their unions)
             c.attention("host", b * mean, 4.0 * b * hq * mean * d,
                         2.0 * union * d * c.elem_bytes, q.numel() * c.elem_bytes)
             c.moved("h2d", out.numel() * out.element_size() + lse.numel() * 4)
         return out, lse
 
-    def _count_selected(self, L: LayerKV, b: int) -> None:
-        """Host-resident and selected tokens (per KV_ctx row: query head for `authors`, KV
-        head for `union-ema`; summed over the batch) of a decode step: every step with host
-        entries, those that select none included."""
-        c = self.ctx.counters
+    def _sizes(self, L: LayerKV, b: int) -> tuple[int, float, int]:
+        """KV_ctx's sizes in one host read: (the longest KV-head copy, the mean entries per
+        row, the entries in all copies). Counts a decode step's host-resident and selected
+        tokens (per KV_ctx row: query head for `authors`, KV head for `union-ema`; summed
+        over the batch): every step with host entries, those that select none included."""
+        import torch
+
+        c, r = self.ctx.counters, L.lens.numel() // b
+        got = torch.cat([L.lens.view(b, r).sum(dim=0), torch.stack(
+            [L.ulens.max().long(), L.lens.sum(), L.ulens.sum()])]).tolist()
         c.add("tokens", "host_resident", b * L.n_host)
-        for h, n in enumerate(L.lens.view(b, -1).sum(dim=0).tolist()):
+        for h, n in enumerate(got[:r]):
             c.add("tokens", f"host_selected.h{h}", n)
+        return got[r], got[r + 1] / L.lens.numel(), got[r + 2]
 
     def _await_side(self, L: LayerKV) -> None:
         """The main stream waits for the layer's side-stream work (the previous step's MAW
@@ -524,14 +534,12 @@ class Hgca(Strategy):
         L.maw[:, :, slot] = 0
         L.n += 1
         L.seen = (L.n_host, L.n)
-        nmax = int(L.lens.max()) if L.n_host else 0  # longest KV_ctx row
-        if L.n_host:
-            self._count_selected(L, q.shape[0])
-        qh = self._to_host(L, q) if nmax else None
+        sizes = self._sizes(L, q.shape[0]) if L.n_host else (0, 0.0, 0)
+        qh = self._to_host(L, q) if sizes[0] else None
         out, lse_w = self._window(L, q)  # lse_w: the window softmax's normaliser (A_gpu)
         c.attended("accel", q, L.n)
         with c.timed("accel_idle"):
-            host = self._host(L, q, qh, nmax)
+            host = self._host(L, q, qh, sizes)
         if host is not None:
             c.join()
             with c.timed("bookkeeping.merge"):
