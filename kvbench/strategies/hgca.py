@@ -70,7 +70,7 @@ beyond/attention_methods.py (hybrid_decode, hybrid_append), the paper's Algorith
 | groups, batch > 1 | over (batch, head) rows | within a sequence | no (same at batch 1) |
 | alpha, beta | runs: 0.5-0.9, 0.5-1 | 0.003, 1.0 | --alpha, --beta |
 | dtype | fp16 MAW and KV | fp32 MAW, model-dtype KV | no |
-| KV_ctx | a copy per head of its entries | a copy per KV head of its rows' union, indexed | no |
+| KV_ctx | a copy per head of its entries | a copy per KV head of its rows' union, masked | no |
 """
 
 from __future__ import annotations
