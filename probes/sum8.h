@@ -1,4 +1,4 @@
-/* The portable float reductions of the native kernels (gemv.c, norm.c, pages.c,
+/* The portable float reductions of the native kernels (gemv.c, norm.c, pages.c, maw.c,
  * attn_loops.c): eight partial sums, which GCC keeps in one vector register where a single
  * running sum would be a chain of dependent adds, combined pairwise in a fixed order. */
 #ifndef KVB_SUM8_H

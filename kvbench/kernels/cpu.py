@@ -215,6 +215,31 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return y
 
 
+def maw_ok(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, maw: torch.Tensor) -> bool:
+    """Whether `maw_update` applies: CPU float32 throughout, q [B, Hq, 1, D], lse and maw
+    contiguous, k's last dimension contiguous, the library built."""
+    import torch
+
+    return (q.device.type == "cpu" and q.shape[2] == 1 and k.stride(3) == 1
+            and all(x.dtype == torch.float32 for x in (q, k, lse, maw))
+            and lse.is_contiguous() and maw.is_contiguous() and native_built())
+
+
+def maw_update(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, maw: torch.Tensor, *,
+               scale: float, alpha: float, slot: int, threads: int | None = None) -> None:
+    """HGCA's MAW update in place (probes/maw.c): maw [B, Hq, N] <- (1 - alpha) maw + alpha
+    softmax weights of q [B, Hq, 1, D] over k [B, Hkv, N, D] (lse [B, Hq, 1] of that
+    softmax); slot >= 0 takes its weight alone. Callers check `maw_ok` first."""
+    import torch
+
+    b, hq, _, d = q.shape
+    q = q.contiguous()
+    ks = (ctypes.c_int64 * 3)(*k.stride()[:3])
+    _lib().kvb_maw(q.data_ptr(), k.data_ptr(), lse.data_ptr(), maw.data_ptr(), b, hq,
+                   k.shape[1], k.shape[2], d, ks, scale, alpha, slot,
+                   threads or torch.get_num_threads())
+
+
 @contextmanager
 def cold_kv() -> Iterator[None]:
     """Dense calls prefetch whatever their KV's size for the block: a decode step reads

@@ -312,7 +312,14 @@ class Hgca(Strategy):
     def _update_maw(self, L: LayerKV, q: torch.Tensor, lse: torch.Tensor, slot: int) -> None:
         """Line 8: MAW <- (1 - alpha) MAW + alpha A_gpu, A_gpu the window softmax [B, Hq, W].
         The entry just written at `slot` starts from 0 (`union-ema`) or, as in beyond-ae's
-        add_cache, at its first weight A_gpu[slot] (`authors`)."""
+        add_cache, at its first weight A_gpu[slot] (`authors`). On the CPU one native call
+        (probes/maw.c), else torch ops."""
+        from kvbench.kernels import cpu
+
+        if cpu.maw_ok(q, L.gk, lse, L.maw):
+            cpu.maw_update(q, L.gk, lse, L.maw, scale=self.scale, alpha=self.p.alpha,
+                           slot=slot if self.authors else -1)
+            return
         a = decode_weights(q, L.gk, lse, scale=self.scale)
         L.maw.mul_(1 - self.p.alpha).add_(a, alpha=self.p.alpha)
         if self.authors:
