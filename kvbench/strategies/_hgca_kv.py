@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvbench.errors import require
 from kvbench.kernels.cpu import default_threads
@@ -37,6 +37,7 @@ from kvbench.strategies._hostcopy import HostKV
 if TYPE_CHECKING:
     import torch
 
+    from kvbench.kernels.sparse import Selection
     from kvbench.runtime.context import RunContext
 
 _SCORES = 1 << 24  # fp32 attention scores per chunk of ingest_maw (64 MiB)
@@ -128,6 +129,16 @@ def host_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
 
 
+class CtxSizes(NamedTuple):
+    """KV_ctx's sizes as Python numbers, measured where KV_ctx changes (the worker's
+    selection, an import), so that a decode step reads no tensor for them."""
+
+    longest: int  # entries in the longest KV-head copy
+    mean: float  # entries per row, the mean
+    copied: int  # entries in all the copies
+    per_row: tuple[int, ...]  # entries of row h of every sequence, summed over the batch
+
+
 class LayerKV:
     """One layer: ring + MAW on the accelerator, KV_cpu and KV_ctx on the host, worker jobs."""
 
@@ -155,6 +166,11 @@ class LayerKV:
         self.ckeep = torch.zeros(b, hq, n, dtype=torch.bool) if rows != hkv else None
         self.lens = torch.zeros(b * rows, dtype=torch.int32)
         self.cpos = torch.empty(b * rows, n, dtype=torch.int32)  # row r's entries in KV_cpu
+        self.sizes = CtxSizes(0, 0.0, 0, (0,) * rows)
+        # a wrapped ring's resident slots as one selection (`wrapped`): slot positions twice
+        # over, and every row's length for each count of resident slots
+        self.ring_idx = torch.arange(w, dtype=torch.int32).repeat(b * hkv, 2)
+        self.ring_lens = torch.arange(w + 1, dtype=torch.int32)[:, None].repeat(1, b * hkv)
         self.seen = (0, 0)  # (host entries, resident entries) the last decode step attended
         self.sk = self.host.empty((b, hkv, block, d), hd)  # eviction staging
         self.sv = self.host.empty((b, hkv, block, d), hd)
@@ -189,6 +205,7 @@ class LayerKV:
         host += b * hkv * (2 * d * he * ctx.max_len + 4)  # KV_ctx's copies and lengths
         host += b * rows * (4 * ctx.max_len + 4)  # its rows' positions and lengths
         host += b * hq * ctx.max_len if rows != hkv else 0  # ckeep
+        host += b * hkv * (3 * w + 1) * 4  # the wrapped ring's selection
         host += b * hq * (block * 4 + d * he + 4)  # staging MAW, output and lse
         return accel, host
 
@@ -200,6 +217,14 @@ class LayerKV:
         e -= self.w
         return ((self.gk[:, :, a:], self.gv[:, :, a:], self.maw[:, :, a:]),
                 (self.gk[:, :, :e], self.gv[:, :, :e], self.maw[:, :, :e]))
+
+    def wrapped(self) -> Selection:
+        """The resident slots tail .. tail + n (mod W) as one selection of the ring's k/v,
+        for a single native call where `resident` gives two ranges."""
+        from kvbench.kernels.sparse import Selection
+
+        return Selection(self.ring_idx[:, self.tail:self.tail + self.n].contiguous(),
+                         self.ring_lens[self.n], self.w)
 
     def add_host(self, k: torch.Tensor, v: torch.Tensor) -> int:
         """KV_cpu += k/v [B, Hkv, n, D] (Alg. 1 line 25); returns the first one's position."""
@@ -215,6 +240,7 @@ class LayerKV:
         self.ulens.zero_()
         if self.ckeep is not None:
             self.ckeep.zero_()
+        self.sizes = CtxSizes(0, 0.0, 0, (0,) * len(self.sizes.per_row))
 
     def keep(self, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, first: int) -> None:
         """KV_ctx[row] += the entries of k/v [B, Hkv, n, D] (KV_cpu positions first,
@@ -239,6 +265,9 @@ class LayerKV:
         self.cpos[rows, pos] = (first + j).to(torch.int32)
         self.lens += keep.sum(dim=1, dtype=torch.int32)
         self.ulens += union.sum(dim=1, dtype=torch.int32)
+        got = torch.cat([self.lens.view(b, r).sum(dim=0), torch.stack(
+            [self.ulens.max().long(), self.lens.sum(), self.ulens.sum()])]).tolist()
+        self.sizes = CtxSizes(got[r], got[r + 1] / (b * r), got[r + 2], tuple(got[:r]))
 
 
 def union_keep(weight: torch.Tensor, hkv: int, threshold: float | None) -> torch.Tensor:

@@ -107,7 +107,7 @@ if TYPE_CHECKING:
 def selected_fraction(name: str, params: dict[str, ParamValue],
                       per_layer: PerLayer) -> Iterator[Record]:
     """Selected share of the host-resident entries per (layer, KV_ctx row), summed over the
-    decode steps (`_sizes`'s "host_selected.h*" and "host_resident" tokens)."""
+    decode steps (`_count_selected`'s "host_selected.h*" and "host_resident" tokens)."""
     resident = {layer: sum(v) for (q, w, layer), v in per_layer.items()
                 if q == "tokens" and w == "host_resident"}
     fractions = [sum(v) / resident[layer] for (q, w, layer), v in sorted(per_layer.items())
@@ -127,9 +127,6 @@ class Hgca(Strategy):
     params = HgcaParams
     exact = (("beta", 0.0),)  # every host entry selected (section 3.2.2)
     sparse = ()  # its defaults: beta 1, a window a quarter of the context
-    host_reads = (1, "its host side's own KV_ctx sizes (the longest copy, the entries "
-                  "attended and copied, the count per head), in one read: host memory on a "
-                  "GPU, counted on a CPU run")
     metrics = (Metric("selected_fraction", "ratio", reduction="own", of="tokens",
                       derive=selected_fraction),)
 
@@ -328,10 +325,16 @@ class Hgca(Strategy):
     # -- Algorithm 2: hybrid attention -------------------------------------------------------
 
     def _window(self, L: LayerKV, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dense attention over the resident slots (one range, or two when the ring wraps)."""
+        """Dense attention over the resident slots: one range, or when the ring wraps two
+        ranges merged, or on the CPU's native kernel the wrapped slots as one selection."""
+        from kvbench.kernels import cpu
         from kvbench.kernels.attention import dense_attention, merge
+        from kvbench.kernels.sparse import sparse_attention
 
-        parts = [dense_attention(q, k, v, causal=False) for k, v, _ in L.resident()]
+        ranges = L.resident()
+        if len(ranges) == 2 and cpu.native_ok(q):
+            return sparse_attention(q, L.gk, L.gv, L.wrapped(), causal=False)
+        parts = [dense_attention(q, k, v, causal=False) for k, v, _ in ranges]
         return parts[0] if len(parts) == 1 else merge(*parts[0], *parts[1])
 
     def _to_host(self, L: LayerKV, q: torch.Tensor) -> torch.Tensor:
@@ -341,12 +344,12 @@ class Hgca(Strategy):
             self.ctx.counters.moved("d2h", q.numel() * q.element_size())
         return q.to(device="cpu", dtype=L.hk.dtype)
 
-    def _host(self, L: LayerKV, q: torch.Tensor, qh: torch.Tensor | None,
-              sizes: tuple[int, float, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _host(self, L: LayerKV, q: torch.Tensor,
+              qh: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Sparse attention of qh (q copied to the host) over each row's KV_ctx on the host
-        thread pool (line 12): one pass over each KV head's copy (its longest `sizes[0]`
-        entries) for its query group, a query head skipping what it did not select (`ckeep`);
-        None when no entry is selected. sizes: `_sizes`."""
+        thread pool (line 12): one pass over each KV head's copy (the longest's entries,
+        `L.sizes`) for its query group, a query head skipping what it did not select
+        (`ckeep`); None when no entry is selected."""
         from kvbench.kernels.sparse import Selection, sparse_attention
 
         if qh is None:
@@ -359,7 +362,7 @@ class Hgca(Strategy):
         elif L.merged is not None:  # the last step's merge read them with an async H2D
             L.merged.synchronize()  # (GPU audit finding 15): done before the rewrite
             L.merged = None
-        umax, mean, union = sizes
+        umax, mean, union, _ = L.sizes
         sel = Selection(self.idx[:, :umax], L.ulens, umax)  # copy row r: its first ulens[r]
         keep = None if L.ckeep is None else L.ckeep[:, :, :umax]
         out, lse = sparse_attention(qh, L.ck[:, :, :umax], L.cv[:, :, :umax], sel,
@@ -372,20 +375,14 @@ class Hgca(Strategy):
             c.moved("h2d", out.numel() * out.element_size() + lse.numel() * 4)
         return out, lse
 
-    def _sizes(self, L: LayerKV, b: int) -> tuple[int, float, int]:
-        """KV_ctx's sizes in one host read: (the longest KV-head copy, the mean entries per
-        row, the entries in all copies). Counts a decode step's host-resident and selected
-        tokens (per KV_ctx row: query head for `authors`, KV head for `union-ema`; summed
-        over the batch): every step with host entries, those that select none included."""
-        import torch
-
-        c, r = self.ctx.counters, L.lens.numel() // b
-        got = torch.cat([L.lens.view(b, r).sum(dim=0), torch.stack(
-            [L.ulens.max().long(), L.lens.sum(), L.ulens.sum()])]).tolist()
+    def _count_selected(self, L: LayerKV, b: int) -> None:
+        """Host-resident and selected tokens (per KV_ctx row: query head for `authors`, KV
+        head for `union-ema`; summed over the batch) of a decode step: every step with host
+        entries, those that select none included."""
+        c = self.ctx.counters
         c.add("tokens", "host_resident", b * L.n_host)
-        for h, n in enumerate(got[:r]):
+        for h, n in enumerate(L.sizes.per_row):
             c.add("tokens", f"host_selected.h{h}", n)
-        return got[r], got[r + 1] / L.lens.numel(), got[r + 2]
 
     def _await_side(self, L: LayerKV) -> None:
         """The main stream waits for the layer's side-stream work (the previous step's MAW
@@ -541,12 +538,13 @@ class Hgca(Strategy):
         L.maw[:, :, slot] = 0
         L.n += 1
         L.seen = (L.n_host, L.n)
-        sizes = self._sizes(L, q.shape[0]) if L.n_host else (0, 0.0, 0)
-        qh = self._to_host(L, q) if sizes[0] else None
+        if L.n_host:
+            self._count_selected(L, q.shape[0])
+        qh = self._to_host(L, q) if L.sizes.longest else None
         out, lse_w = self._window(L, q)  # lse_w: the window softmax's normaliser (A_gpu)
         c.attended("accel", q, L.n)
         with c.timed("accel_idle"):
-            host = self._host(L, q, qh, sizes)
+            host = self._host(L, q, qh)
         if host is not None:
             c.join()
             with c.timed("bookkeeping.merge"):
