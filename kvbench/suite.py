@@ -29,6 +29,7 @@
     denominator = "timer.perf_counter_ns_overhead"
     direction = "lower"
     match = ["calls"]                 # parameters that must agree to pair records (default none)
+    where = { calls = 20000 }         # parameter values a record must have (default any)
 
 Each (case, sweep point, repetition) is one unit of work with a stable id (a hash of kind,
 name, explicit parameters and repetition) kept in every record's `method["suite_case"]`.
@@ -110,7 +111,8 @@ def recorded_units(path: Path) -> set[str]:
 
 
 def derive_ratio(spec: RatioSpec, records: list[dict[str, Any]]) -> Iterator[Record]:
-    """Ratio records of numerator over denominator samples, paired by common parameters.
+    """Ratio records of numerator over denominator samples, paired by common parameters,
+    of the records whose parameters have the spec's `where` values.
 
     Samples are paired by index (repetitions pooled first), so the ratio keeps a spread
     that `compare` can test; both quantities come from the same run of the suite.
@@ -119,7 +121,8 @@ def derive_ratio(spec: RatioSpec, records: list[dict[str, Any]]) -> Iterator[Rec
         name, _, metric = ref.partition(".")
         out: dict[str, tuple[dict[str, Any], list[float]]] = {}
         for r in records:
-            if r["name"] == name and r["metric"] == metric and r["status"] == "ok":
+            if (r["name"] == name and r["metric"] == metric and r["status"] == "ok"
+                    and all(r["params"].get(k) == v for k, v in spec.where)):
                 common = {k: v for k, v in r["params"].items() if k in spec.match}
                 key = json.dumps(common, sort_keys=True)
                 out.setdefault(key, (common, []))[1].extend(r.get("samples") or [r["value"]])

@@ -34,7 +34,7 @@ _SUITE_KEYS = {"name", "description", "output", "repetitions", "guard", "thresho
 _CASE_KEYS = {"probe", "strategy", "id", "params", "sweep", "repetitions", "requires", "note",
               "exclusive", "resources"}
 _ACCURACY_MODES = ("eval", "passkey")  # strategy modes whose headline is not a speed
-_RATIO_KEYS = {"name", "numerator", "denominator", "direction", "match"}
+_RATIO_KEYS = {"name", "numerator", "denominator", "direction", "match", "where"}
 _REQUIRES = {"gpu"}
 INLINE = ("suite", "case", "ratio")  # a suite's tables, also inline in an experiment
 # an experiment's own tables (kvbench.experiment), beside which a suite's may be inline
@@ -68,6 +68,7 @@ class RatioSpec:
     denominator: str
     direction: str = "higher"
     match: tuple[str, ...] = ()
+    where: tuple[tuple[str, Any], ...] = ()  # (parameter, value) a record must have
 
 
 @dataclass
@@ -377,12 +378,16 @@ def load_suite(path: Path | str, text: str | None = None) -> Suite:
         missing = [k for k in ("name", "numerator", "denominator") if k not in r]
         for key in unknown:
             problems.append((lines.key("ratio", i, key), f"unknown key '{key}' in ratio"))
-        if missing or r.get("direction", "higher") not in ("higher", "lower"):
+        if not isinstance(r.get("where", {}), dict):
+            problems.append((lines.key("ratio", i, "where"), "a ratio's where is a table of "
+                             "parameter values, e.g. where = { prompt_len = 2048 }"))
+        elif missing or r.get("direction", "higher") not in ("higher", "lower"):
             problems.append((lines.table("ratio", i)[0] + 1, "a ratio needs name, numerator, "
                              "denominator and a direction of higher or lower"))
         elif not unknown:
             ratios.append(RatioSpec(r["name"], r["numerator"], r["denominator"],
-                                    r.get("direction", "higher"), tuple(r.get("match", ()))))
+                                    r.get("direction", "higher"), tuple(r.get("match", ())),
+                                    tuple(sorted(r.get("where", {}).items()))))
     guard = head.get("guard", [])
     if isinstance(guard, list):
         guard = dict.fromkeys(guard, str(head.get("threshold", "5%")))

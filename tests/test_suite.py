@@ -16,6 +16,7 @@ from conftest import assert_usage_error, cli
 
 from kvbench.cli import main
 from kvbench.compare import compare_sets
+from kvbench.errors import KvbenchError
 from kvbench.schema import measured
 from kvbench.store import ResultWriter, load
 from kvbench.suite import load_suite, machine_class, recorded_units, run_suite, units
@@ -444,3 +445,28 @@ def test_a_workers_interrupt_goes_back_as_itself(tmp_path, monkeypatch):
     suite = load_suite(write(tmp_path, TIMER))
     with pytest.raises(KeyboardInterrupt):
         _work(str(suite.path), suite.text, units(suite)[0].case_id, False)
+
+
+def test_ratio_where_picks_the_records_it_pairs(tmp_path):
+    """`where` restricts a ratio to records with those parameter values: a suite's short
+    runs of the same strategies do not pair into its KV-bound ratio; a where that is not a
+    table is refused with its line."""
+    from kvbench.suite import derive_ratio
+    from kvbench.suite_spec import RatioSpec
+
+    def rec(name: str, prompt: int, samples: list[float]) -> dict:
+        return {"name": name, "metric": "tbt", "status": "ok", "samples": samples,
+                "params": {"prompt_len": prompt, "batch": 1}}
+
+    records = [rec("hgca", 64, [2.0, 2.0]), rec("full", 64, [1.0, 1.0]),
+               rec("hgca", 2048, [3.0, 3.0]), rec("full", 2048, [4.0, 4.0])]
+    spec = RatioSpec("r", "hgca.tbt", "full.tbt", "lower", ("prompt_len", "batch"))
+    assert sorted(r.value for r in derive_ratio(spec, records)) == [0.75, 2.0]
+    only = RatioSpec("r", "hgca.tbt", "full.tbt", "lower", ("prompt_len", "batch"),
+                     (("prompt_len", 2048),))
+    got = list(derive_ratio(only, records))
+    assert [(r.value, r.params["prompt_len"]) for r in got] == [(0.75, 2048)]
+    path = write(tmp_path, TIMER + '\n[[ratio]]\nname = "r"\nnumerator = "a.b"\n'
+                                   'denominator = "c.d"\nwhere = ["prompt_len"]\n')
+    with pytest.raises(KvbenchError, match="where is a table"):
+        load_suite(path)
