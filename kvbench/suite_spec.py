@@ -378,13 +378,14 @@ def load_suite(path: Path | str, text: str | None = None) -> Suite:
         missing = [k for k in ("name", "numerator", "denominator") if k not in r]
         for key in unknown:
             problems.append((lines.key("ratio", i, key), f"unknown key '{key}' in ratio"))
-        if not isinstance(r.get("where", {}), dict):
+        bad_where = not isinstance(r.get("where", {}), dict)
+        if bad_where:
             problems.append((lines.key("ratio", i, "where"), "a ratio's where is a table of "
                              "parameter values, e.g. where = { prompt_len = 2048 }"))
-        elif missing or r.get("direction", "higher") not in ("higher", "lower"):
+        if missing or r.get("direction", "higher") not in ("higher", "lower"):
             problems.append((lines.table("ratio", i)[0] + 1, "a ratio needs name, numerator, "
                              "denominator and a direction of higher or lower"))
-        elif not unknown:
+        elif not unknown and not bad_where:
             ratios.append(RatioSpec(r["name"], r["numerator"], r["denominator"],
                                     r.get("direction", "higher"), tuple(r.get("match", ())),
                                     tuple(sorted(r.get("where", {}).items()))))

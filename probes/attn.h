@@ -55,6 +55,8 @@ static inline float elem(const void *row, int64_t d, int bf16) {
 /* The inner loops for dtype (0 float32, 1 bfloat16) and head dim D: AVX2/FMA when `avx2`
  * and D suits them (a multiple of 8, of 16 for bfloat16), else the portable ones. */
 __attribute__((visibility("hidden"))) const isa_t *kvb_attn_loops(int dtype, int64_t D, int avx2);
+/* The inner loops in use (attn.c): want -1 reports them, 0 forces portable, 1 AVX2/FMA. */
+int kvb_attn_isa(int want);
 /* Whether this CPU has AVX2 and FMA. */
 __attribute__((visibility("hidden"))) int kvb_attn_have_avx2(void);
 #endif

@@ -12,11 +12,7 @@
  * (batch, head, token) and a contiguous last dimension.
  */
 #pragma GCC optimize("O3")
-#include <stdlib.h>
-
 #include "attn.h"
-
-int kvb_attn_isa(int want);
 
 void kvb_maw(const float *q, const float *k, const float *lse, float *maw, int64_t B,
              int64_t Hq, int64_t Hkv, int64_t N, int64_t D, const int64_t *ks, float scale,
@@ -27,14 +23,13 @@ void kvb_maw(const float *q, const float *k, const float *lse, float *maw, int64
     for (int64_t r = 0; r < B * Hkv; r++) { /* row (b, g): query heads g*G .. g*G + G - 1 */
         float qf[G * D], s[G * BLK];
         const void *kp[BLK];
-        const pf_t none = {kp, 0, 0};
         const int64_t h0 = r * G; /* = b * Hq + g * G */
         for (int64_t i = 0; i < G * D; i++) qf[i] = q[h0 * D + i] * scale;
         const float *kr = k + (r / Hkv) * ks[0] + (r % Hkv) * ks[1];
         for (int64_t j0 = 0; j0 < N; j0 += BLK) {
             const int64_t nb = N - j0 < BLK ? N - j0 : BLK;
             for (int64_t j = 0; j < nb; j++) kp[j] = kr + (j0 + j) * ks[2];
-            isa->scores(s, qf, G, D, kp, nb, &none);
+            isa->scores(s, qf, G, D, kp, nb, NULL); /* no prefetch: the window is cached */
             for (int64_t t = 0; t < G; t++) {
                 float *a = s + t * BLK, *m = maw + (h0 + t) * N + j0;
                 isa->expsum(a, nb, lse[h0 + t]);

@@ -17,9 +17,8 @@ that is G copies of a KV head's entries, read G times from memory; gathering the
 from KV_cpu instead reads at the density of the selection, and at HGCA's 30-40% a
 hardware prefetcher pulls nearly every line (as much as dense attention over KV_cpu).
 Only the CPU reads KV_cpu and KV_ctx (native kernel, gathers), so they are pageable; the
-eviction staging that
-the side stream's D2H writes is exactly sized and pinned on CUDA (strategies._hostcopy,
-GPU audit finding 3).
+eviction staging that the side stream's D2H writes is exactly sized and pinned on CUDA
+(strategies._hostcopy, GPU audit finding 3).
 """
 
 from __future__ import annotations
@@ -37,7 +36,6 @@ from kvbench.strategies._hostcopy import HostKV
 if TYPE_CHECKING:
     import torch
 
-    from kvbench.kernels.sparse import Selection
     from kvbench.runtime.context import RunContext
 
 _SCORES = 1 << 24  # fp32 attention scores per chunk of ingest_maw (64 MiB)
@@ -167,10 +165,6 @@ class LayerKV:
         self.lens = torch.zeros(b * rows, dtype=torch.int32)
         self.cpos = torch.empty(b * rows, n, dtype=torch.int32)  # row r's entries in KV_cpu
         self.sizes = CtxSizes(0, 0.0, 0, (0,) * rows)
-        # a wrapped ring's resident slots as one selection (`wrapped`): slot positions twice
-        # over, and every row's length for each count of resident slots
-        self.ring_idx = torch.arange(w, dtype=torch.int32).repeat(b * hkv, 2)
-        self.ring_lens = torch.arange(w + 1, dtype=torch.int32)[:, None].repeat(1, b * hkv)
         self.seen = (0, 0)  # (host entries, resident entries) the last decode step attended
         self.sk = self.host.empty((b, hkv, block, d), hd)  # eviction staging
         self.sv = self.host.empty((b, hkv, block, d), hd)
@@ -205,7 +199,6 @@ class LayerKV:
         host += b * hkv * (2 * d * he * ctx.max_len + 4)  # KV_ctx's copies and lengths
         host += b * rows * (4 * ctx.max_len + 4)  # its rows' positions and lengths
         host += b * hq * ctx.max_len if rows != hkv else 0  # ckeep
-        host += b * hkv * (3 * w + 1) * 4  # the wrapped ring's selection
         host += b * hq * (block * 4 + d * he + 4)  # staging MAW, output and lse
         return accel, host
 
@@ -217,14 +210,6 @@ class LayerKV:
         e -= self.w
         return ((self.gk[:, :, a:], self.gv[:, :, a:], self.maw[:, :, a:]),
                 (self.gk[:, :, :e], self.gv[:, :, :e], self.maw[:, :, :e]))
-
-    def wrapped(self) -> Selection:
-        """The resident slots tail .. tail + n (mod W) as one selection of the ring's k/v,
-        for a single native call where `resident` gives two ranges."""
-        from kvbench.kernels.sparse import Selection
-
-        return Selection(self.ring_idx[:, self.tail:self.tail + self.n].contiguous(),
-                         self.ring_lens[self.n], self.w)
 
     def add_host(self, k: torch.Tensor, v: torch.Tensor) -> int:
         """KV_cpu += k/v [B, Hkv, n, D] (Alg. 1 line 25); returns the first one's position."""

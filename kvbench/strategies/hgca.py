@@ -161,11 +161,13 @@ class Hgca(Strategy):
     def placement(cls, params: HgcaParams, ctx: RunContext) -> dict[str, int]:
         """Per layer (LayerKV.nbytes): ring k/v and MAW on the accelerator; KV_cpu and KV_ctx
         (float32 for a float16 model), eviction staging and output buffers on the host;
-        plus the host kernel's row index [B * Hkv, max_len] int32. "pinned": the staging
-        and output buffers (LayerKV.pinned), part of "host"."""
+        plus the host kernel's row index [B * Hkv, max_len] and the wrapped ring's selection
+        ([B * Hkv, 2 W] and [W + 1, B * Hkv]), int32. "pinned": the staging and output
+        buffers (LayerKV.pinned), part of "host"."""
         p, _ = cls.for_run(params, ctx.max_len)
-        accel, host = LayerKV.nbytes(ctx, p.window(ctx.max_len), p.block, cls.rows(p, ctx))
-        index = ctx.batch * ctx.spec.n_kv_heads * ctx.max_len * 4
+        w = p.window(ctx.max_len)
+        accel, host = LayerKV.nbytes(ctx, w, p.block, cls.rows(p, ctx))
+        index = ctx.batch * ctx.spec.n_kv_heads * (ctx.max_len + 3 * w + 1) * 4
         return {"accel": ctx.n_layers * accel, "host": ctx.n_layers * host + index,
                 "pinned": ctx.n_layers * LayerKV.pinned(ctx, p.block)}
 
@@ -184,8 +186,12 @@ class Hgca(Strategy):
         rows = self.rows(params, ctx)
         self.layers = [LayerKV(ctx, self.w, params.block, rows) for _ in range(ctx.n_layers)]
         # the host kernel's selection over a KV head's copy: its first ulens entries
-        self.idx = torch.arange(ctx.max_len, dtype=torch.int32).repeat(
-            ctx.batch * ctx.spec.n_kv_heads, 1)
+        rows_kv = ctx.batch * ctx.spec.n_kv_heads
+        self.idx = torch.arange(ctx.max_len, dtype=torch.int32).repeat(rows_kv, 1)
+        # a wrapped ring's resident slots as one selection (`_wrapped`): slot positions
+        # twice over, and every row's length for each count of resident slots
+        self.ring_idx = torch.arange(self.w, dtype=torch.int32).repeat(rows_kv, 2)
+        self.ring_lens = torch.arange(self.w + 1, dtype=torch.int32)[:, None].repeat(1, rows_kv)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hgca-select")
         self.stream = torch.cuda.Stream(ctx.accel) if ctx.accel.type == "cuda" else None
         self.scale = ctx.spec.head_dim ** -0.5
@@ -329,11 +335,13 @@ class Hgca(Strategy):
         ranges merged, or on the CPU's native kernel the wrapped slots as one selection."""
         from kvbench.kernels import cpu
         from kvbench.kernels.attention import dense_attention, merge
-        from kvbench.kernels.sparse import sparse_attention
+        from kvbench.kernels.sparse import Selection, sparse_attention
 
         ranges = L.resident()
-        if len(ranges) == 2 and cpu.native_ok(q):
-            return sparse_attention(q, L.gk, L.gv, L.wrapped(), causal=False)
+        if len(ranges) == 2 and cpu.native_ok(q):  # slots tail .. tail + n (mod W)
+            sel = Selection(self.ring_idx[:, L.tail:L.tail + L.n].contiguous(),
+                            self.ring_lens[L.n], self.w)
+            return sparse_attention(q, L.gk, L.gv, sel, causal=False)
         parts = [dense_attention(q, k, v, causal=False) for k, v, _ in ranges]
         return parts[0] if len(parts) == 1 else merge(*parts[0], *parts[1])
 
