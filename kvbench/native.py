@@ -11,7 +11,7 @@ from pathlib import Path
 from kvbench.errors import KvbenchError
 from kvbench.memory import llc_bytes
 
-ABI_VERSION = 10  # kvb_abi_version() of probes/native.c: bump both when an interface changes
+ABI_VERSION = 11  # kvb_abi_version() of probes/native.c: bump both when an interface changes
 
 
 class CopyJob(ctypes.Structure):
@@ -103,6 +103,13 @@ def lib() -> ctypes.CDLL:
     so.kvb_gemv_isa.argtypes = [ctypes.c_int]
     so.kvb_rmsnorm.restype = None  # probes/norm.c
     so.kvb_rmsnorm.argtypes = [vp, vp, vp, i64, i64, ctypes.c_float]
+    f32 = ctypes.c_float
+    so.kvb_llama_pre.restype = ctypes.c_int  # probes/layer.c
+    so.kvb_llama_pre.argtypes = [vp, vp, f32, vp, vp, vp, vp, vp, vp, vp, vp, i64, i64, i64,
+                                 i64, i64, ctypes.c_int]
+    so.kvb_llama_post.restype = ctypes.c_int
+    so.kvb_llama_post.argtypes = [vp, vp, vp, vp, f32, vp, vp, i64, i64, i64, i64,
+                                  ctypes.c_int]
     so.kvb_maw.restype = None  # probes/maw.c
     so.kvb_maw.argtypes = [vp, vp, vp, vp, i64, i64, i64, i64, i64, i64p, ctypes.c_float,
                            ctypes.c_float, i64, ctypes.c_int]

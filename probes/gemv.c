@@ -12,28 +12,21 @@
  */
 #define _GNU_SOURCE
 #pragma GCC optimize("O3")
-#include <stdint.h>
-
+#include "decode.h"
 #include "sum8.h"
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define KVB_X86 1
 #endif
 
-#define SPLIT 12  /* threads split N in multiples of this */
-#define MAX_B 8   /* activation rows per call */
-
-typedef struct {
-    const float *w, *x;
-    float *y;
-    int64_t N, K, B, ldx;
-} gemv_t;
+#define SPLIT 12 /* threads split N in multiples of this */
 
 static void rows_gen(const gemv_t *g, int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; n++) {
         const float *wr = g->w + n * g->K;
         for (int64_t b = 0; b < g->B; b++) {
-            g->y[b * g->N + n] = kvb_dot(wr, g->x + b * g->ldx, g->K);
+            const float r = kvb_dot(wr, g->x + b * g->ldx, g->K);
+            g->y[b * g->N + n] = g->acc ? g->y[b * g->N + n] + r : r;
         }
     }
 }
@@ -83,7 +76,8 @@ static AVX2 inline float hsum(__m256 v) {
         for (int b = 0; b < NB; b++) {                                                    \
             __m256 s = a[0][b];                                                           \
             for (int u = 1; u < U; u++) s = _mm256_add_ps(s, a[u][b]);                    \
-            g->y[b * g->N + n] = hsum(s);                                                 \
+            const float r = hsum(s);                                                      \
+            g->y[b * g->N + n] = g->acc ? g->y[b * g->N + n] + r : r;                     \
         }                                                                                 \
     }
 ROW(1, 4)
@@ -123,14 +117,30 @@ int kvb_gemv_isa(int want) {
     return g_isa;
 }
 
+void kvb_gemv_share(int64_t N, int64_t t, int64_t T, int64_t *n0, int64_t *n1) {
+    const int64_t blocks = (N + SPLIT - 1) / SPLIT; /* whole multiples of SPLIT rows */
+    const int64_t e = blocks * (t + 1) / T * SPLIT;
+    *n0 = blocks * t / T * SPLIT;
+    *n1 = e < N ? e : N;
+}
+
+void kvb_gemv_range(const gemv_t *g, int64_t n0, int64_t n1) {
+#ifdef KVB_X86
+    if (kvb_gemv_isa(-1) && g->K % 8 == 0) {
+        rows_avx2(g, n0, n1);
+        return;
+    }
+#endif
+    rows_gen(g, n0, n1);
+}
+
 /* y [B, N] (contiguous) = x [B, K] (rows ldx floats apart) . w [N, K]^T (row-major), on
  * `threads` OpenMP threads (torch's own pool, as attn.c explains). Returns 0, or -2 when B
  * is outside 1..MAX_B. With AVX2 a K that is not a multiple of 8 takes the portable loop. */
 int kvb_gemv(const float *w, const float *x, float *y, int64_t N, int64_t K, int64_t B,
              int64_t ldx, int threads) {
     if (B < 1 || B > MAX_B) return -2;
-    const gemv_t g = {w, x, y, N, K, B, ldx};
-    const int avx2 = kvb_gemv_isa(-1) && K % 8 == 0;
+    const gemv_t g = {w, x, y, N, K, B, ldx, 0};
     int nt = threads < 1 ? 1 : threads > 256 ? 256 : threads;
     if ((int64_t)nt * SPLIT * 4 > N) nt = 1; /* too few rows to split */
 #pragma omp parallel num_threads(nt)
@@ -141,16 +151,9 @@ int kvb_gemv(const float *w, const float *x, float *y, int64_t N, int64_t K, int
 #else
         const int64_t t = 0, T = 1;
 #endif
-        /* contiguous ranges, multiples of SPLIT: one sequential stream per thread */
-        const int64_t blocks = (N + SPLIT - 1) / SPLIT;
-        const int64_t n0 = blocks * t / T * SPLIT, n1e = blocks * (t + 1) / T * SPLIT;
-        const int64_t n1 = n1e < N ? n1e : N;
-#ifdef KVB_X86
-        if (avx2)
-            rows_avx2(&g, n0, n1);
-        else
-#endif
-            rows_gen(&g, n0, n1);
+        int64_t n0, n1;
+        kvb_gemv_share(N, t, T, &n0, &n1);
+        kvb_gemv_range(&g, n0, n1);
     }
     return 0;
 }

@@ -11,6 +11,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "decode.h"
 #include "sum8.h"
 
 void kvb_rmsnorm(const float *x, const float *w, float *y, int64_t rows, int64_t dim,

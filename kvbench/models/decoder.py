@@ -13,7 +13,11 @@ Only the last position's logits are computed ([B, vocab]): the run needs no othe
 Decode allocates nothing it can avoid: RoPE tables (positions up to the run's max length)
 are built once in `setup`, q and k are rotated by one set of ops, residual adds are in place,
 and on the CPU the weights take the layout that decodes fastest at the run's batch size
-(kvbench.models.linear), chosen on the first forward of that batch size.
+(kvbench.models.linear), chosen on the first forward of that batch size. A float32 Llama
+layer on the CPU decodes in two native calls around its attention (kvbench.kernels.layer:
+norms, projections, RoPE, MLP and residuals, one OpenMP region each): the bundled model's
+decode step at batch 1 went from 938 to 426 torch ops and 18.1 to 16.2 ms (median of four
+interleaved runs each, 2-core AMD EPYC VM, 2026-11-27).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvbench.kernels import cpu
+from kvbench.kernels import layer as native_layer
 from kvbench.models import ModelSpec
 from kvbench.models.linear import Linear, Packed, matmul, packed
 from kvbench.timing import kernel
@@ -108,6 +113,7 @@ class Decoder(nn.Module):
         self._at: tuple[tuple[int, int], torch.Tensor, torch.Tensor] | None = None
         self._batch = 0  # the batch size the weights are laid out for (0: none yet)
         self._head: Packed | None = None  # a tied head's weight in that layout
+        self.native_layers = False  # decode rows take kvbench.kernels.layer (set by pack)
 
     def setup(self, strategy: Strategy, counters: Counters, max_len: int) -> None:
         """Attach the run's strategy and counters; build RoPE tables up to max_len."""
@@ -196,6 +202,8 @@ class Decoder(nn.Module):
         tied = self.tied()
         self._head = None if tied is None or not spare else packed(tied, batch, spare)
         self._batch = batch
+        self.native_layers = batch <= native_layer.MAX_ROWS and all(
+            isinstance(x, LlamaLayer) and native_layer.ok(x) for x in self.layers)
 
     def forward(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
         """tokens [B, T] at positions start..start+T-1 -> logits of the last one [B, vocab]."""
@@ -307,10 +315,19 @@ class LlamaLayer(nn.Module):
         return self.self_attn
 
     def forward(self, x: torch.Tensor, i: int, m: Decoder, start: int) -> torch.Tensor:
+        if m.native_layers and x.shape[1] == 1 and m._rope is not None:
+            return self.decode_native(x, i, m, start)
         h = self.input_layernorm(x)
         m.strategy.layer_input(i, h)
         x = x + self.self_attn(h, i, m, start)
         return x.add_(self.mlp(self.post_attention_layernorm(x)))
+
+    def decode_native(self, x: torch.Tensor, i: int, m: Decoder, start: int) -> torch.Tensor:
+        """The same layer for decode rows x [B, 1, hidden] in two native calls around the
+        strategy's attention (kvbench.kernels.layer); x is updated in place."""
+        h, q, k, v = native_layer.pre(self, x, m._rope, start)
+        m.strategy.layer_input(i, h)
+        return native_layer.post(self, x, m.attend(i, q, k, v, start))
 
 
 class LlamaDecoder(Decoder):

@@ -1,0 +1,27 @@
+/* Decode's dense kernels shared by gemv.c and norm.c (one call per matmul or norm) and
+ * layer.c (a decoder layer's matmuls and norms inside one OpenMP region). */
+#ifndef KVB_DECODE_H
+#define KVB_DECODE_H
+#include <stdint.h>
+
+#define MAX_B 8 /* activation rows per call */
+
+/* y [B, N] (rows N floats apart) = x [B, K] (rows ldx floats apart) . w [N, K]^T, or
+ * y += that when `acc` (a residual added in place). */
+typedef struct {
+    const float *w, *x;
+    float *y;
+    int64_t N, K, B, ldx;
+    int acc;
+} gemv_t;
+
+/* Rows [n0, n1) of g's product on the calling thread (AVX2/FMA where chosen). */
+__attribute__((visibility("hidden"))) void kvb_gemv_range(const gemv_t *g, int64_t n0,
+                                                          int64_t n1);
+/* Thread t of T's share [*n0, *n1) of N rows: contiguous, one sequential stream each. */
+__attribute__((visibility("hidden"))) void kvb_gemv_share(int64_t N, int64_t t, int64_t T,
+                                                          int64_t *n0, int64_t *n1);
+/* y[r] = w * x[r] / sqrt(mean(x[r]^2) + eps) for `rows` rows of `dim` floats (norm.c). */
+void kvb_rmsnorm(const float *x, const float *w, float *y, int64_t rows, int64_t dim,
+                 float eps);
+#endif
