@@ -113,7 +113,9 @@ def lib() -> ctypes.CDLL:
     so.kvb_maw.restype = None  # probes/maw.c
     so.kvb_maw.argtypes = [vp, vp, vp, vp, i64, i64, i64, i64, i64, i64p, ctypes.c_float,
                            ctypes.c_float, i64, ctypes.c_int]
-    so.kvb_page_select.restype = ctypes.c_int  # probes/pages.c
+    so.kvb_digest_token.restype = None  # probes/pages.c
+    so.kvb_digest_token.argtypes = [vp, i64p, vp, vp, i64p, i64, i64, i64, i64, ctypes.c_int]
+    so.kvb_page_select.restype = ctypes.c_int
     so.kvb_page_select.argtypes = [vp, i64, i64, i64, i64, vp, vp, i64p, i64, i64, i64, i64,
                                    ctypes.c_int, i64, i64, vp, vp, ctypes.c_int]
     return so

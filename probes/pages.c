@@ -122,3 +122,22 @@ int kvb_page_select(const float *q, int64_t B, int64_t Hq, int64_t Hkv, int64_t 
     }
     return failed ? -1 : 0;
 }
+
+/* Quest's min/max digests after one decoded token (Quest Alg. 1), in place: row (b, h)'s
+ * key k [D] (element strides ks (b, h)) joins page p: the page's first token (`fresh`) sets
+ * lo = hi = k, a later one takes the channel-wise min and max, which equal amin/amax over
+ * the page's tokens exactly. lo/hi have element strides ds (b, h, page) and a contiguous
+ * last dimension. What kvbench.strategies._pages.Digests.update does in seven torch ops. */
+void kvb_digest_token(const float *k, const int64_t *ks, float *lo, float *hi,
+                      const int64_t *ds, int64_t B, int64_t H, int64_t D, int64_t p, int fresh) {
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++) {
+            const float *x = k + b * ks[0] + h * ks[1];
+            float *l = lo + b * ds[0] + h * ds[1] + p * ds[2];
+            float *u = hi + b * ds[0] + h * ds[1] + p * ds[2];
+            for (int64_t d = 0; d < D; d++) {
+                l[d] = fresh || x[d] < l[d] ? x[d] : l[d];
+                u[d] = fresh || x[d] > u[d] ? x[d] : u[d];
+            }
+        }
+}

@@ -46,3 +46,27 @@ def test_where_native_selection_applies() -> None:
     assert not cpu.page_select_ok(torch.randn(1, 4, 2, 8), lo, lo)  # two queries: append
     assert not cpu.page_select_ok(q.bfloat16(), lo.bfloat16(), lo.bfloat16())
     assert not cpu.page_select_ok(q, lo, torch.randn(1, 2, 9, 8)[:, :, :5])  # strides differ
+
+
+@needs_native
+@pytest.mark.parametrize("page", [1, 7, 16])
+def test_a_decoded_token_updates_the_digests_as_recomputing_its_page(page: int) -> None:
+    """Digests.update of one token (one native call, probes/pages.c: a page's first token
+    sets lo = hi, a later one takes min/max) equals amin/amax over the page's tokens so far,
+    bit for bit, on a key buffer and digests that are views with padded strides; it
+    dispatches no torch op."""
+    from kvbench.runtime.opcount import Counting
+    from kvbench.strategies._pages import Digests
+
+    g = torch.Generator().manual_seed(page)
+    keys = torch.randn(3, 2, 90, 24, generator=g)[:, :, :, :20]  # channels strided
+    got = Digests(3, 2, 90, 20, page, "minmax", torch.device("cpu"), torch.float32)
+    got.update(keys, 0, 40)  # a prefill's pages
+    for n in range(40, 90):
+        with Counting() as c:
+            got.update(keys, n, n + 1)
+        assert sum(c.by_op.values()) == 0
+        p = n // page
+        span = keys[:, :, p * page:n + 1]
+        assert torch.equal(got.lo[:, :, p], span.amin(-2))
+        assert torch.equal(got.hi[:, :, p], span.amax(-2))

@@ -2,9 +2,10 @@
 
 `run` computes attention of q `[B, Hq, Lq, D]` over k/v `[B, Hkv, Lk, D]` (any strides with
 a contiguous last dimension) for every (batch, KV head) row, either over all Lk positions or
-over the row's selected positions idx `[B * Hkv, N]` int32 (the first lens[row] of them);
-a selection may also serve fewer query heads each (`heads` rows per sequence, Hkv | heads |
-Hq: idx `[B * heads, N]`; heads = Hq gives every query head its own list).
+over the row's selected positions idx `[B * Hkv, N]` or `[B, Hkv, N]` int32 (the first
+lens[row] of them); a selection may also serve fewer query heads each (`heads` rows per
+sequence, Hkv | heads | Hq: idx `[B * heads, N]`; heads = Hq gives every query head its
+own list).
 Rows are grouped `group` at a time into tasks for `threads` pthreads (HGCA section 3.3);
 with fewer than 8 rows per thread the kernel splits each row's keys into chunks merged by
 log-sum-exp (split-K), so batch-1 decode over a few KV heads uses every thread. Its inner
@@ -144,10 +145,13 @@ def run(
     ks = (ctypes.c_int64 * 3)(*k.stride()[:3])
     vs = (ctypes.c_int64 * 3)(*v.stride()[:3])
     nmax = 0
-    if idx is not None:
-        assert lens is not None and idx.dtype == torch.int32 and idx.shape[0] == rows
-        idx, lens = idx.contiguous(), lens.to(torch.int32).contiguous()
-        nmax = idx.shape[1]
+    if idx is not None:  # [rows, N] or [B, heads, N]; lens [rows] or [B, heads]
+        assert lens is not None and idx.dtype == torch.int32
+        nmax = idx.shape[-1]
+        assert idx.numel() == rows * nmax and lens.numel() == rows
+        idx = idx if idx.is_contiguous() else idx.contiguous()
+        if lens.dtype != torch.int32 or not lens.is_contiguous():
+            lens = lens.to(torch.int32).contiguous()
     if keep is not None:
         assert idx is not None and keep.shape == (b, hq, nmax) and keep.dtype == torch.bool
         keep = keep.contiguous()
@@ -258,6 +262,26 @@ def cold_kv() -> Iterator[None]:
         yield
     finally:
         prefetch_from(before)
+
+
+def digest_token(k: torch.Tensor, n0: int, lo: torch.Tensor, hi: torch.Tensor,
+                 page: int) -> bool:
+    """Quest's min/max digests lo/hi [B, Hkv, P, D] after the token at position n0 of the
+    key cache k [B, Hkv, >= n0 + 1, D], in one native call (probes/pages.c); returns False,
+    doing nothing, where it does not apply (not CPU float32 with contiguous channels, or no
+    library)."""
+    import torch
+
+    if not (k.device.type == "cpu" and k.dtype == lo.dtype == hi.dtype == torch.float32
+            and k.stride(3) == 1 and lo.stride(3) == 1 and hi.stride() == lo.stride()
+            and native_built()):
+        return False
+    b, h, _, d = k.shape
+    ks = (ctypes.c_int64 * 2)(*k.stride()[:2])
+    ds = (ctypes.c_int64 * 3)(*lo.stride()[:3])
+    _lib().kvb_digest_token(k.data_ptr() + n0 * k.stride(2) * 4, ks, lo.data_ptr(),
+                            hi.data_ptr(), ds, b, h, d, n0 // page, int(n0 % page == 0))
+    return True
 
 
 def page_select_ok(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> bool:

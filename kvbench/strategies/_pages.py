@@ -110,6 +110,11 @@ class Digests:
             pages, self.kind)
 
     def update(self, k: torch.Tensor, n0: int, n1: int) -> None:
+        from kvbench.kernels import cpu
+
+        if n1 - n0 == 1 and self.kind == "minmax" and cpu.digest_token(
+                k, n0, self.lo, self.hi, self.page):  # a decode token: one native call
+            return
         s = self.page
         first, last = n0 // s, -(-n1 // s)
         full_end = min(last, n1 // s)  # pages wholly below n1
@@ -221,10 +226,10 @@ def _native_selected(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: tor
 
     from kvbench.kernels import cpu
 
-    b, h, n = pos.shape
-    idx = pos.reshape(b * h, n).to(torch.int32)
-    return cpu.run(q, k, v, scale=q.shape[-1] ** -0.5, causal=False, q_start=0, idx=idx,
-                   lens=lens.reshape(b * h).to(torch.int32), heads=h)
+    i32 = torch.int32  # the native selection's already (no op then)
+    return cpu.run(q, k, v, scale=q.shape[-1] ** -0.5, causal=False, q_start=0,
+                   idx=pos if pos.dtype == i32 else pos.to(i32),
+                   lens=lens if lens.dtype == i32 else lens.to(i32), heads=pos.shape[1])
 
 
 def _torch_selected(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,

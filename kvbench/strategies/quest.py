@@ -188,7 +188,9 @@ class Quest(Strategy):
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
         n0 = self.length[layer]
         n1 = n0 + k.shape[2]
-        self.k[layer][:, :, n0:n1], self.v[layer][:, :, n0:n1] = k, v
+        # narrow: one op each (indexing dispatched a slice and an alias per view here)
+        self.k[layer].narrow(2, n0, n1 - n0).copy_(k)
+        self.v[layer].narrow(2, n0, n1 - n0).copy_(v)
         self.dig[layer].update(self.k[layer], n0, n1)
         self.length[layer] = n1
         return n1
@@ -213,7 +215,7 @@ class Quest(Strategy):
 
         p = self.p
         n = self._write(layer, k, v)
-        kc, vc = self.k[layer][:, :, :n], self.v[layer][:, :, :n]
+        kc, vc = self.k[layer].narrow(2, 0, n), self.v[layer].narrow(2, 0, n)
         n_pages, k_pages = -(-n // p.page_size), p.pages(n)
         counters = self.ctx.counters
         if layer < p.dense_layers or k_pages >= n_pages:
@@ -223,7 +225,7 @@ class Quest(Strategy):
             return out
         dig = self.dig[layer]
         per, sinks, window = p.rule()
-        lo, hi = dig.lo[:, :, :n_pages], dig.hi[:, :, :n_pages]
+        lo, hi = dig.lo.narrow(2, 0, n_pages), dig.hi.narrow(2, 0, n_pages)
         with counters.timed("bookkeeping.select"):
             if cpu.page_select_ok(q, lo, hi):  # one native call, as the three below
                 pos, lens = cpu.page_select(q, lo, hi, n_pages, k_pages, sinks, window, per,
