@@ -150,6 +150,21 @@ def device(request: pytest.FixtureRequest) -> torch.device:
     return torch.device(request.param)
 
 
+@pytest.fixture(params=["portable", "avx2"])
+def isa(request: pytest.FixtureRequest) -> Any:
+    """kvb_gemv's loops (probes/gemv.c, also the native decoder layer's) forced to one set
+    (avx2 only where the CPU has it), restored after."""
+    from kvbench.kernels import cpu
+
+    so = cpu._lib()
+    if so is None:
+        pytest.skip("native library not built")
+    before = so.kvb_gemv_isa(-1)
+    so.kvb_gemv_isa(1 if request.param == "avx2" else 0)
+    yield request.param
+    so.kvb_gemv_isa(before)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if cuda_available():
         return

@@ -16,18 +16,6 @@ from kvbench.models.linear import Linear, matmul, packed  # noqa: E402
 needs_native = pytest.mark.skipif(cpu._lib() is None, reason="native library not built")
 
 
-@pytest.fixture(params=["portable", "avx2"])
-def isa(request: pytest.FixtureRequest):
-    """kvb_gemv's loops forced to one set (avx2 only where the CPU has it), restored after."""
-    so = cpu._lib()
-    if so is None:
-        pytest.skip("native library not built")
-    before = so.kvb_gemv_isa(-1)
-    so.kvb_gemv_isa(1 if request.param == "avx2" else 0)
-    yield request.param
-    so.kvb_gemv_isa(before)
-
-
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8])
 @pytest.mark.parametrize(("n", "k"), [(7, 16), (13, 20), (29, 40), (200, 64), (1031, 576)])
 @pytest.mark.parametrize("threads", [1, 3])

@@ -1,7 +1,8 @@
 """A Llama layer's decode in two native calls (probes/layer.c through kvbench.kernels.layer)
 against the module path on the same weights and input: what the strategy is handed (h, q,
 k, v) and the layer's output, float32 to 1e-5, on the bundled model's shape and odd ones
-(head dims, groups, the matmuls' scalar tails), every batch it takes, one and two threads;
+(head dims, groups, the matmuls' scalar tails), every batch it takes, one and two threads,
+both instruction sets of the matmul loops (their residual-accumulating rows too);
 where the decoder takes it; and the ops it dispatches."""
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def _model(spec: ModelSpec, batch: int, seed: int) -> tuple[Any, list[dict[str, 
 
 
 SHAPES = [  # (heads, kv heads, hidden, ffn): SmolLM2-135M's, and odd widths and groups
+    # (a width that is not a multiple of 8 takes gemv's portable loop under either isa)
     (9, 3, 576, 1536),
     (4, 2, 40, 36),
     (6, 6, 72, 100),
@@ -61,7 +63,7 @@ SHAPES = [  # (heads, kv heads, hidden, ffn): SmolLM2-135M's, and odd widths and
 @pytest.mark.parametrize("batch", [1, 3, native_layer.MAX_ROWS])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_native_layer_equals_the_module_path(shape: tuple[int, int, int, int], batch: int,
-                                             threads: int) -> None:
+                                             threads: int, isa: str) -> None:
     heads, kv, hidden, ffn = shape
     spec = ModelSpec("t", "llama", 2, heads, kv, hidden, ffn, 50, 64, rope_theta=1e4)
     before = torch.get_num_threads()
