@@ -11,7 +11,7 @@ from pathlib import Path
 from kvbench.errors import KvbenchError
 from kvbench.memory import llc_bytes
 
-ABI_VERSION = 11  # kvb_abi_version() of probes/native.c: bump both when an interface changes
+ABI_VERSION = 12  # kvb_abi_version() of probes/native.c: bump both when an interface changes
 
 
 class CopyJob(ctypes.Structure):
@@ -90,8 +90,8 @@ def lib() -> ctypes.CDLL:
     i64, vp, i64p = ctypes.c_int64, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64)
     so.kvb_attn.restype = ctypes.c_int  # probes/attn.c
     so.kvb_attn.argtypes = [ctypes.c_int, vp, vp, vp, vp, vp, i64, i64, i64, i64, i64, i64,
-                            i64p, i64p, vp, vp, vp, i64, i64, ctypes.c_float, ctypes.c_int, i64,
-                            i64, ctypes.c_int]
+                            i64p, i64p, vp, vp, vp, i64, i64, i64, i64, ctypes.c_float,
+                            ctypes.c_int, i64, i64, ctypes.c_int]
     so.kvb_attn_isa.restype = ctypes.c_int
     so.kvb_attn_isa.argtypes = [ctypes.c_int]
     so.kvb_attn_prefetch_from.restype = i64

@@ -2,7 +2,8 @@
  *
  * One call computes, for every (batch, KV head) row, the attention of that KV head's
  * G = Hq / Hkv query heads times Lq queries over either all Lk positions (dense) or the
- * row's own list of selected positions (sparse: idx [rows, nmax] int32, lens [rows]).
+ * row's own list of selected positions (sparse: idx [rows, nmax] int32, rows ldi apart,
+ * lens [rows]).
  * A sparse call may also give each selection to fewer query heads: rows are then
  * (batch, Hs heads) with Hkv | Hs | Hq, row (b, s) holding query heads s*Hq/Hs.. of KV head
  * s*Hq/Hs / G (Hs = Hq: one list per query head, Quest's per-head top-k under GQA).
@@ -69,6 +70,7 @@ typedef struct {
     const isa_t *isa;     /* the inner loops (attn_loops.c) */
     int64_t next;         /* shared task counter */
     int failed;
+    int64_t ldi, ldk;     /* row strides of idx and keep (a view of wider buffers: no copy) */
 } job_t;
 
 static int g_isa = -1; /* -1: not chosen yet, 0: portable, 1: AVX2/FMA */
@@ -105,7 +107,7 @@ static inline void row_ptrs(const job_t *j, const void *base, int64_t off, int64
 static void do_range(job_t *j, const isa_t *isa, work_t *w, int64_t r, int64_t k0, int64_t k1) {
     const int64_t D = j->D, G = j->Hq / j->Hs, Lq = j->Lq, nr = G * Lq; /* G: heads of a row */
     const int64_t b = r / j->Hs, h0 = r % j->Hs * G, hk = h0 / (j->Hq / j->Hkv);
-    const int32_t *idx = j->idx ? j->idx + r * j->nmax : NULL;
+    const int32_t *idx = j->idx ? j->idx + r * j->ldi : NULL;
     const int64_t kb = b * j->ks[0] + hk * j->ks[1], vb = b * j->vs[0] + hk * j->vs[1];
     for (int64_t t = 0; t < nr; t++) { /* t = g * Lq + i: query head h0+g, query i */
         const int64_t qoff = ((b * j->Hq + h0) * Lq + t) * D;
@@ -143,7 +145,7 @@ static void do_range(job_t *j, const isa_t *isa, work_t *w, int64_t r, int64_t k
             for (int64_t jj = 0; mask && jj < nb; jj++)
                 if (pos[jj] > limit) s[jj] = -INFINITY;
             if (j->keep) { /* the query head's own subset of the row's selected keys */
-                const uint8_t *kt = j->keep + (b * j->Hq + h0 + t / Lq) * j->nmax + j0;
+                const uint8_t *kt = j->keep + (b * j->Hq + h0 + t / Lq) * j->ldk + j0;
                 for (int64_t jj = 0; jj < nb; jj++)
                     if (!kt[jj]) s[jj] = -INFINITY;
             }
@@ -257,9 +259,10 @@ static void merge_row(job_t *j, int64_t r) {
 
 /* Returns 0, -1 when a buffer could not be had (outputs then undefined), or -2 when Hs does
  * not fit (Hkv | Hs | Hq, Hs = Hkv when dense) or `keep` comes without a selection. keep
- * (optional, sparse only) [B * Hq, nmax] bytes: query head h of sequence b attends the j-th
- * selected key of its row only where keep[(b * Hq + h) * nmax + j] is non-zero (HGCA's
- * per-head selections over the union a KV head's copy holds: one pass for the group).
+ * (optional, sparse only) [B * Hq, nmax] bytes, rows ldk apart: query head h of sequence b
+ * attends the j-th selected key of its row only where keep[(b * Hq + h) * ldk + j] is
+ * non-zero (HGCA's per-head selections over the union a KV head's copy holds: one pass for
+ * the group). idx rows are ldi apart: both may be the first nmax columns of wider buffers.
  *
  * The tasks run in an OpenMP parallel region: the library links the OpenMP runtime that torch
  * has already loaded (kvbench.native loads torch first), so the kernel's threads are torch's
@@ -268,13 +271,13 @@ static void merge_row(job_t *j, int64_t r) {
 int kvb_attn(int dtype, const void *q, const void *k, const void *v, void *out, float *lse,
              int64_t B, int64_t Hq, int64_t Hkv, int64_t Lq, int64_t Lk, int64_t D,
              const int64_t *kstrides, const int64_t *vstrides, const int32_t *idx,
-             const int32_t *lens, const uint8_t *keep, int64_t nmax, int64_t Hs, float scale,
-             int causal, int64_t q_start, int64_t group, int threads) {
+             const int32_t *lens, const uint8_t *keep, int64_t nmax, int64_t ldi, int64_t ldk,
+             int64_t Hs, float scale, int causal, int64_t q_start, int64_t group, int threads) {
     if (Hs < 1 || Hs % Hkv || Hq % Hs || (!idx && (Hs != Hkv || keep))) return -2;
     job_t job, *j = &job;
     *j = (job_t){dtype, q, k, v, out, lse, B, Hq, Hkv, Lq, Lk, D, kstrides, vstrides, idx, lens,
                  keep, nmax, Hs, scale, causal, q_start, group < 1 ? 1 : group, 0, 1, 0, 0, NULL,
-                 kvb_attn_loops(dtype, D, kvb_attn_isa(-1)), 0, 0};
+                 kvb_attn_loops(dtype, D, kvb_attn_isa(-1)), 0, 0, ldi, ldk};
     const int64_t rows = B * Hs, n = idx ? nmax : Lk, esz = dtype ? 2 : 4;
     j->prefetch = D * esz <= 256 && 2 * rows * Lk * D * esz >= g_prefetch_from;
     int nt = threads < 1 ? 1 : threads > 256 ? 256 : threads;

@@ -9,7 +9,7 @@
 #include <string.h>
 #include <time.h>
 
-int kvb_abi_version(void) { return 11; }
+int kvb_abi_version(void) { return 12; }
 
 static inline uint64_t now_ns(void) {
     struct timespec ts;

@@ -134,7 +134,8 @@ def test_keep_narrows_a_group_selection_per_query_head(path, dtype, monkeypatch)
     """keep [B, Hq, N] (HGCA's per-head top-k over a KV head's union): each query head
     attends only its own subset of its KV head's selected keys, exactly attention over that
     subset; a head whose subset is empty has no keys (lse -inf); padding past a row's length
-    is never attended whatever keep says there."""
+    is never attended whatever keep says there; idx and keep may be column views of wider
+    buffers."""
     from kvbench.kernels import cpu
 
     if path == "torch":
@@ -163,3 +164,17 @@ def test_keep_narrows_a_group_selection_per_query_head(path, dtype, monkeypatch)
     assert bool(torch.isneginf(lse[0, 4]).all()) and not bool(torch.isneginf(lse[0, 3]).any())
     with pytest.raises(KvbenchError, match="keep must be bool"):
         sparse_attention(q, k, v, sel, keep=keep[:, :, 1:])
+    # the same selection and mask as the first n columns of wider buffers (hgca's KV_ctx
+    # tables) with garbage past them: the same result, and on the native kernel no copy
+    from kvbench.kernels.sparse import Selection
+    from kvbench.runtime.opcount import Counting
+
+    wide_idx = torch.full((sel.idx.shape[0], n + 5), 10**6, dtype=torch.int32)
+    wide_idx[:, :n] = sel.idx
+    wide_keep = torch.ones(b, hq, n + 5, dtype=torch.bool)
+    wide_keep[:, :, :n] = keep
+    views = Selection(wide_idx[:, :n], sel.lens, sel.lk)
+    with native_isa("portable" if path == "native-portable" else "avx2"), Counting() as c:
+        got, got_lse = sparse_attention(q, k, v, views, causal=False, keep=wide_keep[:, :, :n])
+    assert torch.equal(got, out) and torch.equal(got_lse, lse)
+    assert path == "torch" or "aten.contiguous" not in c.by_op

@@ -144,26 +144,43 @@ def run(
     rows = b * hs
     ks = (ctypes.c_int64 * 3)(*k.stride()[:3])
     vs = (ctypes.c_int64 * 3)(*v.stride()[:3])
-    nmax = 0
+    nmax = ldi = ldk = 0
     if idx is not None:  # [rows, N] or [B, heads, N]; lens [rows] or [B, heads]
         assert lens is not None and idx.dtype == torch.int32
         nmax = idx.shape[-1]
         assert idx.numel() == rows * nmax and lens.numel() == rows
-        idx = idx if idx.is_contiguous() else idx.contiguous()
+        idx, ldi = _row_major(idx)
         if lens.dtype != torch.int32 or not lens.is_contiguous():
             lens = lens.to(torch.int32).contiguous()
     if keep is not None:
         assert idx is not None and keep.shape == (b, hq, nmax) and keep.dtype == torch.bool
-        keep = keep.contiguous()
+        keep, ldk = _row_major(keep)
     rc = so.kvb_attn(0 if q.dtype == torch.float32 else 1, q.data_ptr(), k.data_ptr(),
                      v.data_ptr(), out.data_ptr(), lse.data_ptr(), b, hq, hkv, lq, lk, d, ks, vs,
                      None if idx is None else idx.data_ptr(),
                      None if lens is None else lens.data_ptr(),
-                     None if keep is None else keep.data_ptr(), nmax, hs, scale, int(causal),
-                     q_start, group or group_size(rows, nt), nt)
+                     None if keep is None else keep.data_ptr(), nmax, ldi, ldk, hs, scale,
+                     int(causal), q_start, group or group_size(rows, nt), nt)
     if rc != 0:
         raise KvbenchError("native attention kernel could not allocate its work buffers")
     return out, lse
+
+
+def _row_major(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(t, the elements between its rows) for t [..., N] whose rows lie evenly spaced with a
+    contiguous last dimension (e.g. the first N columns of a wider buffer: no copy), else
+    (a contiguous copy, N)."""
+    if t.dim() >= 2 and t.stride(-1) == 1:
+        ld, step = t.stride(-2), t.stride(-2)
+        for i in range(t.dim() - 2, 0, -1):
+            step *= t.shape[i]
+            if t.shape[i - 1] > 1 and t.stride(i - 1) != step:
+                break
+        else:
+            if ld >= t.shape[-1]:
+                return t, ld
+    t = t.contiguous()
+    return t, t.shape[-1]
 
 
 MAX_GEMV_ROWS = 8  # activation rows probes/gemv.c takes per call
