@@ -38,6 +38,16 @@ static void share(const gemv_t *g) {
     kvb_gemv_range(g, n0, n1);
 }
 
+/* Inside a parallel region: h = RMSNorm(x) [B, H] on one thread, then every thread's share
+ * of g (which reads h), all of it done when the threads leave. */
+static void norm_then(const float *x, const float *nw, float eps, float *h, int64_t B,
+                      int64_t H, const gemv_t *g) {
+#pragma omp single
+    kvb_rmsnorm(x, nw, h, B, H, eps);
+    share(g);
+#pragma omp barrier
+}
+
 /* Returns 0, -1 when the scratch buffer could not be had, -2 when B is outside 1..MAX_B.
  * cos/sin: the RoPE tables' row of this position [D]; perm [D] (kvbench.models.decoder's
  * rope_tables). */
@@ -52,10 +62,7 @@ int kvb_llama_pre(const float *x, const float *nw, float eps, const float *wqkv,
     const gemv_t g = {wqkv, h, qkv, N, H, B, H, 0};
 #pragma omp parallel num_threads(threads < 1 ? 1 : threads)
     {
-#pragma omp single
-        kvb_rmsnorm(x, nw, h, B, H, eps);
-        share(&g);
-#pragma omp barrier
+        norm_then(x, nw, eps, h, B, H, &g);
 #pragma omp for
         for (int64_t r = 0; r < B * heads; r++) {
             const int64_t b = r / heads, j = r % heads;
@@ -87,10 +94,7 @@ int kvb_llama_post(float *x, const float *a, const float *wo, const float *nw, f
     {
         share(&o);
 #pragma omp barrier
-#pragma omp single
-        kvb_rmsnorm(x, nw, h, B, H, eps);
-        share(&up);
-#pragma omp barrier
+        norm_then(x, nw, eps, h, B, H, &up);
 #pragma omp for
         for (int64_t r = 0; r < B * F; r++) {
             const float gv = gu[r / F * 2 * F + r % F], uv = gu[r / F * 2 * F + F + r % F];
