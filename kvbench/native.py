@@ -11,7 +11,7 @@ from pathlib import Path
 from kvbench.errors import KvbenchError
 from kvbench.memory import llc_bytes
 
-ABI_VERSION = 12  # kvb_abi_version() of probes/native.c: bump both when an interface changes
+ABI_VERSION = 13  # kvb_abi_version() of probes/native.c: bump both when an interface changes
 
 
 class CopyJob(ctypes.Structure):
@@ -71,6 +71,8 @@ def lib() -> ctypes.CDLL:
     if so.kvb_abi_version() != ABI_VERSION:
         raise KvbenchError("native probes are stale: rebuild with `pip install -e .`")
     so.kvb_now_ns.restype = ctypes.c_uint64
+    so.kvb_omp_threads.restype = ctypes.c_int
+    so.kvb_omp_threads.argtypes = [ctypes.c_int]
     so.kvb_memcpy_loop.restype = ctypes.c_uint64
     so.kvb_memcpy_loop.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
                                    ctypes.c_size_t]

@@ -9,7 +9,22 @@
 #include <string.h>
 #include <time.h>
 
-int kvb_abi_version(void) { return 12; }
+int kvb_abi_version(void) { return 13; }
+
+/* The calling thread's OpenMP team size for regions without a num_threads clause (torch's
+ * CPU ops): n >= 1 sets it, and libgomp keeps it per thread, so a helper thread can take 1
+ * without touching the caller's; returns the size now in effect (1 without OpenMP). */
+int kvb_omp_threads(int n) {
+#ifdef _OPENMP
+    extern void omp_set_num_threads(int);
+    extern int omp_get_max_threads(void);
+    if (n >= 1) omp_set_num_threads(n);
+    return omp_get_max_threads();
+#else
+    (void)n;
+    return 1;
+#endif
+}
 
 static inline uint64_t now_ns(void) {
     struct timespec ts;

@@ -102,3 +102,24 @@ def test_each_decode_step_files_its_window_host_part_and_eviction(variant: str, 
         # the KV_ctx entries the step saw (the step's own eviction adds newer positions)
         seen = sum(int((L.cpos[r, :int(L.lens[r])] < nh).sum()) for r in range(L.lens.numel()))
         assert int(mask[:, :, :nh].sum()) == seen * (HQ // (L.lens.numel() // B))
+
+
+def test_the_cpu_worker_runs_on_itself_alone() -> None:
+    """On a CPU-only run the selection worker's torch ops and native calls take one thread
+    (kvbench.kernels.cpu.helper_thread): a worker opening two-thread OpenMP regions put more
+    OpenMP threads than CPUs in the process and slowed every native call of the caller. The
+    caller keeps its own team size."""
+    from kvbench.kernels import cpu
+    from kvbench.native import lib
+
+    if cpu._lib() is None:
+        pytest.skip("native library not built")
+    model = load(SPEC, "random", 4, torch.float32, CPU, seed=7).model
+    c = Counters(HKV, 4, False, 4)
+    ctx = RunContext(SPEC, 4, B, 40, torch.float32, CPU, CPU, c, model)
+    s = Hgca(HgcaParams(gpu_tokens=W, block=BLOCK), ctx)
+    mine = lib().kvb_omp_threads(0)
+    seen = s.worker.submit(lambda: (lib().kvb_omp_threads(0), cpu.default_threads())).result()
+    assert seen == (1, 1)
+    assert lib().kvb_omp_threads(0) == mine and cpu.default_threads() >= 1
+    s.worker.shutdown()

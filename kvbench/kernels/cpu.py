@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
@@ -70,9 +71,29 @@ def prefetch_from(nbytes: int | None = None) -> int | None:
     return int(so.kvb_attn_prefetch_from(-1 if nbytes is None else nbytes))
 
 
+_local = threading.local()  # `threads`: set in a helper thread (`helper_thread`)
+
+
 def default_threads() -> int:
-    """Threads for CPU attention: the CPUs this process may run on."""
-    return len(os.sched_getaffinity(0))
+    """Threads for CPU attention: the CPUs this process may run on (1 in a helper thread)."""
+    return getattr(_local, "threads", 0) or len(os.sched_getaffinity(0))
+
+
+def helper_thread() -> None:
+    """Initializer of a strategy's helper thread on a CPU-only run (a ThreadPoolExecutor's
+    `initializer`): its torch ops and native calls run on the thread alone. A second thread
+    that opens OpenMP regions of two threads puts more OpenMP threads than CPUs in the
+    process, and libgomp then stops spinning at its barriers for every region, the caller's
+    too: on the 2-core VM an idle hgca worker that had selected once slowed the decoder
+    layers' native calls of the main thread by 25-100% (2026-11-27, call by call); with
+    this, as without the worker."""
+    import torch
+
+    torch.get_num_threads()  # torch's per-thread set-up, which would reset the team size
+    so = _lib()
+    if so is not None:
+        so.kvb_omp_threads(1)
+    _local.threads = 1
 
 
 def group_size(rows: int, threads: int) -> int:

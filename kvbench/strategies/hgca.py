@@ -179,6 +179,8 @@ class Hgca(Strategy):
     def __init__(self, params: HgcaParams, ctx: RunContext) -> None:
         import torch
 
+        from kvbench.kernels import cpu
+
         params, _ = self.for_run(params, ctx.max_len)
         super().__init__(params, ctx)
         self.authors = params.variant == "authors"
@@ -192,7 +194,9 @@ class Hgca(Strategy):
         # twice over, and every row's length for each count of resident slots
         self.ring_idx = torch.arange(self.w, dtype=torch.int32).repeat(rows_kv, 2)
         self.ring_lens = torch.arange(self.w + 1, dtype=torch.int32)[:, None].repeat(1, rows_kv)
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hgca-select")
+        self.worker = ThreadPoolExecutor(  # CPU-only: the worker's ops on itself alone
+            max_workers=1, thread_name_prefix="hgca-select",
+            initializer=None if ctx.accel.type == "cuda" else cpu.helper_thread)
         self.stream = torch.cuda.Stream(ctx.accel) if ctx.accel.type == "cuda" else None
         self.scale = ctx.spec.head_dim ** -0.5
 
