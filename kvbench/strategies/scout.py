@@ -62,6 +62,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from kvbench.errors import require
+from kvbench.kernels import cpu
 from kvbench.paths import check_out
 from kvbench.runtime.breakdown import Metric
 from kvbench.strategies import STRATEGIES, Strategy, position_mask
@@ -245,7 +246,9 @@ class Scout(Strategy):
         self.length = [0] * L
         self.win = [0] * L  # blocks below the window (full, resident or host-only)
         self.step = 0
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scout-host")
+        self.worker = ThreadPoolExecutor(  # CPU-only: the host part on its thread alone
+            max_workers=1, thread_name_prefix="scout-host",
+            initializer=None if pin else cpu.helper_thread)
         self.stream = torch.cuda.Stream(ctx.accel) if pin else None
         # layer -> (selected blocks [B, H, K], host job or None, predicted query or None)
         self.pending: dict[int, tuple[torch.Tensor, Future | None, torch.Tensor | None]] = {}
