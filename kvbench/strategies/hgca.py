@@ -39,8 +39,10 @@ side stream, the selection on the worker. On a CPU-only machine the accelerator 
 the calling thread, so it updates the MAW and copies the evicted block itself (cheap:
 one [Hq, W] softmax and a block memcpy) and only the selection goes to the worker; a
 second Python thread doing small tensor work beside the attention would only fight the
-caller for the interpreter lock and the two cores. Each layer joins its worker jobs at
-its next step.
+caller for the interpreter lock and the two cores. The worker's ops there run on its own
+thread alone (kvbench.kernels.cpu.helper_thread: the paper's single host worker thread;
+with two-thread OpenMP regions of its own it slowed the caller's every native call). Each
+layer joins its worker jobs at its next step.
 
 Counters: attended accel (window) and host (mean selected entries per row; the bytes
 read are the KV heads' KV_ctx copies, the union of their rows' entries); moved d2h
