@@ -191,17 +191,16 @@ def _row_major(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(t, the elements between its rows) for t [..., N] whose rows lie evenly spaced with a
     contiguous last dimension (e.g. the first N columns of a wider buffer: no copy), else
     (a contiguous copy, N)."""
-    if t.dim() >= 2 and t.stride(-1) == 1:
-        ld, step = t.stride(-2), t.stride(-2)
-        for i in range(t.dim() - 2, 0, -1):
-            step *= t.shape[i]
-            if t.shape[i - 1] > 1 and t.stride(i - 1) != step:
-                break
-        else:
-            if ld >= t.shape[-1]:
-                return t, ld
+    n, ld, lead = t.shape[-1], t.stride(-2), t.shape[:-1]
+    # row (i0, i1, ...) at ld times its flat index: each leading dimension's stride is ld
+    # times the rows below it (a dimension of size 1 has no stride to keep)
+    below = [math.prod(lead[i + 1:]) for i in range(len(lead))]
+    if t.stride(-1) == 1 and ld >= n and all(
+            size == 1 or stride == ld * rows
+            for size, stride, rows in zip(lead, t.stride()[:-1], below, strict=True)):
+        return t, ld
     t = t.contiguous()
-    return t, t.shape[-1]
+    return t, n
 
 
 MAX_GEMV_ROWS = 8  # activation rows probes/gemv.c takes per call
@@ -317,7 +316,7 @@ def digest_token(k: torch.Tensor, n0: int, lo: torch.Tensor, hi: torch.Tensor,
     b, h, _, d = k.shape
     ks = (ctypes.c_int64 * 2)(*k.stride()[:2])
     ds = (ctypes.c_int64 * 3)(*lo.stride()[:3])
-    _lib().kvb_digest_token(k.data_ptr() + n0 * k.stride(2) * 4, ks, lo.data_ptr(),
+    _lib().kvb_digest_token(k.data_ptr() + n0 * k.stride(2) * k.element_size(), ks, lo.data_ptr(),
                             hi.data_ptr(), ds, b, h, d, n0 // page, int(n0 % page == 0))
     return True
 

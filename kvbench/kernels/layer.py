@@ -65,7 +65,7 @@ def pre(layer: LlamaLayer, x: torch.Tensor,
     q = torch.empty(b, attn.hq, 1, d)
     k = torch.empty(b, attn.hkv, 1, d)
     v = torch.empty(b, attn.hkv, 1, d)
-    row = start * d * cos.element_size()  # the tables are [max_len, 1, D] contiguous
+    row = start * cos.stride(0) * cos.element_size()  # position `start`'s row of [max_len, 1, D]
     _check(_lib().kvb_llama_pre(
         x.data_ptr(), norm.weight.data_ptr(), norm.eps, attn.qkv_proj.weight.data_ptr(),
         cos.data_ptr() + row, sin.data_ptr() + row, perm.data_ptr(), h.data_ptr(),

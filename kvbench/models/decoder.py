@@ -191,7 +191,8 @@ class Decoder(nn.Module):
     def pack(self, batch: int) -> None:
         """Lay every `Linear` out for `batch` rows, and a copy of a tied head's weight (the
         embedding keeps its rows for lookups). Layouts that copy the weights are skipped
-        unless twice the weights' bytes are free (a large model keeps `F.linear`)."""
+        unless twice the weights' bytes are free (a large model keeps `F.linear`). Decide
+        whether decode rows take the native layers (`native_layers`)."""
         import psutil
 
         size = sum(p.numel() * p.element_size() for p in self.parameters())
@@ -202,7 +203,7 @@ class Decoder(nn.Module):
         tied = self.tied()
         self._head = None if tied is None or not spare else packed(tied, batch, spare)
         self._batch = batch
-        self.native_layers = batch <= native_layer.MAX_ROWS and all(
+        self.native_layers = batch <= native_layer.MAX_ROWS and self._rope is not None and all(
             isinstance(x, LlamaLayer) and native_layer.ok(x) for x in self.layers)
 
     def forward(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
@@ -315,7 +316,7 @@ class LlamaLayer(nn.Module):
         return self.self_attn
 
     def forward(self, x: torch.Tensor, i: int, m: Decoder, start: int) -> torch.Tensor:
-        if m.native_layers and x.shape[1] == 1 and m._rope is not None:
+        if m.native_layers and x.shape[1] == 1:
             return self.decode_native(x, i, m, start)
         h = self.input_layernorm(x)
         m.strategy.layer_input(i, h)

@@ -226,10 +226,9 @@ def _native_selected(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: tor
 
     from kvbench.kernels import cpu
 
-    i32 = torch.int32  # the native selection's already (no op then)
-    return cpu.run(q, k, v, scale=q.shape[-1] ** -0.5, causal=False, q_start=0,
-                   idx=pos if pos.dtype == i32 else pos.to(i32),
-                   lens=lens if lens.dtype == i32 else lens.to(i32), heads=pos.shape[1])
+    idx = pos if pos.dtype == torch.int32 else pos.to(torch.int32)  # native selection: as is
+    return cpu.run(q, k, v, scale=q.shape[-1] ** -0.5, causal=False, q_start=0, idx=idx,
+                   lens=lens, heads=pos.shape[1])
 
 
 def _torch_selected(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
