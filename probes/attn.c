@@ -51,27 +51,6 @@
 #define SPLIT_ROWS 8  /* below this many rows per thread, rows are split along the keys */
 #define MIN_CHUNK 256 /* fewest keys per split chunk */
 
-typedef struct {
-    int dtype;
-    const void *q, *k, *v;
-    void *out;
-    float *lse;
-    int64_t B, Hq, Hkv, Lq, Lk, D;
-    const int64_t *ks, *vs;
-    const int32_t *idx, *lens;
-    const uint8_t *keep; /* sparse, optional: [B * Hq, nmax], 0 where a query head skips a key */
-    int64_t nmax, Hs; /* Hs: selection rows per sequence (Hkv, or up to Hq when sparse) */
-    float scale;
-    int causal;
-    int64_t q_start, group, ntasks;
-    int64_t split, chunk; /* chunks per row (1: none) and keys per chunk */
-    int prefetch;         /* dense rows fetched to L2 ahead of use (see the top) */
-    float *part;          /* split > 1: per (row, chunk, query) [m, l, acc[D]] */
-    const isa_t *isa;     /* the inner loops (attn_loops.c) */
-    int64_t next;         /* shared task counter */
-    int failed;
-    int64_t ldi, ldk;     /* row strides of idx and keep (a view of wider buffers: no copy) */
-} job_t;
 
 static int g_isa = -1; /* -1: not chosen yet, 0: portable, 1: AVX2/FMA */
 static int64_t g_prefetch_from = (int64_t)16 << 20; /* KV bytes: half a 32 MiB LLC */
@@ -96,7 +75,7 @@ typedef struct {
 } work_t;
 
 /* Pointers to rows pos[0..nb) of k or v (element offset off, row stride `stride`). */
-static inline void row_ptrs(const job_t *j, const void *base, int64_t off, int64_t stride,
+static inline void row_ptrs(const kvb_attn_job_t *j, const void *base, int64_t off, int64_t stride,
                             const int32_t *pos, int64_t nb, const void **ptr) {
     const int64_t esz = j->dtype == 0 ? 4 : 2;
     for (int64_t i = 0; i < nb; i++) ptr[i] = (const char *)base + (off + pos[i] * stride) * esz;
@@ -104,7 +83,7 @@ static inline void row_ptrs(const job_t *j, const void *base, int64_t off, int64
 
 /* Attention of row r's G*Lq queries over its keys [k0, k1): leaves the running max m, sum l
  * and unnormalised accumulator acc (nr x D, in the isa's order) in w. */
-static void do_range(job_t *j, const isa_t *isa, work_t *w, int64_t r, int64_t k0, int64_t k1) {
+static void do_range(kvb_attn_job_t *j, const isa_t *isa, work_t *w, int64_t r, int64_t k0, int64_t k1) {
     const int64_t D = j->D, G = j->Hq / j->Hs, Lq = j->Lq, nr = G * Lq; /* G: heads of a row */
     const int64_t b = r / j->Hs, h0 = r % j->Hs * G, hk = h0 / (j->Hq / j->Hkv);
     const int32_t *idx = j->idx ? j->idx + r * j->ldi : NULL;
@@ -165,7 +144,7 @@ static void do_range(job_t *j, const isa_t *isa, work_t *w, int64_t r, int64_t k
 
 /* Normalised output and lse of row r from (m, l, acc) of nr queries; query t's m and l at
  * t * stride, its accumulator at t * astride. */
-static void finish_row(job_t *j, int64_t r, const float *m, const float *l, const float *acc,
+static void finish_row(kvb_attn_job_t *j, int64_t r, const float *m, const float *l, const float *acc,
                        int64_t stride, int64_t astride) {
     const int64_t D = j->D, G = j->Hq / j->Hs, Lq = j->Lq, nr = G * Lq;
     const int64_t b = r / j->Hs, h0 = r % j->Hs * G;
@@ -187,7 +166,7 @@ static void finish_row(job_t *j, int64_t r, const float *m, const float *l, cons
 
 /* Take tasks from the shared counter until none is left (a thread that could not get its
  * work buffers still takes its tasks, marking the job failed). */
-static void run_tasks(job_t *j) {
+static void run_tasks(kvb_attn_job_t *j) {
     const int64_t nr = (j->Hq / j->Hs) * j->Lq, D = j->D;
     const isa_t *isa = j->isa;
     work_t w;
@@ -229,7 +208,7 @@ static void run_tasks(job_t *j) {
 
 /* Exact merge of row r's split partials (HGCA section 3.3's log-sum-exp merge) into chunk 0's
  * slot, then its output. */
-static void merge_row(job_t *j, int64_t r) {
+static void merge_row(kvb_attn_job_t *j, int64_t r) {
     const int64_t D = j->D, nr = (j->Hq / j->Hs) * j->Lq, S = j->split;
     float *p0 = j->part + r * S * nr * (D + 2);
     for (int64_t t = 0; t < nr; t++) {
@@ -257,6 +236,60 @@ static void merge_row(job_t *j, int64_t r) {
     finish_row(j, r, p0, p0 + 1, p0 + 2, D + 2, D + 2);
 }
 
+/* Sets up *j for one call (kvb_attn's arguments) on `threads` threads and returns 0, -1
+ * when a buffer could not be had or -2 when the arguments do not fit (see kvb_attn); on an
+ * error the job has no tasks, so kvb_attn_work does nothing. */
+int kvb_attn_plan(kvb_attn_job_t *j, int dtype, const void *q, const void *k, const void *v,
+                  void *out, float *lse, int64_t B, int64_t Hq, int64_t Hkv, int64_t Lq,
+                  int64_t Lk, int64_t D, const int64_t *kstrides, const int64_t *vstrides,
+                  const int32_t *idx, const int32_t *lens, const uint8_t *keep, int64_t nmax,
+                  int64_t ldi, int64_t ldk, int64_t Hs, float scale, int causal,
+                  int64_t q_start, int64_t group, int threads) {
+    *j = (kvb_attn_job_t){dtype, q, k, v, out, lse, B, Hq, Hkv, Lq, Lk, D, kstrides, vstrides,
+                          idx, lens, keep, nmax, Hs, scale, causal, q_start,
+                          group < 1 ? 1 : group, 0, 1, 0, 0, NULL,
+                          kvb_attn_loops(dtype, D, kvb_attn_isa(-1)), 0, 0, ldi, ldk};
+    if (Hs < 1 || Hs % Hkv || Hq % Hs || (!idx && (Hs != Hkv || keep))) return -2;
+    const int64_t rows = B * Hs, n = idx ? nmax : Lk, esz = dtype ? 2 : 4;
+    j->prefetch = D * esz <= 256 && 2 * rows * Lk * D * esz >= g_prefetch_from;
+    const int nt = threads < 1 ? 1 : threads > 256 ? 256 : threads;
+    if (nt > 1 && rows < SPLIT_ROWS * nt && n >= 2 * MIN_CHUNK) {
+        int64_t s = (SPLIT_ROWS * nt + rows - 1) / rows;
+        while ((rows * s) % nt) s++; /* equal chunks per thread */
+        const int64_t most = n / MIN_CHUNK;
+        j->split = s < most ? s : most;
+        j->chunk = (n + j->split - 1) / j->split;
+        j->chunk = (j->chunk + BLK - 1) / BLK * BLK;
+        j->split = (n + j->chunk - 1) / j->chunk;
+    }
+    if (j->split > 1) {
+        j->part = malloc(sizeof(float) * rows * j->split * (Hq / Hs) * Lq * (D + 2));
+        if (!j->part) return -1;
+        j->ntasks = rows * j->split;
+    } else {
+        j->ntasks = (rows + j->group - 1) / j->group;
+    }
+    return 0;
+}
+
+/* Every thread of a parallel region (or the caller alone, outside one): the job's tasks,
+ * then, split rows merged (a row per thread); all of it done when the threads leave. */
+void kvb_attn_work(kvb_attn_job_t *j) {
+    run_tasks(j);
+    if (j->split == 1) return;
+#pragma omp barrier
+#pragma omp for
+    for (int64_t r = 0; r < j->B * j->Hs; r++)
+        if (!j->failed) merge_row(j, r);
+}
+
+/* Releases the job's buffer; 0, or -1 when a thread could not get its work buffers. */
+int kvb_attn_end(kvb_attn_job_t *j) {
+    free(j->part);
+    j->part = NULL;
+    return j->failed ? -1 : 0;
+}
+
 /* Returns 0, -1 when a buffer could not be had (outputs then undefined), or -2 when Hs does
  * not fit (Hkv | Hs | Hq, Hs = Hkv when dense) or `keep` comes without a selection. keep
  * (optional, sparse only) [B * Hq, nmax] bytes, rows ldk apart: query head h of sequence b
@@ -273,35 +306,14 @@ int kvb_attn(int dtype, const void *q, const void *k, const void *v, void *out, 
              const int64_t *kstrides, const int64_t *vstrides, const int32_t *idx,
              const int32_t *lens, const uint8_t *keep, int64_t nmax, int64_t ldi, int64_t ldk,
              int64_t Hs, float scale, int causal, int64_t q_start, int64_t group, int threads) {
-    if (Hs < 1 || Hs % Hkv || Hq % Hs || (!idx && (Hs != Hkv || keep))) return -2;
-    job_t job, *j = &job;
-    *j = (job_t){dtype, q, k, v, out, lse, B, Hq, Hkv, Lq, Lk, D, kstrides, vstrides, idx, lens,
-                 keep, nmax, Hs, scale, causal, q_start, group < 1 ? 1 : group, 0, 1, 0, 0, NULL,
-                 kvb_attn_loops(dtype, D, kvb_attn_isa(-1)), 0, 0, ldi, ldk};
-    const int64_t rows = B * Hs, n = idx ? nmax : Lk, esz = dtype ? 2 : 4;
-    j->prefetch = D * esz <= 256 && 2 * rows * Lk * D * esz >= g_prefetch_from;
+    kvb_attn_job_t job;
+    const int rc = kvb_attn_plan(&job, dtype, q, k, v, out, lse, B, Hq, Hkv, Lq, Lk, D,
+                                 kstrides, vstrides, idx, lens, keep, nmax, ldi, ldk, Hs,
+                                 scale, causal, q_start, group, threads);
+    if (rc) return rc;
     int nt = threads < 1 ? 1 : threads > 256 ? 256 : threads;
-    if (nt > 1 && rows < SPLIT_ROWS * nt && n >= 2 * MIN_CHUNK) {
-        int64_t s = (SPLIT_ROWS * nt + rows - 1) / rows;
-        while ((rows * s) % nt) s++; /* equal chunks per thread */
-        const int64_t most = n / MIN_CHUNK;
-        j->split = s < most ? s : most;
-        j->chunk = (n + j->split - 1) / j->split;
-        j->chunk = (j->chunk + BLK - 1) / BLK * BLK;
-        j->split = (n + j->chunk - 1) / j->chunk;
-    }
-    if (j->split > 1) {
-        j->ntasks = rows * j->split;
-        j->part = malloc(sizeof(float) * j->ntasks * (Hq / Hs) * Lq * (D + 2));
-        if (!j->part) return -1;
-    } else {
-        j->ntasks = (rows + j->group - 1) / j->group;
-    }
-    if (nt > j->ntasks) nt = (int)j->ntasks;
+    if (nt > job.ntasks) nt = (int)job.ntasks;
 #pragma omp parallel num_threads(nt)
-    run_tasks(j);
-    if (j->split > 1 && !j->failed)
-        for (int64_t r = 0; r < rows; r++) merge_row(j, r);
-    free(j->part);
-    return j->failed ? -1 : 0;
+    kvb_attn_work(&job);
+    return kvb_attn_end(&job);
 }

@@ -28,6 +28,31 @@ typedef struct {
     int perm;
 } isa_t;
 
+/* One attention call (kvb_attn's arguments, its work split and shared task counter): set up
+ * by kvb_attn_plan on one thread, worked on by every thread of a parallel region
+ * (kvb_attn_work), released by kvb_attn_end. */
+typedef struct {
+    int dtype;
+    const void *q, *k, *v;
+    void *out;
+    float *lse;
+    int64_t B, Hq, Hkv, Lq, Lk, D;
+    const int64_t *ks, *vs;
+    const int32_t *idx, *lens;
+    const uint8_t *keep; /* sparse, optional: [B * Hq, nmax], 0 where a query head skips a key */
+    int64_t nmax, Hs; /* Hs: selection rows per sequence (Hkv, or up to Hq when sparse) */
+    float scale;
+    int causal;
+    int64_t q_start, group, ntasks;
+    int64_t split, chunk; /* chunks per row (1: none) and keys per chunk */
+    int prefetch;         /* dense rows fetched to L2 ahead of use (see the top) */
+    float *part;          /* split > 1: per (row, chunk, query) [m, l, acc[D]] */
+    const isa_t *isa;     /* the inner loops (attn_loops.c) */
+    int64_t next;         /* shared task counter */
+    int failed;
+    int64_t ldi, ldk;     /* row strides of idx and keep (a view of wider buffers: no copy) */
+} kvb_attn_job_t;
+
 /* Position of element i in the bfloat16 unpack order: unpacking 16 bfloat16 values (two
  * 128-bit lanes) against zero gives float32 elements 0-3, 8-11 then 4-7, 12-15, i.e. bits 2
  * and 3 of the index swapped (an involution). */
@@ -57,6 +82,16 @@ static inline float elem(const void *row, int64_t d, int bf16) {
 __attribute__((visibility("hidden"))) const isa_t *kvb_attn_loops(int dtype, int64_t D, int avx2);
 /* The inner loops in use (attn.c): want -1 reports them, 0 forces portable, 1 AVX2/FMA. */
 int kvb_attn_isa(int want);
+/* One call in three parts (attn.c; kvb_attn is plan, a region of work, end): a caller that
+ * is already inside a parallel region plans on one thread and works on all of them. */
+__attribute__((visibility("hidden"))) int kvb_attn_plan(
+    kvb_attn_job_t *j, int dtype, const void *q, const void *k, const void *v, void *out,
+    float *lse, int64_t B, int64_t Hq, int64_t Hkv, int64_t Lq, int64_t Lk, int64_t D,
+    const int64_t *kstrides, const int64_t *vstrides, const int32_t *idx, const int32_t *lens,
+    const uint8_t *keep, int64_t nmax, int64_t ldi, int64_t ldk, int64_t Hs, float scale,
+    int causal, int64_t q_start, int64_t group, int threads);
+__attribute__((visibility("hidden"))) void kvb_attn_work(kvb_attn_job_t *j);
+__attribute__((visibility("hidden"))) int kvb_attn_end(kvb_attn_job_t *j);
 /* Whether this CPU has AVX2 and FMA. */
 __attribute__((visibility("hidden"))) int kvb_attn_have_avx2(void);
 #endif

@@ -21,6 +21,20 @@ __attribute__((visibility("hidden"))) void kvb_gemv_range(const gemv_t *g, int64
 /* Thread t of T's share [*n0, *n1) of N rows: contiguous, one sequential stream each. */
 __attribute__((visibility("hidden"))) void kvb_gemv_share(int64_t N, int64_t t, int64_t T,
                                                           int64_t *n0, int64_t *n1);
+/* A Llama layer's halves inside a parallel region (layer.c; step.c runs a whole step). */
+__attribute__((visibility("hidden"))) void kvb_llama_pre_in(
+    const float *x, const float *nw, float eps, const float *wqkv, const float *cos,
+    const float *sin, const int64_t *perm, float *h, float *qkv, float *q, float *k,
+    const int64_t *ks, float *v, const int64_t *vs, int64_t B, int64_t H, int64_t Hq,
+    int64_t Hkv, int64_t D);
+__attribute__((visibility("hidden"))) void kvb_llama_post_in(
+    float *x, const float *a, const float *wo, const float *nw, float eps, const float *wgu,
+    const float *wd, float *scratch, int64_t B, int64_t H, int64_t A, int64_t F);
+/* Inside a parallel region: h = RMSNorm(x) on one thread, then every thread's share of g
+ * (which reads h); done when the threads leave (layer.c). */
+__attribute__((visibility("hidden"))) void kvb_norm_then(const float *x, const float *nw,
+                                                         float eps, float *h, int64_t B,
+                                                         int64_t H, const gemv_t *g);
 /* y[r] = w * x[r] / sqrt(mean(x[r]^2) + eps) for `rows` rows of `dim` floats (norm.c). */
 void kvb_rmsnorm(const float *x, const float *w, float *y, int64_t rows, int64_t dim,
                  float eps);

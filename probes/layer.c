@@ -38,13 +38,56 @@ static void share(const gemv_t *g) {
     kvb_gemv_range(g, n0, n1);
 }
 
-/* Inside a parallel region: h = RMSNorm(x) [B, H] on one thread, then every thread's share
- * of g (which reads h), all of it done when the threads leave. */
-static void norm_then(const float *x, const float *nw, float eps, float *h, int64_t B,
-                      int64_t H, const gemv_t *g) {
+/* decode.h says what it does. */
+void kvb_norm_then(const float *x, const float *nw, float eps, float *h, int64_t B, int64_t H,
+                   const gemv_t *g) {
 #pragma omp single
     kvb_rmsnorm(x, nw, h, B, H, eps);
     share(g);
+#pragma omp barrier
+}
+
+/* Inside a parallel region, pre's work (kvb_llama_pre) with qkv [B, N] scratch; the k and v
+ * rows of (sequence b, KV head j) go to k + b * ks[0] + j * ks[1] (likewise v): a buffer of
+ * their own or a cache's slot for this position (step.c). Done when the threads leave. */
+void kvb_llama_pre_in(const float *x, const float *nw, float eps, const float *wqkv,
+                      const float *cos, const float *sin, const int64_t *perm, float *h,
+                      float *qkv, float *q, float *k, const int64_t *ks, float *v,
+                      const int64_t *vs, int64_t B, int64_t H, int64_t Hq, int64_t Hkv,
+                      int64_t D) {
+    const int64_t heads = Hq + 2 * Hkv, N = heads * D;
+    const gemv_t g = {wqkv, h, qkv, N, H, B, H, 0};
+    kvb_norm_then(x, nw, eps, h, B, H, &g);
+#pragma omp for
+    for (int64_t r = 0; r < B * heads; r++) {
+        const int64_t b = r / heads, j = r % heads;
+        const float *s = qkv + b * N + j * D;
+        if (j >= Hq + Hkv) {
+            memcpy(v + b * vs[0] + (j - Hq - Hkv) * vs[1], s, sizeof(float) * D);
+            continue;
+        }
+        float *o = j < Hq ? q + (b * Hq + j) * D : k + b * ks[0] + (j - Hq) * ks[1];
+        for (int64_t d = 0; d < D; d++) o[d] = s[d] * cos[d] + s[perm[d]] * sin[d];
+    }
+}
+
+/* Inside a parallel region, post's work (kvb_llama_post) with scratch [B * (H + 3F)]
+ * floats; x is final when the threads leave. */
+void kvb_llama_post_in(float *x, const float *a, const float *wo, const float *nw, float eps,
+                       const float *wgu, const float *wd, float *scratch, int64_t B, int64_t H,
+                       int64_t A, int64_t F) {
+    float *h = scratch, *gu = h + B * H, *m = gu + B * 2 * F;
+    const gemv_t o = {wo, a, x, H, A, B, A, 1}, up = {wgu, h, gu, 2 * F, H, B, H, 0},
+                 down = {wd, m, x, H, F, B, F, 1};
+    share(&o);
+#pragma omp barrier
+    kvb_norm_then(x, nw, eps, h, B, H, &up);
+#pragma omp for
+    for (int64_t r = 0; r < B * F; r++) {
+        const float gv = gu[r / F * 2 * F + r % F], uv = gu[r / F * 2 * F + F + r % F];
+        m[r] = gv / (1.0f + expf(-gv)) * uv;
+    }
+    share(&down);
 #pragma omp barrier
 }
 
@@ -56,25 +99,12 @@ int kvb_llama_pre(const float *x, const float *nw, float eps, const float *wqkv,
                   float *k, float *v, int64_t B, int64_t H, int64_t Hq, int64_t Hkv, int64_t D,
                   int threads) {
     if (B < 1 || B > MAX_B) return -2;
-    const int64_t heads = Hq + 2 * Hkv, N = heads * D;
-    float *qkv = malloc(sizeof(float) * B * N);
+    float *qkv = malloc(sizeof(float) * B * (Hq + 2 * Hkv) * D);
     if (!qkv) return -1;
-    const gemv_t g = {wqkv, h, qkv, N, H, B, H, 0};
+    const int64_t st[2] = {Hkv * D, D};
 #pragma omp parallel num_threads(threads < 1 ? 1 : threads)
-    {
-        norm_then(x, nw, eps, h, B, H, &g);
-#pragma omp for
-        for (int64_t r = 0; r < B * heads; r++) {
-            const int64_t b = r / heads, j = r % heads;
-            const float *s = qkv + b * N + j * D;
-            if (j >= Hq + Hkv) {
-                memcpy(v + (b * Hkv + j - Hq - Hkv) * D, s, sizeof(float) * D);
-                continue;
-            }
-            float *o = j < Hq ? q + (b * Hq + j) * D : k + (b * Hkv + j - Hq) * D;
-            for (int64_t d = 0; d < D; d++) o[d] = s[d] * cos[d] + s[perm[d]] * sin[d];
-        }
-    }
+    kvb_llama_pre_in(x, nw, eps, wqkv, cos, sin, perm, h, qkv, q, k, st, v, st, B, H, Hq, Hkv,
+                     D);
     free(qkv);
     return 0;
 }
@@ -85,23 +115,10 @@ int kvb_llama_post(float *x, const float *a, const float *wo, const float *nw, f
                    const float *wgu, const float *wd, int64_t B, int64_t H, int64_t A,
                    int64_t F, int threads) {
     if (B < 1 || B > MAX_B) return -2;
-    float *h = malloc(sizeof(float) * B * (H + 3 * F));
-    if (!h) return -1;
-    float *gu = h + B * H, *m = gu + B * 2 * F;
-    const gemv_t o = {wo, a, x, H, A, B, A, 1}, up = {wgu, h, gu, 2 * F, H, B, H, 0},
-                 down = {wd, m, x, H, F, B, F, 1};
+    float *scratch = malloc(sizeof(float) * B * (H + 3 * F));
+    if (!scratch) return -1;
 #pragma omp parallel num_threads(threads < 1 ? 1 : threads)
-    {
-        share(&o);
-#pragma omp barrier
-        norm_then(x, nw, eps, h, B, H, &up);
-#pragma omp for
-        for (int64_t r = 0; r < B * F; r++) {
-            const float gv = gu[r / F * 2 * F + r % F], uv = gu[r / F * 2 * F + F + r % F];
-            m[r] = gv / (1.0f + expf(-gv)) * uv;
-        }
-        share(&down);
-    }
-    free(h);
+    kvb_llama_post_in(x, a, wo, nw, eps, wgu, wd, scratch, B, H, A, F);
+    free(scratch);
     return 0;
 }

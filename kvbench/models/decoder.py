@@ -23,6 +23,7 @@ interleaved runs each, 2-core AMD EPYC Zen 5 VM, 2026-11-27).
 from __future__ import annotations
 
 import math
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,6 +37,7 @@ from kvbench.models.linear import Linear, Packed, matmul, packed
 from kvbench.timing import kernel
 
 if TYPE_CHECKING:
+    from kvbench.kernels.step import Step
     from kvbench.runtime.context import Counters
     from kvbench.runtime.prefill import Recorder
     from kvbench.strategies import Strategy
@@ -114,6 +116,8 @@ class Decoder(nn.Module):
         self._batch = 0  # the batch size the weights are laid out for (0: none yet)
         self._head: Packed | None = None  # a tied head's weight in that layout
         self.native_layers = False  # decode rows take kvbench.kernels.layer (set by pack)
+        # the native decode step (kvbench.kernels.step) of the strategy it was built for
+        self._step: tuple[weakref.ref[Strategy], Step | None] | None = None
 
     def setup(self, strategy: Strategy, counters: Counters, max_len: int) -> None:
         """Attach the run's strategy and counters; build RoPE tables up to max_len."""
@@ -203,14 +207,31 @@ class Decoder(nn.Module):
         tied = self.tied()
         self._head = None if tied is None or not spare else packed(tied, batch, spare)
         self._batch = batch
+        self._step = None
         self.native_layers = batch <= native_layer.MAX_ROWS and self._rope is not None and all(
             isinstance(x, LlamaLayer) and native_layer.ok(x) for x in self.layers)
+
+    def native_step(self, tokens: torch.Tensor, start: int) -> Step | None:
+        """The native decode step (kvbench.kernels.step) when it takes tokens [B, T] at
+        `start`: decode rows, the native layers, a strategy that attends densely (built once
+        per strategy)."""
+        if tokens.shape[1] != 1 or start == 0 or not self.native_layers:
+            return None
+        if self._step is None or self._step[0]() is not self.strategy:
+            from kvbench.kernels.step import Step
+
+            self._step = (weakref.ref(self.strategy), Step.build(self))
+        step = self._step[1]
+        return step if step is not None and step.ready(tokens, start) else None
 
     def forward(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
         """tokens [B, T] at positions start..start+T-1 -> logits of the last one [B, vocab]."""
         if tokens.shape[0] != self._batch:
             self.pack(tokens.shape[0])
         with torch.inference_mode():
+            step = self.native_step(tokens, start)
+            if step is not None:
+                return step(tokens, start)
             x = self.embed(tokens, start)
             for i, layer in enumerate(self.layers):
                 self.counters.layer = i

@@ -176,6 +176,11 @@ class Counters:
         self.graph.record(self.step, self.layer, "accel", part,
                           dense_work(spec, part, rows, self.elem_bytes))
 
+    def elapsed(self, phase: str, seconds: float) -> None:
+        """Seconds of `phase` at the current layer timed elsewhere (inside a native call:
+        kvbench.kernels.step), recorded as `timed` records an attention block."""
+        self._v[("time", phase, self.layer)][self.step] += seconds
+
     @contextmanager
     def timed(self, phase: str, wait: bool = False) -> Iterator[None]:
         """Time the block into ("time", phase): on a GPU with a pair of CUDA events on the

@@ -214,6 +214,20 @@ class Strategy:
         """Append one token's k/v [B, Hkv, 1, D] and return its attention [B, Hq, 1, D]."""
         raise NotImplementedError
 
+    def dense_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """(k, v, n) when this strategy's decode of `layer` is dense attention over its own
+        cache k/v [B, Hkv, max_len, D] after writing the new token's k/v at position n, and
+        `layer_input` does nothing: the decoder may then run a whole decode step in one
+        native call (kvbench.kernels.step), which writes and attends the caches itself, and
+        calls `decoded` for each layer. None (the default): the strategy's own `decode`."""
+        return None
+
+    def decoded(self, layer: int, q: torch.Tensor) -> None:
+        """After a native decode step wrote `layer`'s new k/v at `dense_cache`'s n and
+        attended q [B, Hq, 1, D] over positions 0..n: what `decode` does besides (its
+        length, its counters). Called only where `dense_cache` is not None."""
+        raise NotImplementedError
+
     def append(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
         """Store T >= 2 new tokens' k/v [B, Hkv, T, D] after the cached ones and return the

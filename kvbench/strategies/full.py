@@ -60,6 +60,19 @@ class Full(Strategy):
 
     decode = append = prefill  # one path for any number of new tokens
 
+    def dense_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """The layer's buffers [B, Hkv, max_len, D] and the tokens they hold; None for a
+        subclass with a decode or layer_input of its own (it sees every layer's call)."""
+        own = type(self)
+        if own.decode is not Full.decode or own.layer_input is not Strategy.layer_input:
+            return None
+        return self.k[layer], self.v[layer], self.length[layer]
+
+    def decoded(self, layer: int, q: torch.Tensor) -> None:
+        """A native step's token is cached and attended: as `decode` after its kernel."""
+        self.length[layer] += 1
+        self.ctx.counters.attended("accel", q, self.length[layer])
+
     def export_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Views of the cached k/v [B, Hkv, n, D] per layer."""
         return [(k[:, :, :n], v[:, :, :n]) for k, v, n in zip(self.k, self.v, self.length,

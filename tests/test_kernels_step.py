@@ -1,0 +1,176 @@
+"""A Llama decode step with full attention in one native call (probes/step.c through
+kvbench.kernels.step) against the layer-by-layer path on the same weights and prompt:
+logits, the caches it writes and their lengths, the stage graph and the counters, float32
+to 1e-5, over several steps, on the bundled model's shape and odd ones, batches 1 to 8,
+one and two threads, both instruction sets of the matmul loops, and a context long enough
+for attention's split-K merge; where the decoder takes it; the ops it dispatches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvbench.kernels import cpu  # noqa: E402
+from kvbench.kernels import layer as native_layer  # noqa: E402
+from kvbench.models import ModelSpec  # noqa: E402
+from kvbench.runtime.bound import step_bytes  # noqa: E402
+from kvbench.strategies.full import Full  # noqa: E402
+
+needs_native = pytest.mark.skipif(cpu._lib() is None, reason="native library not built")
+
+
+def _model(spec: ModelSpec, layers: int, batch: int, max_len: int, seed: int,
+           strategy: type = Full, tied: bool = True) -> Any:
+    """A decoder of `spec` with random weights (norm weights too) and `strategy`."""
+    import dataclasses
+
+    from kvbench.models.decoder import LlamaDecoder
+    from kvbench.runtime.context import Counters, RunContext
+    from kvbench.strategies import STRATEGIES
+
+    spec = dataclasses.replace(spec, tied=tied)
+    torch.manual_seed(seed)
+    model = LlamaDecoder(spec, layers)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * (0.2 if p.dim() > 1 else 1.0))
+    cpu_dev = torch.device("cpu")
+    counters = Counters(spec.n_kv_heads, 4, n_layers=layers)
+    ctx = RunContext(spec, layers, batch, max_len, torch.float32, cpu_dev, cpu_dev, counters,
+                     model)
+    cls = STRATEGIES.get(strategy) if isinstance(strategy, str) else strategy
+    model.setup(cls(cls.params(), ctx), counters, max_len)
+    return model
+
+
+def _decode(model: Any, tokens: Any, prompt: int, native: bool) -> list[Any]:
+    """Prefill `prompt` tokens, then decode the rest one by one, natively or layer by layer;
+    the logits of each step."""
+    if not native:
+        model.native_step = lambda tokens, start: None
+    model.counters.step = 0
+    model(tokens[:, :prompt], 0)
+    out = []
+    for s in range(prompt, tokens.shape[1]):
+        model.counters.step = s - prompt + 1
+        out.append(model(tokens[:, s:s + 1], s))
+    return out
+
+
+SHAPES = [  # (heads, kv heads, hidden, ffn): SmolLM2-135M's, and odd widths and groups
+    (9, 3, 576, 1536),
+    (4, 2, 40, 36),
+    (6, 6, 72, 100),
+    (8, 1, 128, 344),
+]
+
+
+@needs_native
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("batch", [1, 3, native_layer.MAX_ROWS])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_step_equals_the_layer_path(shape: tuple[int, int, int, int], batch: int,
+                                           threads: int, isa: str) -> None:
+    heads, kv, hidden, ffn = shape
+    spec = ModelSpec("t", "llama", 3, heads, kv, hidden, ffn, 50, 64, rope_theta=1e4)
+    _same(spec, 3, batch, threads, prompt=5, steps=3, seed=sum(shape) + batch)
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_step_splits_a_long_context(threads: int) -> None:
+    """600 cached keys of one sequence and KV head: attention splits them across the
+    threads and merges the chunks inside the step's region."""
+    spec = ModelSpec("t", "llama", 2, 4, 1, 64, 96, 50, 1024, rope_theta=1e4)
+    _same(spec, 2, 1, threads, prompt=600, steps=2, seed=7)
+
+
+def _same(spec: ModelSpec, layers: int, batch: int, threads: int, prompt: int, steps: int,
+          seed: int) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    tokens = torch.randint(0, 50, (batch, prompt + steps),
+                           generator=torch.Generator().manual_seed(seed))
+    try:
+        runs = []
+        for native in (False, True):
+            model = _model(spec, layers, batch, prompt + steps + 1, seed)
+            runs.append((model, _decode(model, tokens, prompt, native)))
+    finally:
+        torch.set_num_threads(before)
+    (ref, ref_logits), (got, got_logits) = runs
+    assert got._step is not None and got._step[1] is not None  # it was taken
+    for r, g in zip(ref_logits, got_logits, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-4)
+    n = prompt + steps
+    assert got.strategy.length == ref.strategy.length == [n] * layers
+    for a, b in zip(ref.strategy.export_kv(), got.strategy.export_kv(), strict=True):
+        torch.testing.assert_close(b[0], a[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(b[1], a[1], rtol=1e-5, atol=1e-5)
+    # the same stage graph (bytes per memory each step) and counters (tokens, FLOPs, bytes)
+    graphs = [m.counters.graph.steps() for m in (ref, got)]
+    for s in range(1, steps + 1):
+        assert step_bytes(graphs[1][s]) == step_bytes(graphs[0][s])
+        assert [(t.layer, t.resource, t.op) for t in graphs[1][s]] == \
+            [(t.layer, t.resource, t.op) for t in graphs[0][s]]
+    series = [{(q, w, lay): v for q, w, lay, v in m.counters.series() if q != "time"}
+              for m in (ref, got)]
+    assert series[1] == series[0]
+    times = {lay: v for q, w, lay, v in got.counters.series() if (q, w) == ("time", "attention")}
+    assert sorted(times) == list(range(layers))
+    assert all(times[lay][s] > 0 for lay in times for s in range(1, steps + 1))
+
+
+@needs_native
+def test_where_the_decoder_takes_it() -> None:
+    """Full attention's decode rows on the native layers, untied head too; not a strategy
+    that attends otherwise, not a subclass with its own decode, not bfloat16, not when the
+    cache's length is not the step's position; prefill rows never."""
+    from kvbench.kernels.step import Step
+
+    spec = ModelSpec("t", "llama", 2, 4, 2, 40, 36, 50, 64, rope_theta=1e4)
+    tokens = torch.randint(0, 50, (2, 6))
+
+    def taken(model: Any, start: int = 5) -> bool:
+        model(tokens[:, :5], 0)
+        return model.native_step(tokens[:, 5:], start) is not None
+
+    assert taken(_model(spec, 2, 2, 16, 0))
+    assert taken(_model(spec, 2, 2, 16, 0, tied=False))
+    assert not taken(_model(spec, 2, 2, 16, 0), start=4)  # the cache holds 5 tokens
+    assert not taken(_model(spec, 2, 2, 64, 0, strategy="streaming"))
+
+    class Own(Full):
+        def decode(self, layer: int, q: Any, k: Any, v: Any) -> Any:
+            return super().decode(layer, q, k, v)
+
+    assert not taken(_model(spec, 2, 2, 16, 0, strategy=Own))
+    model = _model(spec, 2, 2, 16, 0)
+    model(tokens[:, :5], 0)
+    assert model.native_step(tokens[:, :5], 5) is None  # not decode rows
+    model = _model(spec, 2, 2, 16, 0).to(torch.bfloat16)
+    model.pack(2)
+    assert Step.build(model) is None
+
+
+@needs_native
+def test_a_native_step_dispatches_a_few_ops_whatever_the_layers() -> None:
+    """The embedding lookup and the logits buffer: the same handful of ops with 2 layers
+    as with 6, and no sync."""
+    from kvbench.runtime.opcount import Counting
+
+    spec = ModelSpec("t", "llama", 6, 4, 2, 40, 36, 50, 64, rope_theta=1e4)
+    counts = []
+    for layers in (2, 6):
+        model = _model(spec, layers, 2, 16, 0)
+        tokens = torch.randint(0, 50, (2, 6))
+        model(tokens[:, :5], 0)
+        with Counting() as c:
+            model(tokens[:, 5:], 5)
+        assert c.syncs_by_op == {}
+        counts.append(dict(c.by_op))
+    assert counts[0] == counts[1]
+    assert sum(counts[0].values()) <= 6
