@@ -35,6 +35,15 @@ __attribute__((visibility("hidden"))) void kvb_llama_post_in(
 __attribute__((visibility("hidden"))) void kvb_norm_then(const float *x, const float *nw,
                                                          float eps, float *h, int64_t B,
                                                          int64_t H, const gemv_t *g);
+/* Quest's page selection inside a parallel region and its digests after one token (pages.c,
+ * for step.c). */
+__attribute__((visibility("hidden"))) void kvb_page_select_in(
+    const float *q, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, const float *lo,
+    const float *hi, const int64_t *ds, int64_t n_pages, int64_t k, int64_t sinks,
+    int64_t window, int per_kv, int64_t page, int64_t n, int32_t *idx, int64_t ld,
+    int32_t *lens, int *failed);
+void kvb_digest_token(const float *k, const int64_t *ks, float *lo, float *hi,
+                      const int64_t *ds, int64_t B, int64_t H, int64_t D, int64_t p, int fresh);
 /* y[r] = w * x[r] / sqrt(mean(x[r]^2) + eps) for `rows` rows of `dim` floats (norm.c). */
 void kvb_rmsnorm(const float *x, const float *w, float *y, int64_t rows, int64_t dim,
                  float eps);

@@ -61,6 +61,60 @@ static int by_id(const void *x, const void *y) {
     return ((const ranked *)x)->p - ((const ranked *)y)->p;
 }
 
+/* Every thread of a parallel region (or the caller alone): kvb_page_select's work with the
+ * rows of idx `ld` apart (>= k * page); *failed set when a thread could not get its
+ * scratch. Done when the threads leave. */
+void kvb_page_select_in(const float *q, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
+                        const float *lo, const float *hi, const int64_t *ds, int64_t n_pages,
+                        int64_t k, int64_t sinks, int64_t window, int per_kv, int64_t page,
+                        int64_t n, int32_t *idx, int64_t ld, int32_t *lens, int *failed) {
+    /* a group is one (sequence, KV head): its digests are read once for its R rows (the
+     * group's summed q, or each of its G query heads) */
+    const int64_t G = Hq / Hkv, R = per_kv ? 1 : G, H = per_kv ? Hkv : Hq, groups = B * Hkv;
+    const int64_t kk = k < n_pages ? k : n_pages;
+    ranked *r = malloc(sizeof(ranked) * n_pages * R);
+    float *qp = malloc(sizeof(float) * D * R), *qn = malloc(sizeof(float) * D * R);
+    const int ok = r && qp && qn;
+    if (!ok) __atomic_store_n(failed, 1, __ATOMIC_RELAXED);
+#pragma omp for schedule(static)
+    for (int64_t grp = 0; grp < groups; grp++) {
+        if (!ok) continue;
+        const int64_t b = grp / Hkv, hk = grp % Hkv;
+        for (int64_t i = 0; i < R * D; i++) qp[i] = qn[i] = 0.0f;
+        for (int64_t g = 0; g < G; g++) /* query head hk * G + g into row g (or 0) */
+            for (int64_t d = 0; d < D; d++) {
+                const float x = q[(b * Hq + hk * G + g) * D + d];
+                const int64_t at = (per_kv ? 0 : g) * D + d;
+                if (x > 0) qp[at] += x; else qn[at] += x;
+            }
+        const float *l = lo + b * ds[0] + hk * ds[1], *u = hi + b * ds[0] + hk * ds[1];
+        for (int64_t p = 0; p < n_pages; p++) {
+            const int forced = p < sinks || p >= n_pages - window;
+            for (int64_t i = 0; i < R; i++)
+                r[i * n_pages + p] = (ranked){
+                    forced ? INFINITY : bound(qp + i * D, qn + i * D, u + p * ds[2],
+                                              l + p * ds[2], D), (int32_t)p};
+        }
+        for (int64_t i = 0; i < R; i++) {
+            ranked *ri = r + i * n_pages;
+            const int64_t row = b * H + (per_kv ? hk : hk * G + i);
+            if (kk < n_pages) top_k(ri, n_pages, kk);
+            qsort(ri, kk, sizeof(ranked), by_id);
+            int32_t *out = idx + row * ld, m = 0;
+            for (int64_t j = 0; j < kk; j++)
+                for (int64_t t = 0; t < page; t++) {
+                    const int64_t pos = (int64_t)ri[j].p * page + t;
+                    if (pos < n) out[m++] = (int32_t)pos;
+                }
+            lens[row] = m;
+            for (int64_t j = m; j < k * page; j++) out[j] = 0;
+        }
+    }
+    free(r);
+    free(qp);
+    free(qn);
+}
+
 /* q [B, Hq, D] float32 contiguous; lo/hi float32 with element strides ds[0..2] for
  * (batch, KV head, page) and a contiguous last dimension; rows B x H, H = Hkv (per_kv) or
  * Hq. Writes idx [rows, k * page] int32 and lens [rows]. Returns 0, -1 when out of memory,
@@ -70,56 +124,12 @@ int kvb_page_select(const float *q, int64_t B, int64_t Hq, int64_t Hkv, int64_t 
                     int64_t k, int64_t sinks, int64_t window, int per_kv, int64_t page,
                     int64_t n, int32_t *idx, int32_t *lens, int threads) {
     if (Hkv < 1 || Hq % Hkv || n_pages < 1 || k < 1 || page < 1 || D < 1) return -2;
-    /* a group is one (sequence, KV head): its digests are read once for its R rows (the
-     * group's summed q, or each of its G query heads) */
-    const int64_t G = Hq / Hkv, R = per_kv ? 1 : G, H = per_kv ? Hkv : Hq, groups = B * Hkv;
-    const int64_t kk = k < n_pages ? k : n_pages;
     int failed = 0;
     int nt = threads < 1 ? 1 : threads > 256 ? 256 : threads;
-    if (nt > groups) nt = (int)groups;
-#pragma omp parallel num_threads(nt) reduction(| : failed)
-    {
-        ranked *r = malloc(sizeof(ranked) * n_pages * R);
-        float *qp = malloc(sizeof(float) * D * R), *qn = malloc(sizeof(float) * D * R);
-        if (!r || !qp || !qn) failed = 1;
-#pragma omp for schedule(static)
-        for (int64_t grp = 0; grp < groups; grp++) {
-            if (failed) continue;
-            const int64_t b = grp / Hkv, hk = grp % Hkv;
-            for (int64_t i = 0; i < R * D; i++) qp[i] = qn[i] = 0.0f;
-            for (int64_t g = 0; g < G; g++) /* query head hk * G + g into row g (or 0) */
-                for (int64_t d = 0; d < D; d++) {
-                    const float x = q[(b * Hq + hk * G + g) * D + d];
-                    const int64_t at = (per_kv ? 0 : g) * D + d;
-                    if (x > 0) qp[at] += x; else qn[at] += x;
-                }
-            const float *l = lo + b * ds[0] + hk * ds[1], *u = hi + b * ds[0] + hk * ds[1];
-            for (int64_t p = 0; p < n_pages; p++) {
-                const int forced = p < sinks || p >= n_pages - window;
-                for (int64_t i = 0; i < R; i++)
-                    r[i * n_pages + p] = (ranked){
-                        forced ? INFINITY : bound(qp + i * D, qn + i * D, u + p * ds[2],
-                                                  l + p * ds[2], D), (int32_t)p};
-            }
-            for (int64_t i = 0; i < R; i++) {
-                ranked *ri = r + i * n_pages;
-                const int64_t row = b * H + (per_kv ? hk : hk * G + i);
-                if (kk < n_pages) top_k(ri, n_pages, kk);
-                qsort(ri, kk, sizeof(ranked), by_id);
-                int32_t *out = idx + row * k * page, m = 0;
-                for (int64_t j = 0; j < kk; j++)
-                    for (int64_t t = 0; t < page; t++) {
-                        const int64_t pos = (int64_t)ri[j].p * page + t;
-                        if (pos < n) out[m++] = (int32_t)pos;
-                    }
-                lens[row] = m;
-                for (int64_t j = m; j < k * page; j++) out[j] = 0;
-            }
-        }
-        free(r);
-        free(qp);
-        free(qn);
-    }
+    if (nt > B * Hkv) nt = (int)(B * Hkv);
+#pragma omp parallel num_threads(nt)
+    kvb_page_select_in(q, B, Hq, Hkv, D, lo, hi, ds, n_pages, k, sinks, window, per_kv, page,
+                       n, idx, k * page, lens, &failed);
     return failed ? -1 : 0;
 }
 

@@ -1,20 +1,26 @@
-/* A Llama decode step with full attention on the CPU in one call and one OpenMP region:
- * for every layer, layer.c's first half with the new token's k and v written straight into
- * the cache at position `pos`, attention of the query over cache positions 0..pos (attn.c's
- * tasks and merge), layer.c's second half; then the final RMSNorm and the logits head.
+/* A Llama decode step on the CPU in one call and one OpenMP region: for every layer,
+ * layer.c's first half with the new token's k and v written straight into the cache at
+ * position `pos`, the strategy's attention over the cache, layer.c's second half; then the
+ * final RMSNorm and the logits head.
  *
- * The reference of issue 26 ("full attention's runtime near its bytes bound"): a decode step
- * of the layer-by-layer path makes three native calls a layer with Python, a dozen small
- * torch ops and a fresh parallel region between them, and the memory stream of the weights
- * stops at each; here the threads go from one matrix to the next at a barrier. The same
- * arithmetic, in float32, as the layer-by-layer path (kvbench.kernels.step checks it).
+ * Attention is full attention over positions 0..pos (attn.c's tasks and merge), or, for a
+ * layer with Quest's digests (`lo`), Quest's decode (Quest Alg. 1, kvbench.strategies.quest):
+ * the token's key joins its page's min/max digest, and where the layer selects this step,
+ * the top pages by the digests' bound (pages.c) are attended (attn.c's sparse rows).
+ *
+ * Issue 26 asks for every strategy's decode step in a bounded number of calls and the
+ * reference near its bytes bound: layer by layer a decode step makes three native calls a
+ * layer with Python, small torch ops and a fresh parallel region between them, and the
+ * memory stream of the weights stops at each; here the threads go from one matrix to the
+ * next at a barrier. The same arithmetic, in float32, as the layer-by-layer path
+ * (kvbench.kernels.step checks it).
  *
  * x [B, H] (updated in place, the residual stream), logits [B, V]; the caches [B, Hkv,
  * max_len, D] with element strides ks/vs (batch, head, token), the last dimension
- * contiguous; cos/sin the RoPE tables' row of `pos` [D], perm [D]; scale the attention's
- * (D^-0.5); attn_s [L]: the seconds
- * of each layer's attention (from its plan to its merge, thread 0's clock), what the
- * layer-by-layer path times as its attention call.
+ * contiguous; digests [B, Hkv, P, D] likewise (ds); cos/sin the RoPE tables' row of `pos`
+ * [D], perm [D]; scale the attention's (D^-0.5). Per layer, attn_s: the seconds of its
+ * attention (digest, selection and attention: what the layer-by-layer path times as its
+ * strategy's call; thread 0's clock) and sel_s those of its selection (-1: none).
  */
 #define _GNU_SOURCE
 #pragma GCC optimize("O3")
@@ -28,7 +34,19 @@ typedef struct {
     const float *nw1, *wqkv, *wo, *nw2, *wgu, *wd; /* one layer's weights (layer.c) */
     float *kc, *vc;                                /* its cache */
     int64_t ks[3], vs[3];                          /* their element strides */
+    float *lo, *hi;       /* Quest's min/max digests (NULL: none) */
+    int64_t ds[3];        /* their element strides */
+    int32_t *idx, *lens;  /* the layer's selection [B * rows, ld], [B * rows] (NULL: dense) */
 } kvb_layer_t;
+
+/* Quest's selection this step (Quest section 3.2-3.3; pages.c): pages of `page` tokens,
+ * k of them kept per row (k >= the pages cached: every layer attends densely), the first
+ * `sinks` and last `window` forced in; rows per KV head (per_kv, the group's q summed) or
+ * per query head; a selection row is `ld` int32 long. */
+typedef struct {
+    int64_t page, k, sinks, window, ld;
+    int per_kv;
+} kvb_pages_t;
 
 static double now_s(void) {
     struct timespec ts;
@@ -36,37 +54,57 @@ static double now_s(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* Returns 0, -1 when a buffer could not be had, -2 when B is outside 1..MAX_B. */
-int kvb_llama_step(const kvb_layer_t *layers, int64_t L, float *x, float eps,
-                   const float *norm, const float *head, int64_t V, float *logits,
+/* Returns 0, -1 when a buffer could not be had, -2 when B is outside 1..MAX_B or a selection
+ * would not fit its rows. `pages` NULL: no digests are updated, no layer selects. */
+int kvb_llama_step(const kvb_layer_t *layers, int64_t L, const kvb_pages_t *pages, float *x,
+                   float eps, const float *norm, const float *head, int64_t V, float *logits,
                    const float *cos, const float *sin, const int64_t *perm, float scale,
-                   int64_t pos, int64_t B, int64_t H, int64_t Hq, int64_t Hkv, int64_t D, int64_t F,
-                   double *attn_s, int threads) {
-    if (B < 1 || B > MAX_B) return -2;
-    const int64_t N = (Hq + 2 * Hkv) * D, A = Hq * D;
+                   int64_t pos, int64_t B, int64_t H, int64_t Hq, int64_t Hkv, int64_t D,
+                   int64_t F, double *attn_s, double *sel_s, int threads) {
+    const int64_t N = (Hq + 2 * Hkv) * D, A = Hq * D, n = pos + 1;
+    const int64_t n_pages = pages ? (n + pages->page - 1) / pages->page : 0;
+    if (B < 1 || B > MAX_B || (pages && pages->k < n_pages && pages->k * pages->page > pages->ld))
+        return -2;
     float *buf = malloc(sizeof(float) * B * (H + N + 2 * A + Hq + H + 3 * F));
     if (!buf) return -1;
     float *h = buf, *qkv = h + B * H, *q = qkv + B * N, *a = q + B * A, *lse = a + B * A,
           *scratch = lse + B * Hq;
     const gemv_t logit = {head, h, logits, V, H, B, H, 0};
+    const int64_t rows = pages && !pages->per_kv ? Hq : Hkv; /* selection rows a sequence */
+    const int nt = threads < 1 ? 1 : threads;
     kvb_attn_job_t job;
     int failed = 0;
-    double t0 = 0.0;
-#pragma omp parallel num_threads(threads < 1 ? 1 : threads)
+    double t0 = 0.0, t1 = 0.0;
+#pragma omp parallel num_threads(nt)
     {
-        const int nt = threads < 1 ? 1 : threads;
         for (int64_t l = 0; l < L; l++) {
             const kvb_layer_t *y = layers + l;
+            const int sparse = y->idx && pages && pages->k < n_pages;
             kvb_llama_pre_in(x, y->nw1, eps, y->wqkv, cos, sin, perm, h, qkv, q,
                              y->kc + pos * y->ks[2], y->ks, y->vc + pos * y->vs[2], y->vs, B,
                              H, Hq, Hkv, D);
 #pragma omp single
             {
                 t0 = now_s();
-                if (kvb_attn_plan(&job, 0, q, y->kc, y->vc, a, lse, B, Hq, Hkv, 1, pos + 1, D,
-                                  y->ks, y->vs, NULL, NULL, NULL, 0, 0, 0, Hkv,
-                                  scale, 0, pos, 1, nt))
-                    failed = 1;
+                if (y->lo && pages)
+                    kvb_digest_token(y->kc + pos * y->ks[2], y->ks, y->lo, y->hi, y->ds, B,
+                                     Hkv, D, pos / pages->page, pos % pages->page == 0);
+                t1 = now_s();
+            }
+            if (sparse)
+                kvb_page_select_in(q, B, Hq, Hkv, D, y->lo, y->hi, y->ds, n_pages, pages->k,
+                                   pages->sinks, pages->window, pages->per_kv, pages->page, n,
+                                   y->idx, pages->ld, y->lens, &failed);
+#pragma omp single
+            {
+                sel_s[l] = sparse ? now_s() - t1 : -1.0;
+                const int rc = sparse ? kvb_attn_plan(
+                    &job, 0, q, y->kc, y->vc, a, lse, B, Hq, Hkv, 1, n, D, y->ks, y->vs,
+                    y->idx, y->lens, NULL, pages->k * pages->page, pages->ld, 0, rows, scale,
+                    0, 0, 1, nt) : kvb_attn_plan(
+                    &job, 0, q, y->kc, y->vc, a, lse, B, Hq, Hkv, 1, n, D, y->ks, y->vs, NULL,
+                    NULL, NULL, 0, 0, 0, Hkv, scale, 0, pos, 1, nt);
+                if (rc) failed = 1;
             }
             kvb_attn_work(&job);
 #pragma omp barrier

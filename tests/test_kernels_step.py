@@ -1,9 +1,10 @@
-"""A Llama decode step with full attention in one native call (probes/step.c through
-kvbench.kernels.step) against the layer-by-layer path on the same weights and prompt:
-logits, the caches it writes and their lengths, the stage graph and the counters, float32
-to 1e-5, over several steps, on the bundled model's shape and odd ones, batches 1 to 8,
-one and two threads, both instruction sets of the matmul loops, and a context long enough
-for attention's split-K merge; where the decoder takes it; the ops it dispatches."""
+"""A Llama decode step in one native call (probes/step.c through kvbench.kernels.step),
+full attention's and Quest's, against the layer-by-layer path on the same weights and
+prompt: logits, the caches it writes and their lengths, Quest's digests and selections, the
+stage graph and the counters, float32 to 1e-5, over several steps, on the bundled model's
+shape and odd ones, batches 1 to 8, one and two threads, both instruction sets of the
+matmul loops, a context long enough for attention's split-K merge, and Quest's selection
+rules; where the decoder takes it; the ops it dispatches."""
 
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ needs_native = pytest.mark.skipif(cpu._lib() is None, reason="native library not
 
 
 def _model(spec: ModelSpec, layers: int, batch: int, max_len: int, seed: int,
-           strategy: type = Full, tied: bool = True) -> Any:
-    """A decoder of `spec` with random weights (norm weights too) and `strategy`."""
+           strategy: type | str = Full, tied: bool = True, **params: Any) -> Any:
+    """A decoder of `spec` with random weights (norm weights too) and `strategy` (its
+    parameters but `params` the defaults)."""
     import dataclasses
 
     from kvbench.models.decoder import LlamaDecoder
@@ -42,13 +44,13 @@ def _model(spec: ModelSpec, layers: int, batch: int, max_len: int, seed: int,
     ctx = RunContext(spec, layers, batch, max_len, torch.float32, cpu_dev, cpu_dev, counters,
                      model)
     cls = STRATEGIES.get(strategy) if isinstance(strategy, str) else strategy
-    model.setup(cls(cls.params(), ctx), counters, max_len)
+    model.setup(cls(dataclasses.replace(cls.params(), **params), ctx), counters, max_len)
     return model
 
 
 def _decode(model: Any, tokens: Any, prompt: int, native: bool) -> list[Any]:
-    """Prefill `prompt` tokens, then decode the rest one by one, natively or layer by layer;
-    the logits of each step."""
+    """Prefill `prompt` tokens, then decode the rest one by one, natively or layer by layer,
+    each step closed as the run closes it; the logits of each step."""
     if not native:
         model.native_step = lambda tokens, start: None
     model.counters.step = 0
@@ -56,7 +58,9 @@ def _decode(model: Any, tokens: Any, prompt: int, native: bool) -> list[Any]:
     out = []
     for s in range(prompt, tokens.shape[1]):
         model.counters.step = s - prompt + 1
+        model.counters.step_begin()
         out.append(model(tokens[:, s:s + 1], s))
+        model.counters.step_end(0.0)  # as the run: the step's lazy counts summed
     return out
 
 
@@ -88,8 +92,33 @@ def test_native_step_splits_a_long_context(threads: int) -> None:
     _same(spec, 2, 1, threads, prompt=600, steps=2, seed=7)
 
 
+QUEST = [  # (variant, per, sinks, window): the authors' accuracy path and the kernel path's
+    ("authors", "query", 0, 1),
+    ("kernel", "kv", 0, 1),
+    ("kernel", "query", 1, 2),
+]
+
+
+@needs_native
+@pytest.mark.parametrize("rule", QUEST)
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_quest_step_equals_the_layer_path(rule: tuple[str, str, int, int], batch: int,
+                                                 threads: int) -> None:
+    """Quest's decode in the step (digests, page selection, attention over the selected
+    pages; the first layer dense) as layer by layer: the same selections too. 40 cached
+    tokens, pages of 4, 12 tokens a step: the sparse layers select from step one; the
+    authors' floor of 3 pages and a window of 2 included."""
+    variant, per, sinks, window = rule
+    spec = ModelSpec("t", "llama", 3, 9, 3, 576, 1536, 50, 64, rope_theta=1e4)
+    quest = {"variant": variant, "budget_tokens": 12, "page_size": 4, "dense_layers": 1}
+    if variant == "kernel":
+        quest |= {"topk_per": per, "sinks": sinks, "window_pages": window}
+    _same(spec, 3, batch, threads, prompt=40, steps=4, seed=batch, strategy="quest", **quest)
+
+
 def _same(spec: ModelSpec, layers: int, batch: int, threads: int, prompt: int, steps: int,
-          seed: int) -> None:
+          seed: int, **strategy: Any) -> None:
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     tokens = torch.randint(0, 50, (batch, prompt + steps),
@@ -97,7 +126,7 @@ def _same(spec: ModelSpec, layers: int, batch: int, threads: int, prompt: int, s
     try:
         runs = []
         for native in (False, True):
-            model = _model(spec, layers, batch, prompt + steps + 1, seed)
+            model = _model(spec, layers, batch, prompt + steps + 1, seed, **strategy)
             runs.append((model, _decode(model, tokens, prompt, native)))
     finally:
         torch.set_num_threads(before)
@@ -107,9 +136,20 @@ def _same(spec: ModelSpec, layers: int, batch: int, threads: int, prompt: int, s
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-4)
     n = prompt + steps
     assert got.strategy.length == ref.strategy.length == [n] * layers
-    for a, b in zip(ref.strategy.export_kv(), got.strategy.export_kv(), strict=True):
-        torch.testing.assert_close(b[0], a[0], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(b[1], a[1], rtol=1e-5, atol=1e-5)
+    for cache in ("k", "v"):  # every cached token, the ones the steps wrote too
+        for a, b in zip(getattr(ref.strategy, cache), getattr(got.strategy, cache), strict=True):
+            torch.testing.assert_close(b[:, :, :n], a[:, :, :n], rtol=1e-5, atol=1e-5)
+    if hasattr(ref.strategy, "dig"):  # Quest: its digests and the last step's selections
+        for a, b in zip(ref.strategy.dig, got.strategy.dig, strict=True):
+            torch.testing.assert_close(b.lo, a.lo, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(b.hi, a.hi, rtol=1e-5, atol=1e-5)
+        assert sorted(ref.strategy.last) == sorted(got.strategy.last) == list(range(layers))
+        for i in range(layers):
+            a, b = ref.strategy.last[i], got.strategy.last[i]
+            assert (a is None) == (b is None) == (i < 1)
+            assert torch.equal(got.strategy.attended(i), ref.strategy.attended(i))
+            if a is not None:
+                assert torch.equal(b[1], a[1])
     # the same stage graph (bytes per memory each step) and counters (tokens, FLOPs, bytes)
     graphs = [m.counters.graph.steps() for m in (ref, got)]
     for s in range(1, steps + 1):
@@ -126,8 +166,8 @@ def _same(spec: ModelSpec, layers: int, batch: int, threads: int, prompt: int, s
 
 @needs_native
 def test_where_the_decoder_takes_it() -> None:
-    """Full attention's decode rows on the native layers, untied head too; not a strategy
-    that attends otherwise, not a subclass with its own decode, not bfloat16, not when the
+    """Full attention's and Quest's decode rows on the native layers, untied head too; not a
+    strategy that attends otherwise, not a subclass with its own decode, not bfloat16, not when the
     cache's length is not the step's position; prefill rows never."""
     from kvbench.kernels.step import Step
 
@@ -140,6 +180,7 @@ def test_where_the_decoder_takes_it() -> None:
 
     assert taken(_model(spec, 2, 2, 16, 0))
     assert taken(_model(spec, 2, 2, 16, 0, tied=False))
+    assert taken(_model(spec, 2, 2, 16, 0, strategy="quest"))
     assert not taken(_model(spec, 2, 2, 16, 0), start=4)  # the cache holds 5 tokens
     assert not taken(_model(spec, 2, 2, 64, 0, strategy="streaming"))
 
@@ -157,19 +198,24 @@ def test_where_the_decoder_takes_it() -> None:
 
 
 @needs_native
-def test_a_native_step_dispatches_a_few_ops_whatever_the_layers() -> None:
+@pytest.mark.parametrize("strategy", ["full", "quest"])
+def test_a_native_step_dispatches_a_few_ops_whatever_the_layers(strategy: str) -> None:
     """The embedding lookup and the logits buffer: the same handful of ops with 2 layers
-    as with 6, and no sync."""
+    as with 6 (quest's sparse layers selecting), and no sync."""
     from kvbench.runtime.opcount import Counting
 
     spec = ModelSpec("t", "llama", 6, 4, 2, 40, 36, 50, 64, rope_theta=1e4)
+    quest = {"budget_tokens": 8, "page_size": 4, "dense_layers": 1} if strategy == "quest" \
+        else {}
     counts = []
     for layers in (2, 6):
-        model = _model(spec, layers, 2, 16, 0)
-        tokens = torch.randint(0, 50, (2, 6))
-        model(tokens[:, :5], 0)
+        model = _model(spec, layers, 2, 40, 0, strategy=strategy, **quest)
+        tokens = torch.randint(0, 50, (2, 34))
+        model(tokens[:, :32], 0)
+        model(tokens[:, 32:33], 32)  # the step is built on its first use
         with Counting() as c:
-            model(tokens[:, 5:], 5)
+            model(tokens[:, 33:], 33)
+        assert model._step[1] is not None
         assert c.syncs_by_op == {}
         counts.append(dict(c.by_op))
     assert counts[0] == counts[1]

@@ -1,27 +1,32 @@
-"""A Llama decode step with full attention in one native call (probes/step.c).
+"""A Llama decode step in one native call (probes/step.c): full attention, or Quest's.
 
-Issue 26 asks for the reference itself near its bytes bound. Layer by layer
-(kvbench.kernels.layer) a decode step makes three native calls a layer with Python and a
-dozen small torch ops between them (the new k/v's cache writes, views, buffers), each call
-a new OpenMP region: on the bundled model at batch 1 about 1.5 ms of a 15 ms step went to
-the Python between the calls, and the weights' memory stream stalled at every one. Here the
-whole step, every layer's norms, projections, RoPE, the new token's k/v written into the
-cache, attention over the cache, the MLP, then the final norm and the logits head, runs in
-one region whose threads meet at barriers.
+Issue 26 asks for every strategy's decode step in a bounded number of calls and the
+reference itself near its bytes bound. Layer by layer (kvbench.kernels.layer) a decode step
+makes three native calls a layer with Python and a dozen small torch ops between them (the
+new k/v's cache writes, views, buffers, a strategy's bookkeeping), each call a new OpenMP
+region: on the bundled model at batch 1 about 1.5 ms of a 15 ms step went to the Python
+between the calls, and the weights' memory stream stalled at every one. Here the whole
+step, every layer's norms, projections, RoPE, the new token's k/v written into the cache,
+the strategy's attention, the MLP, then the final norm and the logits head, runs in one
+region whose threads meet at barriers.
 
-Taken (`Step.build`) for decode rows of a model on the native layers (float32 CPU Llama
-layers, kvbench.kernels.layer.ok) whose strategy attends every layer densely over its own
-cache (`Strategy.dense_cache`: full attention), with a row-major float32 head; the strategy
-then does its per-layer bookkeeping in `Strategy.decoded` and the decoder records the same
-stage graph as layer by layer (each layer's attention timed inside the call, thread 0's
-clock). Otherwise the decoder goes layer by layer.
+A strategy offers it through `Strategy.native_cache` (per layer a `NativeCache`: its cache,
+and for Quest its min/max digests and selection buffers) and `Strategy.native_pages` (Quest's
+selection rule for the step); after the call it does its per-layer bookkeeping in
+`Strategy.decoded`, and the decoder records the same stage graph as layer by layer, each
+layer's attention and selection timed inside the call (thread 0's clock). `Step.build`
+takes it for decode rows of a model on the native layers (float32 CPU Llama layers,
+kvbench.kernels.layer.ok) with a row-major float32 head, when every layer's cache is a
+float32 CPU one; otherwise the decoder goes layer by layer.
 
-Shapes: tokens [B, 1]; x [B, hidden]; caches [B, Hkv, max_len, D]; logits [B, vocab].
+Shapes: tokens [B, 1]; x [B, hidden]; caches [B, Hkv, max_len, D]; digests [B, Hkv, P, D];
+selections idx [B, H, ld] int32 (H: KV or query heads), lens [B, H]; logits [B, vocab].
 """
 
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvbench.errors import KvbenchError
@@ -35,18 +40,73 @@ if TYPE_CHECKING:
     from kvbench.models.decoder import LlamaDecoder
 
 
+@dataclass(frozen=True)
+class NativeCache:
+    """What a native step reads and writes of one layer: its cache k/v [B, Hkv, max_len, D]
+    holding n tokens (the step writes the new one at n and attends 0..n), and for Quest its
+    min/max digests lo/hi [B, Hkv, P, D] (the token's key joins them) with, on a layer that
+    selects pages, the buffers of its selection idx [B, H, ld] and lens [B, H] int32."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    n: int
+    lo: torch.Tensor | None = None
+    hi: torch.Tensor | None = None
+    idx: torch.Tensor | None = None
+    lens: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Pages:
+    """Quest's selection in a step (probes/step.c's kvb_pages_t): pages of `page` tokens,
+    `k` kept per row (k >= the pages cached: every layer attends densely this step), the
+    first `sinks` and last `window` pages forced in, one set per KV group (`per_kv`) or per
+    query head."""
+
+    page: int
+    k: int
+    sinks: int
+    window: int
+    per_kv: bool
+
+
 class Layer(ctypes.Structure):
-    """probes/step.c's kvb_layer_t: one layer's weights, its cache and their strides."""
+    """probes/step.c's kvb_layer_t: one layer's weights, its cache, digests and selection."""
 
     _fields_ = [(n, ctypes.c_void_p) for n in ("nw1", "wqkv", "wo", "nw2", "wgu", "wd",
                                                 "kc", "vc")] + \
-        [("ks", ctypes.c_int64 * 3), ("vs", ctypes.c_int64 * 3)]
+        [("ks", ctypes.c_int64 * 3), ("vs", ctypes.c_int64 * 3), ("lo", ctypes.c_void_p),
+         ("hi", ctypes.c_void_p), ("ds", ctypes.c_int64 * 3), ("idx", ctypes.c_void_p),
+         ("lens", ctypes.c_void_p)]
 
 
-def _usable(t: torch.Tensor) -> bool:
+class _Pages(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in ("page", "k", "sinks", "window", "ld")] + \
+        [("per_kv", ctypes.c_int)]
+
+
+def _usable(t: torch.Tensor | None) -> bool:
     import torch
 
-    return t.device.type == "cpu" and t.dtype == torch.float32
+    return t is None or (t.device.type == "cpu" and t.dtype == torch.float32
+                         and t.stride(-1) == 1)
+
+
+def _layer(layer: object, c: NativeCache) -> Layer:
+    import torch
+
+    a, m = layer.self_attn, layer.mlp
+    out = Layer(*(t.data_ptr() for t in (
+        layer.input_layernorm.weight, a.qkv_proj.weight, a.o_proj.weight,
+        layer.post_attention_layernorm.weight, m.gate_up_proj.weight, m.down_proj.weight,
+        c.k, c.v)), tuple(c.k.stride()[:3]), tuple(c.v.stride()[:3]))
+    if c.lo is not None:
+        out.lo, out.hi, out.ds = c.lo.data_ptr(), c.hi.data_ptr(), tuple(c.lo.stride()[:3])
+    if c.idx is not None:
+        assert c.idx.dtype == c.lens.dtype == torch.int32 and c.idx.is_contiguous() \
+            and c.lens.is_contiguous()
+        out.idx, out.lens = c.idx.data_ptr(), c.lens.data_ptr()
+    return out
 
 
 class Step:
@@ -54,10 +114,12 @@ class Step:
     decoder keeps it while that strategy is its own)."""
 
     def __init__(self, model: LlamaDecoder, layers: ctypes.Array[Layer], head: torch.Tensor,
-                 q: torch.Tensor) -> None:
+                 q: torch.Tensor, ld: int) -> None:
         self.model, self.layers, self.head = model, layers, head
         self.q = q  # [B, Hq, 1, D]: the shape the strategy's `decoded` counts with
-        self.seconds = (ctypes.c_double * len(layers))()
+        self.ld = ld  # a selection row's length (0: no layer selects)
+        self.seconds = (ctypes.c_double * len(layers))()  # each layer's attention
+        self.select = (ctypes.c_double * len(layers))()  # and its selection (-1: none)
 
     @classmethod
     def build(cls, model: LlamaDecoder) -> Step | None:
@@ -72,38 +134,36 @@ class Step:
                     n.eps == norm.eps for x in model.layers
                     for n in (x.input_layernorm, x.post_attention_layernorm))):
             return None
-        out = (Layer * len(model.layers))()
+        out, ld = (Layer * len(model.layers))(), 0
         for i, layer in enumerate(model.layers):
-            cache = s.dense_cache(i)
-            if cache is None or not all(_usable(t) and t.stride(3) == 1 for t in cache[:2]):
+            c = s.native_cache(i)
+            if c is None or not all(_usable(t) for t in (c.k, c.v, c.lo, c.hi)):
                 return None
-            k, v, _ = cache
-            a, m = layer.self_attn, layer.mlp
-            out[i] = Layer(*(t.data_ptr() for t in (
-                layer.input_layernorm.weight, a.qkv_proj.weight, a.o_proj.weight,
-                layer.post_attention_layernorm.weight, m.gate_up_proj.weight,
-                m.down_proj.weight, k, v)), tuple(k.stride()[:3]), tuple(v.stride()[:3]))
+            out[i] = _layer(layer, c)
+            ld = ld if c.idx is None else c.idx.shape[-1]
         a = model.layers[0].self_attn
-        return cls(model, out, head, torch.empty(k.shape[0], a.hq, 1, a.nq // a.hq))
+        return cls(model, out, head, torch.empty(c.k.shape[0], a.hq, 1, a.nq // a.hq), ld)
 
     def ready(self, tokens: torch.Tensor, start: int) -> bool:
         """Whether tokens [B, 1] are the caches' batch and every layer's cache holds exactly
         the positions before `start`."""
         s = self.model.strategy
         return tokens.shape[0] == self.q.shape[0] and all(
-            s.dense_cache(i)[2] == start for i in range(len(self.layers)))
+            s.native_cache(i).n == start for i in range(len(self.layers)))
 
     def __call__(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
         """Logits [B, vocab] of decode rows tokens [B, 1] at position `start`; the strategy's
         `decoded` and the stage graph per layer follow."""
         m = self.model
         x = m.embed(tokens, start)[:, 0].contiguous()
-        logits = self._run(x, start)
+        logits = self._run(x, start, m.strategy.native_pages(start + 1))
         note_backend("native", self.q)  # every layer's attention, in the call
         c, spec, rows = m.counters, m.spec, x.shape[0]
         for i in range(len(self.layers)):
             c.layer = i
             c.dense(spec, "pre", rows)
+            if self.select[i] >= 0:
+                c.elapsed("bookkeeping.select", self.select[i])
             m.strategy.decoded(i, self.q)
             c.elapsed("attention", self.seconds[i])
             c.dense(spec, "post", rows)
@@ -111,7 +171,7 @@ class Step:
         return logits
 
     @kernel
-    def _run(self, x: torch.Tensor, start: int) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, start: int, pages: Pages | None) -> torch.Tensor:
         import torch
 
         m = self.model
@@ -120,12 +180,15 @@ class Step:
         cos, sin, perm = m._rope
         row = start * cos.stride(0) * cos.element_size()  # position `start`'s table row
         logits = x.new_empty(x.shape[0], self.head.shape[0])
+        rule = None if pages is None else _Pages(pages.page, pages.k, pages.sinks,
+                                                 pages.window, self.ld, int(pages.per_kv))
         rc = _lib().kvb_llama_step(
-            self.layers, len(self.layers), x.data_ptr(), norm.eps, norm.weight.data_ptr(),
-            self.head.data_ptr(), self.head.shape[0], logits.data_ptr(), cos.data_ptr() + row,
-            sin.data_ptr() + row, perm.data_ptr(), d ** -0.5, start, x.shape[0],
-            x.shape[1], a.hq, a.hkv, d, m.layers[0].mlp.down_proj.weight.shape[1],
-            self.seconds, torch.get_num_threads())
+            self.layers, len(self.layers), None if rule is None else ctypes.byref(rule),
+            x.data_ptr(), norm.eps, norm.weight.data_ptr(), self.head.data_ptr(),
+            self.head.shape[0], logits.data_ptr(), cos.data_ptr() + row, sin.data_ptr() + row,
+            perm.data_ptr(), d ** -0.5, start, x.shape[0], x.shape[1], a.hq, a.hkv, d,
+            m.layers[0].mlp.down_proj.weight.shape[1], self.seconds, self.select,
+            torch.get_num_threads())
         if rc != 0:
             raise KvbenchError(f"native decode step failed ({rc})")
         return logits

@@ -177,9 +177,12 @@ class Counters:
                           dense_work(spec, part, rows, self.elem_bytes))
 
     def elapsed(self, phase: str, seconds: float) -> None:
-        """Seconds of `phase` at the current layer timed elsewhere (inside a native call:
-        kvbench.kernels.step), recorded as `timed` records an attention block."""
+        """Seconds of `phase` at the current layer timed inside a native call
+        (kvbench.kernels.step, whose time is kernel time): recorded as `timed` records a
+        block of that many seconds that recorded no work itself (a "host" task, but for a
+        wait phase such as "attention", whose work its strategy counts)."""
         self._v[("time", phase, self.layer)][self.step] += seconds
+        self._carry(phase, False, len(self.graph.tasks), seconds)
 
     @contextmanager
     def timed(self, phase: str, wait: bool = False) -> Iterator[None]:

@@ -81,6 +81,7 @@ from kvbench.registry import Registry, first_line
 if TYPE_CHECKING:
     import torch
 
+    from kvbench.kernels.step import NativeCache, Pages
     from kvbench.runtime.breakdown import Metric
     from kvbench.runtime.context import RunContext
 
@@ -214,18 +215,22 @@ class Strategy:
         """Append one token's k/v [B, Hkv, 1, D] and return its attention [B, Hq, 1, D]."""
         raise NotImplementedError
 
-    def dense_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """(k, v, n) when this strategy's decode of `layer` is dense attention over its own
-        cache k/v [B, Hkv, max_len, D] after writing the new token's k/v at position n, and
-        `layer_input` does nothing: the decoder may then run a whole decode step in one
-        native call (kvbench.kernels.step), which writes and attends the caches itself, and
-        calls `decoded` for each layer. None (the default): the strategy's own `decode`."""
+    def native_cache(self, layer: int) -> NativeCache | None:
+        """What a decode step in one native call (kvbench.kernels.step) needs of `layer`,
+        when this strategy's decode of it is one that call runs (full attention over the
+        cache, or Quest's) and `layer_input` does nothing; the decoder then calls `decoded`
+        for each layer after it. None (the default): the strategy's own `decode`."""
+        return None
+
+    def native_pages(self, n: int) -> Pages | None:
+        """The page selection of a native step whose caches hold n tokens with the new one
+        (Quest's); None: no layer selects."""
         return None
 
     def decoded(self, layer: int, q: torch.Tensor) -> None:
-        """After a native decode step wrote `layer`'s new k/v at `dense_cache`'s n and
-        attended q [B, Hq, 1, D] over positions 0..n: what `decode` does besides (its
-        length, its counters). Called only where `dense_cache` is not None."""
+        """After a native step wrote `layer`'s new k/v at its cache's n and attended q
+        [B, Hq, 1, D]: what `decode` does besides (its length, its counters). Called only
+        where `native_cache` is not None."""
         raise NotImplementedError
 
     def append(self, layer: int, q: torch.Tensor, k: torch.Tensor,

@@ -204,18 +204,26 @@ def attend_selected(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torc
     from kvbench.kernels import cpu
     from kvbench.kernels.attention import note_backend
 
-    hq, d = q.shape[1], q.shape[3]
-    hkv, h = k.shape[1], pos.shape[1]
+    hq, hkv, h = q.shape[1], k.shape[1], pos.shape[1]
     require(h % hkv == 0 and hq % h == 0, f"selection of {h} heads for {hq} query heads "
             f"over {hkv} KV heads")
-    counters.add("tokens", where, lens, 1.0 / h)  # summed at the step's end
-    counters.add("flops", where, lens, 4.0 * hq * d / h)
-    counters.add("bytes_read", where, lens, 2.0 * d * counters.elem_bytes)
+    count_selected(q, lens, counters, where)
     if cpu.native_ok(q) and k.device.type == "cpu" and k.dtype == v.dtype == q.dtype:
         note_backend("native-pages", q)
         return _native_selected(q, k, v, pos, lens)
     note_backend("torch-pages", q)
     return _torch_selected(q, k, v, pos, lens)
+
+
+def count_selected(q: torch.Tensor, lens: torch.Tensor, counters: Counters,
+                   where: str = "accel") -> None:
+    """The work of attending q [B, Hq, 1, D] over selections of lens [B, H] keys: tokens
+    (mean per head), FLOPs and the key/value bytes, summed at the step's end (no op or sync
+    here)."""
+    hq, d, h = q.shape[1], q.shape[3], lens.shape[1]
+    counters.add("tokens", where, lens, 1.0 / h)
+    counters.add("flops", where, lens, 4.0 * hq * d / h)
+    counters.add("bytes_read", where, lens, 2.0 * d * counters.elem_bytes)
 
 
 @kernel

@@ -17,6 +17,7 @@ from kvbench.strategies import STRATEGIES, Strategy
 if TYPE_CHECKING:
     import torch
 
+    from kvbench.kernels.step import NativeCache
     from kvbench.runtime.context import RunContext
 
 
@@ -60,13 +61,15 @@ class Full(Strategy):
 
     decode = append = prefill  # one path for any number of new tokens
 
-    def dense_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    def native_cache(self, layer: int) -> NativeCache | None:
         """The layer's buffers [B, Hkv, max_len, D] and the tokens they hold; None for a
         subclass with a decode or layer_input of its own (it sees every layer's call)."""
+        from kvbench.kernels.step import NativeCache
+
         own = type(self)
         if own.decode is not Full.decode or own.layer_input is not Strategy.layer_input:
             return None
-        return self.k[layer], self.v[layer], self.length[layer]
+        return NativeCache(self.k[layer], self.v[layer], self.length[layer])
 
     def decoded(self, layer: int, q: torch.Tensor) -> None:
         """A native step's token is cached and attended: as `decode` after its kernel."""

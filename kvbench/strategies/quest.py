@@ -68,6 +68,7 @@ from kvbench.strategies._pages import (
     attend_selected,
     check_layers,
     check_pages,
+    count_selected,
     page_scores,
     page_tokens,
     select_pages,
@@ -76,6 +77,7 @@ from kvbench.strategies._pages import (
 if TYPE_CHECKING:
     import torch
 
+    from kvbench.kernels.step import NativeCache, Pages
     from kvbench.runtime.context import RunContext
 
 FLOOR = 3  # the accuracy code's fewest pages (`max(3, budget // S)`)
@@ -175,6 +177,9 @@ class Quest(Strategy):
         self.length = [0] * ctx.n_layers
         # layer -> (positions [B, H, K*S], lengths [B, H]) of its last sparse decode
         self.last: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
+        # sparse layer -> the buffers a native step selects into (`native_cache`, made on
+        # its first use): positions [B, H, K_max * S], lengths [B, H] int32
+        self._sel: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def attended(self, layer: int) -> torch.Tensor | None:
         import torch
@@ -238,3 +243,41 @@ class Quest(Strategy):
         counters.add("bytes_read", "accel", dig.nbytes(n))
         self.last[layer] = pos, lens
         return attend_selected(q, kc, vc, pos, lens, counters)[0]
+
+    def native_cache(self, layer: int) -> NativeCache:
+        """The layer's cache, digests and, on a sparse layer, its selection buffers."""
+        import torch
+
+        from kvbench.kernels.step import NativeCache
+
+        p, dig = self.p, self.dig[layer]
+        if layer < p.dense_layers:
+            return NativeCache(self.k[layer], self.v[layer], self.length[layer], dig.lo, dig.hi)
+        if layer not in self._sel:
+            b, hkv = self.k[layer].shape[:2]
+            h = self.ctx.spec.n_heads if p.rule()[0] == "query" else hkv
+            self._sel[layer] = (torch.zeros(b, h, p.pages(1 << 62) * p.page_size,
+                                            dtype=torch.int32),
+                                torch.zeros(b, h, dtype=torch.int32))
+        return NativeCache(self.k[layer], self.v[layer], self.length[layer], dig.lo, dig.hi,
+                           *self._sel[layer])
+
+    def native_pages(self, n: int) -> Pages:
+        from kvbench.kernels.step import Pages
+
+        per, sinks, window = self.p.rule()
+        return Pages(self.p.page_size, self.p.pages(n), sinks, window, per != "query")
+
+    def decoded(self, layer: int, q: torch.Tensor) -> None:
+        """The token is cached, digested and attended (densely, or over the pages the step
+        selected into the layer's buffers): count it as `decode` does."""
+        p, counters = self.p, self.ctx.counters
+        n = self.length[layer] = self.length[layer] + 1
+        k_pages = p.pages(n)
+        if layer < p.dense_layers or k_pages >= -(-n // p.page_size):
+            self.last[layer] = None
+            counters.attended("accel", q, n)
+            return
+        counters.add("bytes_read", "accel", self.dig[layer].nbytes(n))
+        self.last[layer] = self._sel[layer]  # rows wider than the selection: lens says
+        count_selected(q, self._sel[layer][1], counters)
