@@ -9,7 +9,7 @@
 #include <string.h>
 #include <time.h>
 
-int kvb_abi_version(void) { return 15; }
+int kvb_abi_version(void) { return 16; }
 
 /* The calling thread's OpenMP team size for regions without a num_threads clause (torch's
  * CPU ops): n >= 1 sets it, and libgomp keeps it per thread, so a helper thread can take 1

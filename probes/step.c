@@ -3,8 +3,8 @@
  * position `pos`, the strategy's attention over the cache, layer.c's second half; then the
  * final RMSNorm and the logits head.
  *
- * Attention is full attention over positions 0..pos (attn.c's tasks and merge), or, for a
- * layer with Quest's digests (`lo`), Quest's decode (Quest Alg. 1, kvbench.strategies.quest):
+ * Attention is dense over the cache (attn.c's tasks and merge), or, for a layer with Quest's
+ * digests (`lo`), Quest's decode (Quest Alg. 1, kvbench.strategies.quest):
  * the token's key joins its page's min/max digest, and where the layer selects this step,
  * the top pages by the digests' bound (pages.c) are attended (attn.c's sparse rows).
  *
@@ -15,8 +15,12 @@
  * next at a barrier. The same arithmetic, in float32, as the layer-by-layer path
  * (kvbench.kernels.step checks it).
  *
+ * The new token (position `pos`, its RoPE row) goes to cache slot `at` and attention reads
+ * slots 0..n-1 (full attention and Quest: at = pos, n = pos + 1; StreamingLLM: its ring's
+ * slot and the slots filled; softmax does not depend on the slots' order).
+ *
  * x [B, H] (updated in place, the residual stream), logits [B, V]; the caches [B, Hkv,
- * max_len, D] with element strides ks/vs (batch, head, token), the last dimension
+ * slots, D] with element strides ks/vs (batch, head, slot), the last dimension
  * contiguous; digests [B, Hkv, P, D] likewise (ds); cos/sin the RoPE tables' row of `pos`
  * [D], perm [D]; scale the attention's (D^-0.5). Per layer, attn_s: the seconds of its
  * attention (digest, selection and attention: what the layer-by-layer path times as its
@@ -59,9 +63,10 @@ static double now_s(void) {
 int kvb_llama_step(const kvb_layer_t *layers, int64_t L, const kvb_pages_t *pages, float *x,
                    float eps, const float *norm, const float *head, int64_t V, float *logits,
                    const float *cos, const float *sin, const int64_t *perm, float scale,
-                   int64_t pos, int64_t B, int64_t H, int64_t Hq, int64_t Hkv, int64_t D,
-                   int64_t F, double *attn_s, double *sel_s, int threads) {
-    const int64_t N = (Hq + 2 * Hkv) * D, A = Hq * D, n = pos + 1;
+                   int64_t pos, int64_t at, int64_t n, int64_t B, int64_t H, int64_t Hq,
+                   int64_t Hkv, int64_t D, int64_t F, double *attn_s, double *sel_s,
+                   int threads) {
+    const int64_t N = (Hq + 2 * Hkv) * D, A = Hq * D;
     const int64_t n_pages = pages ? (n + pages->page - 1) / pages->page : 0;
     if (B < 1 || B > MAX_B || (pages && pages->k < n_pages && pages->k * pages->page > pages->ld))
         return -2;
@@ -81,13 +86,13 @@ int kvb_llama_step(const kvb_layer_t *layers, int64_t L, const kvb_pages_t *page
             const kvb_layer_t *y = layers + l;
             const int sparse = y->idx && pages && pages->k < n_pages;
             kvb_llama_pre_in(x, y->nw1, eps, y->wqkv, cos, sin, perm, h, qkv, q,
-                             y->kc + pos * y->ks[2], y->ks, y->vc + pos * y->vs[2], y->vs, B,
+                             y->kc + at * y->ks[2], y->ks, y->vc + at * y->vs[2], y->vs, B,
                              H, Hq, Hkv, D);
 #pragma omp single
             {
                 t0 = now_s();
                 if (y->lo && pages)
-                    kvb_digest_token(y->kc + pos * y->ks[2], y->ks, y->lo, y->hi, y->ds, B,
+                    kvb_digest_token(y->kc + at * y->ks[2], y->ks, y->lo, y->hi, y->ds, B,
                                      Hkv, D, pos / pages->page, pos % pages->page == 0);
                 t1 = now_s();
             }
@@ -103,7 +108,7 @@ int kvb_llama_step(const kvb_layer_t *layers, int64_t L, const kvb_pages_t *page
                     y->idx, y->lens, NULL, pages->k * pages->page, pages->ld, 0, rows, scale,
                     0, 0, 1, nt) : kvb_attn_plan(
                     &job, 0, q, y->kc, y->vc, a, lse, B, Hq, Hkv, 1, n, D, y->ks, y->vs, NULL,
-                    NULL, NULL, 0, 0, 0, Hkv, scale, 0, pos, 1, nt);
+                    NULL, NULL, 0, 0, 0, Hkv, scale, 0, n - 1, 1, nt);
                 if (rc) failed = 1;
             }
             kvb_attn_work(&job);

@@ -58,8 +58,8 @@ def run_records(tmp_path: Path) -> list[dict[str, Any]]:
 
 def test_run_records_state_backend(tmp_path: Path) -> None:
     recs = run_records(tmp_path)
-    assert recs and all(r["method"]["backend"] == {"decode": "native", "prefill/append": "torch"}
-                        for r in recs)
+    assert recs and all(r["method"]["backend"] == {"decode": "native-step",
+                                                   "prefill/append": "torch"} for r in recs)
 
 
 def test_run_records_state_fallback(tmp_path: Path, no_native: None) -> None:

@@ -1,10 +1,11 @@
 """A Llama decode step in one native call (probes/step.c through kvbench.kernels.step),
-full attention's and Quest's, against the layer-by-layer path on the same weights and
-prompt: logits, the caches it writes and their lengths, Quest's digests and selections, the
-stage graph and the counters, float32 to 1e-5, over several steps, on the bundled model's
-shape and odd ones, batches 1 to 8, one and two threads, both instruction sets of the
-matmul loops, a context long enough for attention's split-K merge, and Quest's selection
-rules; where the decoder takes it; the ops it dispatches."""
+full attention's, Quest's and StreamingLLM's, against the layer-by-layer path on the same
+weights and prompt: logits, the caches it writes and their lengths, Quest's digests and
+selections, the stage graph and the counters, float32 to 1e-5, over several steps, on the
+bundled model's shape and odd ones, batches 1 to 8, one and two threads, both instruction
+sets of the matmul loops, a context long enough for attention's split-K merge, Quest's
+selection rules and StreamingLLM's ring; where the decoder takes it; the ops it
+dispatches."""
 
 from __future__ import annotations
 
@@ -117,6 +118,16 @@ def test_native_quest_step_equals_the_layer_path(rule: tuple[str, str, int, int]
     _same(spec, 3, batch, threads, prompt=40, steps=4, seed=batch, strategy="quest", **quest)
 
 
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_streaming_step_equals_the_layer_path(threads: int) -> None:
+    """StreamingLLM's ring in the step: 2 sinks and 8 recent slots over a 20-token prompt,
+    6 steps writing round the ring."""
+    spec = ModelSpec("t", "llama", 2, 9, 3, 576, 1536, 50, 64, rope_theta=1e4)
+    _same(spec, 2, 3, threads, prompt=20, steps=6, seed=3, strategy="streaming",
+          gpu_tokens=10, sinks=2)
+
+
 def _same(spec: ModelSpec, layers: int, batch: int, threads: int, prompt: int, steps: int,
           seed: int, **strategy: Any) -> None:
     before = torch.get_num_threads()
@@ -135,7 +146,8 @@ def _same(spec: ModelSpec, layers: int, batch: int, threads: int, prompt: int, s
     for r, g in zip(ref_logits, got_logits, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-4)
     n = prompt + steps
-    assert got.strategy.length == ref.strategy.length == [n] * layers
+    count = "seen" if hasattr(ref.strategy, "seen") else "length"
+    assert getattr(got.strategy, count) == getattr(ref.strategy, count) == [n] * layers
     for cache in ("k", "v"):  # every cached token, the ones the steps wrote too
         for a, b in zip(getattr(ref.strategy, cache), getattr(got.strategy, cache), strict=True):
             torch.testing.assert_close(b[:, :, :n], a[:, :, :n], rtol=1e-5, atol=1e-5)
@@ -166,9 +178,10 @@ def _same(spec: ModelSpec, layers: int, batch: int, threads: int, prompt: int, s
 
 @needs_native
 def test_where_the_decoder_takes_it() -> None:
-    """Full attention's and Quest's decode rows on the native layers, untied head too; not a
-    strategy that attends otherwise, not a subclass with its own decode, not bfloat16, not when the
-    cache's length is not the step's position; prefill rows never."""
+    """Full attention's, Quest's and StreamingLLM's decode rows on the native layers, untied
+    head too; not a strategy that attends otherwise, not a subclass with its own decode, not
+    bfloat16, not when the cache's length is not the step's position; prefill rows
+    never."""
     from kvbench.kernels.step import Step
 
     spec = ModelSpec("t", "llama", 2, 4, 2, 40, 36, 50, 64, rope_theta=1e4)
@@ -182,7 +195,8 @@ def test_where_the_decoder_takes_it() -> None:
     assert taken(_model(spec, 2, 2, 16, 0, tied=False))
     assert taken(_model(spec, 2, 2, 16, 0, strategy="quest"))
     assert not taken(_model(spec, 2, 2, 16, 0), start=4)  # the cache holds 5 tokens
-    assert not taken(_model(spec, 2, 2, 64, 0, strategy="streaming"))
+    assert taken(_model(spec, 2, 2, 64, 0, strategy="streaming"))
+    assert not taken(_model(spec, 2, 2, 64, 0, strategy="h2o"))
 
     class Own(Full):
         def decode(self, layer: int, q: Any, k: Any, v: Any) -> Any:

@@ -19,7 +19,9 @@ refuses the shapes) runs the torch path below, query-chunked so a prefill does n
 materialise all scores at once (`query_chunk`: a GPU-sized budget on CUDA). Every call
 counts the backend that ran (`backend_use`: "native", "sdpa-flash", "sdpa-efficient" or
 "torch"; sparse strategies add their selection's path, "native-select" or "torch-select",
-and page gathers "native-pages"), which runs and probes store as `method.backend`;
+and page gathers "native-pages"; a decode step run whole in one native call, every layer's
+attention and selection in it, is "native-step", kvbench.kernels.step), which runs and
+probes store as `method.backend`;
 `kvbench.native.native_status` says why the native library did not load (`kvbench env`
 shows it).
 

@@ -42,10 +42,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class NativeCache:
-    """What a native step reads and writes of one layer: its cache k/v [B, Hkv, max_len, D]
-    holding n tokens (the step writes the new one at n and attends 0..n), and for Quest its
-    min/max digests lo/hi [B, Hkv, P, D] (the token's key joins them) with, on a layer that
-    selects pages, the buffers of its selection idx [B, H, ld] and lens [B, H] int32."""
+    """What a native step reads and writes of one layer: its cache k/v [B, Hkv, slots, D]
+    after n tokens (the step's position), the slot the new token goes to (`slot`, default
+    n) and how many slots from 0 the step then attends (`span`, default n + 1: every
+    token), and for Quest its min/max digests lo/hi [B, Hkv, P, D] (the token's key joins
+    them) with, on a layer that selects pages, the buffers of its selection idx [B, H, ld]
+    and lens [B, H] int32."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -54,6 +56,13 @@ class NativeCache:
     hi: torch.Tensor | None = None
     idx: torch.Tensor | None = None
     lens: torch.Tensor | None = None
+    slot: int | None = None
+    span: int | None = None
+
+    def where(self) -> tuple[int, int, int]:
+        """(n, slot, span) with the defaults resolved."""
+        return (self.n, self.n if self.slot is None else self.slot,
+                self.n + 1 if self.span is None else self.span)
 
 
 @dataclass(frozen=True)
@@ -92,6 +101,11 @@ def _usable(t: torch.Tensor | None) -> bool:
                          and t.stride(-1) == 1)
 
 
+def _owner(obj: object, name: str) -> type:
+    """The class in obj's MRO that defines `name`."""
+    return next(c for c in type(obj).__mro__ if name in c.__dict__)
+
+
 def _layer(layer: object, c: NativeCache) -> Layer:
     import torch
 
@@ -120,13 +134,19 @@ class Step:
         self.ld = ld  # a selection row's length (0: no layer selects)
         self.seconds = (ctypes.c_double * len(layers))()  # each layer's attention
         self.select = (ctypes.c_double * len(layers))()  # and its selection (-1: none)
+        self.at = (0, 0)  # this step's slot and span (`ready`)
 
     @classmethod
     def build(cls, model: LlamaDecoder) -> Step | None:
         """The step for `model` and its strategy, or None when either does not suit it."""
         import torch
 
+        from kvbench.strategies import Strategy
+
         s, norm = model.strategy, model.norm
+        if _owner(s, "decode") is not _owner(s, "native_cache") or \
+                _owner(s, "layer_input") is not Strategy:
+            return None  # a subclass with a decode or layer_input of its own sees every layer
         head = model.tied()
         head = model.lm_head.weight if head is None else head
         if not (model.native_layers and _usable(head) and head.is_contiguous()
@@ -145,11 +165,15 @@ class Step:
         return cls(model, out, head, torch.empty(c.k.shape[0], a.hq, 1, a.nq // a.hq), ld)
 
     def ready(self, tokens: torch.Tensor, start: int) -> bool:
-        """Whether tokens [B, 1] are the caches' batch and every layer's cache holds exactly
-        the positions before `start`."""
+        """Whether tokens [B, 1] are the caches' batch and every layer's cache is at
+        position `start` with the same slot and span (kept for the call)."""
         s = self.model.strategy
-        return tokens.shape[0] == self.q.shape[0] and all(
-            s.native_cache(i).n == start for i in range(len(self.layers)))
+        where = {s.native_cache(i).where() for i in range(len(self.layers))}
+        if tokens.shape[0] != self.q.shape[0] or len(where) != 1:
+            return False
+        n, slot, span = where.pop()
+        self.at = (slot, span)
+        return n == start
 
     def __call__(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
         """Logits [B, vocab] of decode rows tokens [B, 1] at position `start`; the strategy's
@@ -157,7 +181,7 @@ class Step:
         m = self.model
         x = m.embed(tokens, start)[:, 0].contiguous()
         logits = self._run(x, start, m.strategy.native_pages(start + 1))
-        note_backend("native", self.q)  # every layer's attention, in the call
+        note_backend("native-step", self.q)  # every layer's attention, in the call
         c, spec, rows = m.counters, m.spec, x.shape[0]
         for i in range(len(self.layers)):
             c.layer = i
@@ -186,7 +210,7 @@ class Step:
             self.layers, len(self.layers), None if rule is None else ctypes.byref(rule),
             x.data_ptr(), norm.eps, norm.weight.data_ptr(), self.head.data_ptr(),
             self.head.shape[0], logits.data_ptr(), cos.data_ptr() + row, sin.data_ptr() + row,
-            perm.data_ptr(), d ** -0.5, start, x.shape[0], x.shape[1], a.hq, a.hkv, d,
+            perm.data_ptr(), d ** -0.5, start, *self.at, x.shape[0], x.shape[1], a.hq, a.hkv, d,
             m.layers[0].mlp.down_proj.weight.shape[1], self.seconds, self.select,
             torch.get_num_threads())
         if rc != 0:

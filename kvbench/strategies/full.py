@@ -61,14 +61,10 @@ class Full(Strategy):
 
     decode = append = prefill  # one path for any number of new tokens
 
-    def native_cache(self, layer: int) -> NativeCache | None:
-        """The layer's buffers [B, Hkv, max_len, D] and the tokens they hold; None for a
-        subclass with a decode or layer_input of its own (it sees every layer's call)."""
+    def native_cache(self, layer: int) -> NativeCache:
+        """The layer's buffers [B, Hkv, max_len, D] and the tokens they hold."""
         from kvbench.kernels.step import NativeCache
 
-        own = type(self)
-        if own.decode is not Full.decode or own.layer_input is not Strategy.layer_input:
-            return None
         return NativeCache(self.k[layer], self.v[layer], self.length[layer])
 
     def decoded(self, layer: int, q: torch.Tensor) -> None:

@@ -30,6 +30,7 @@ from kvbench.strategies import STRATEGIES, Strategy, _budget
 if TYPE_CHECKING:
     import torch
 
+    from kvbench.kernels.step import NativeCache
     from kvbench.runtime.context import RunContext
 
 
@@ -132,3 +133,16 @@ class Streaming(Strategy):
                                  causal=False)
         self.ctx.counters.attended("accel", q, n)
         return out
+
+    def native_cache(self, layer: int) -> NativeCache:
+        """The layer's slots, the new token's slot and the slots filled with it."""
+        from kvbench.kernels.step import NativeCache
+
+        t = self.seen[layer]
+        return NativeCache(self.k[layer], self.v[layer], t, slot=self._slot(t),
+                           span=min(t + 1, self.budget))
+
+    def decoded(self, layer: int, q: torch.Tensor) -> None:
+        """The token is in its slot and the filled slots attended: as `decode`."""
+        self.seen[layer] += 1
+        self.ctx.counters.attended("accel", q, min(self.seen[layer], self.budget))
