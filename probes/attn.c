@@ -18,8 +18,9 @@
  * of one OpenMP parallel region take tasks from a shared counter and write disjoint parts of
  * one output buffer (see kvb_attn).
  *
- * The inner loops (attn_loops.c) have an AVX2/FMA version chosen at run time on x86 CPUs
- * that have it and a portable one (kvb_attn_isa reports or forces the choice).
+ * The inner loops (attn_loops.c) have an AVX2/FMA version and, for float32, an AVX-512 one
+ * (attn_avx512.c), the best the CPU has chosen at run time, and a portable one (kvb_attn_isa
+ * reports or forces the choice).
  *
  * Rows of at most 256 bytes over a KV of at least kvb_attn_prefetch_from bytes (half the
  * LLC, set by kvbench.native) are fetched to L2 ahead of use, a few lines per key inside the
@@ -52,7 +53,7 @@
 #define MIN_CHUNK 256 /* fewest keys per split chunk */
 
 
-static int g_isa = -1; /* -1: not chosen yet, 0: portable, 1: AVX2/FMA */
+static int g_isa = -1; /* -1: not chosen yet, 0: portable, 1: AVX2/FMA, 2: AVX-512 */
 static int64_t g_prefetch_from = (int64_t)16 << 20; /* KV bytes: half a 32 MiB LLC */
 
 /* bytes >= 0: dense calls over a KV of `bytes` bytes or more prefetch (rows of at most
@@ -63,9 +64,13 @@ int64_t kvb_attn_prefetch_from(int64_t bytes) {
 }
 
 /* want -1: report the inner loops in use (choosing the best on first use), 0: force the
- * portable ones, 1: AVX2/FMA where the CPU has it. Returns the choice now in effect. */
+ * portable ones, 1: AVX2/FMA, 2: AVX-512, each where the CPU has it (else the best it has
+ * below). Returns the choice now in effect. */
 int kvb_attn_isa(int want) {
-    if (want >= 0 || g_isa < 0) g_isa = want != 0 && kvb_attn_have_avx2() ? 1 : 0;
+    if (want >= 0 || g_isa < 0) {
+        const int best = kvb_attn_have_avx512() ? 2 : kvb_attn_have_avx2() ? 1 : 0;
+        g_isa = want < 0 || want > best ? best : want;
+    }
     return g_isa;
 }
 

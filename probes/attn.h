@@ -14,6 +14,13 @@ typedef struct {
     int64_t n, bytes;
 } pf_t;
 
+/* Row j of pf, every 64-byte line of it, into L2 (attn.c says when a call prefetches). */
+static inline void kvb_fetch_row(const pf_t *pf, int64_t j) {
+    if (pf && j < pf->n)
+        for (int64_t c = 0; c < pf->bytes; c += 64)
+            __builtin_prefetch((const char *)pf->row[j] + c, 0, 2); /* prefetcht1 on x86 */
+}
+
 /* The vectorisable inner loops, one set per instruction set and dtype. s/p rows hold BLK
  * floats; kp/vp point at K/V rows in the call's dtype; q and acc rows are float32, in the
  * order `perm` says (1: each 16 floats in the bfloat16 unpack order, see swap23). */
@@ -77,11 +84,20 @@ static inline float elem(const void *row, int64_t d, int bf16) {
     return bf16 ? bf16_to_f32(((const uint16_t *)row)[d]) : ((const float *)row)[d];
 }
 
-/* The inner loops for dtype (0 float32, 1 bfloat16) and head dim D: AVX2/FMA when `avx2`
- * and D suits them (a multiple of 8, of 16 for bfloat16), else the portable ones. */
-__attribute__((visibility("hidden"))) const isa_t *kvb_attn_loops(int dtype, int64_t D, int avx2);
-/* The inner loops in use (attn.c): want -1 reports them, 0 forces portable, 1 AVX2/FMA. */
+/* The inner loops for dtype (0 float32, 1 bfloat16) and head dim D under instruction set
+ * `isa` (0 portable, 1 AVX2/FMA, 2 AVX-512): AVX-512 for float32 with D a multiple of 16,
+ * AVX2/FMA (isa >= 1) when D suits them (a multiple of 8, of 16 for bfloat16), else the
+ * portable ones. */
+__attribute__((visibility("hidden"))) const isa_t *kvb_attn_loops(int dtype, int64_t D, int isa);
+/* The inner loops in use (attn.c): want -1 reports them, 0 forces portable, 1 AVX2/FMA, 2
+ * AVX-512 (each where the CPU has it, else the best below it). */
 int kvb_attn_isa(int want);
+/* attn_loops.c's AVX2 row max and exp-sum, which the AVX-512 loops share. */
+__attribute__((visibility("hidden"))) float kvb_rowmax_avx2(const float *s, int64_t n);
+__attribute__((visibility("hidden"))) float kvb_expsum_avx2(float *s, int64_t n, float m);
+/* attn_avx512.c: its float32 loops, and whether this CPU has AVX-512F (with AVX2/FMA). */
+__attribute__((visibility("hidden"))) const isa_t *kvb_attn_loops_avx512(void);
+__attribute__((visibility("hidden"))) int kvb_attn_have_avx512(void);
 /* One call in three parts (attn.c; kvb_attn is plan, a region of work, end): a caller that
  * is already inside a parallel region plans on one thread and works on all of them. */
 __attribute__((visibility("hidden"))) int kvb_attn_plan(

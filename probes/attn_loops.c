@@ -86,13 +86,6 @@ static AVX2_INLINE __m256 hi8(__m256i w) {
     return _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), w));
 }
 
-/* Row j of pf, every 64-byte line of it, into L2 (attn.c says when a call prefetches). */
-static AVX2_INLINE void fetch(const pf_t *pf, int64_t j) {
-    if (pf && j < pf->n)
-        for (int64_t c = 0; c < pf->bytes; c += 64)
-            _mm_prefetch((const char *)pf->row[j] + c, _MM_HINT_T1);
-}
-
 /* Eight dot products of q (D floats) with rows r[0..7]: lane i is q . r_i. D is a multiple
  * of 8 (float32) or 16 (bfloat16, q in unpack order). */
 static AVX2_INLINE __m256 dot8(const float *q, const void *const *r, int64_t D, const int bf16) {
@@ -151,7 +144,7 @@ static AVX2_INLINE void scores_avx2(float *s, const float *q, int64_t nr, int64_
                                     const pf_t *pf) {
     const void *r[8];
     for (int64_t j0 = 0; j0 < nb; j0 += 8) {
-        for (int u = 0; u < 8; u++) fetch(pf, j0 + u);
+        for (int u = 0; u < 8; u++) kvb_fetch_row(pf, j0 + u);
         for (int u = 0; u < 8; u++) r[u] = kp[j0 + u < nb ? j0 + u : nb - 1];
         int64_t t = 0;
         for (; t + 2 <= nr; t += 2)
@@ -173,7 +166,7 @@ static AVX2_INLINE void pv_tile(float *acc, float corr, const float *p, const vo
     const __m256 c = _mm256_set1_ps(corr);
     for (int i = 0; i < NV; i++) a[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + d0 + 8 * i), c);
     for (int64_t j = 0; j < nb; j++) {
-        fetch(pf, j);
+        kvb_fetch_row(pf, j);
         const __m256 pj = _mm256_broadcast_ss(p + j);
         for (int i = 0; i < NV; i += bf16 ? 2 : 1) {
             a[i] = _mm256_fmadd_ps(pj, lo8(vp[j], d0 + 8 * i, bf16, &w), a[i]);
@@ -194,7 +187,7 @@ static AVX2_INLINE void pv_tile2(float *acc0, float *acc1, float c0, float c1, c
         b[i] = _mm256_mul_ps(_mm256_loadu_ps(acc1 + d0 + 8 * i), _mm256_set1_ps(c1));
     }
     for (int64_t j = 0; j < nb; j++) {
-        fetch(pf, j);
+        kvb_fetch_row(pf, j);
         const __m256 x = _mm256_broadcast_ss(p0 + j), y = _mm256_broadcast_ss(p1 + j);
         for (int i = 0; i < NV; i += bf16 ? 2 : 1) {
             v[0] = lo8(vp[j], d0 + 8 * i, bf16, &w);
@@ -270,7 +263,7 @@ static AVX2 void pv_avx2_bf16(float *acc, const float *corr, const float *p,
     else pv_avx2(acc, corr, p, vp, nr, nb, D, 1, NULL);
 }
 
-static AVX2 float rowmax_avx2(const float *s, int64_t n) {
+AVX2 float kvb_rowmax_avx2(const float *s, int64_t n) {
     __m256 m = _mm256_set1_ps(-INFINITY);
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + j));
@@ -303,7 +296,7 @@ static AVX2_INLINE __m256 exp8(__m256 x) {
     return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), keep);
 }
 
-static AVX2 float expsum_avx2(float *s, int64_t n, float m) {
+AVX2 float kvb_expsum_avx2(float *s, int64_t n, float m) {
     const __m256 mv = _mm256_set1_ps(m);
     __m256 acc = _mm256_setzero_ps();
     int64_t j = 0;
@@ -324,8 +317,10 @@ static AVX2 float expsum_avx2(float *s, int64_t n, float m) {
     return sum;
 }
 
-static const isa_t AVX2_F32 = {scores_avx2_f32, rowmax_avx2, expsum_avx2, pv_avx2_f32, 0};
-static const isa_t AVX2_BF16 = {scores_avx2_bf16, rowmax_avx2, expsum_avx2, pv_avx2_bf16, 1};
+static const isa_t AVX2_F32 = {scores_avx2_f32, kvb_rowmax_avx2, kvb_expsum_avx2, pv_avx2_f32,
+                               0};
+static const isa_t AVX2_BF16 = {scores_avx2_bf16, kvb_rowmax_avx2, kvb_expsum_avx2,
+                                pv_avx2_bf16, 1};
 
 int kvb_attn_have_avx2(void) {
     __builtin_cpu_init();
@@ -335,12 +330,13 @@ int kvb_attn_have_avx2(void) {
 int kvb_attn_have_avx2(void) { return 0; }
 #endif
 
-const isa_t *kvb_attn_loops(int dtype, int64_t D, int avx2) {
+const isa_t *kvb_attn_loops(int dtype, int64_t D, int isa) {
 #ifdef KVB_X86
-    if (avx2 && D % (dtype ? 16 : 8) == 0) return dtype ? &AVX2_BF16 : &AVX2_F32;
+    if (isa == 2 && !dtype && D % 16 == 0) return kvb_attn_loops_avx512();
+    if (isa >= 1 && D % (dtype ? 16 : 8) == 0) return dtype ? &AVX2_BF16 : &AVX2_F32;
 #else
     (void)D;
-    (void)avx2;
+    (void)isa;
 #endif
     return dtype ? &GEN_BF16 : &GEN_F32;
 }

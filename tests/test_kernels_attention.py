@@ -127,7 +127,8 @@ def test_merge_with_empty_parts():
        lq=st.sampled_from([1, 2, 5, 32]), lk=st.integers(0, 80), d=st.sampled_from([8, 64]),
        frac=st.floats(0, 1), causal=st.booleans(),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 99),
-       backend=st.sampled_from(["auto", "torch"]), isa=st.sampled_from(["avx2", "portable"]))
+       backend=st.sampled_from(["auto", "torch"]),
+       isa=st.sampled_from(["avx512", "avx2", "portable"]))
 def test_contiguous_split_merges_to_full(b, hkv, group, lq, lk, d, frac, causal, dtype, seed,
                                          backend, isa):
     """Old keys [0, s) and recent keys [s, Lk) attended apart then merged == full attention
@@ -182,7 +183,7 @@ def test_native_matches_reference(dtype, lq, q_start, causal):
     assert max_err(lse[fin], ref_lse[fin]) < 1e-4
 
 
-@pytest.fixture(params=["avx2", "portable"])
+@pytest.fixture(params=["avx512", "avx2", "portable"])
 def kernel_isa(request):
     """Each native inner-loop set in turn (avx2 runs where the CPU has it), restored after."""
     from kvbench.kernels import cpu
@@ -288,12 +289,13 @@ def test_native_head_dims_off_the_vector_width_on_strided_rows(kernel_isa, dtype
 
 
 @settings(max_examples=25, deadline=None)
-@given(isa=st.sampled_from(["avx2", "portable"]), b=st.integers(1, 2),
+@given(isa=st.sampled_from(["avx512", "avx2", "portable"]), b=st.integers(1, 2),
        hkv=st.integers(1, 3), group=st.sampled_from([1, 3]), lq=st.sampled_from([1, 2, 5]),
-       lk=st.integers(1, 90), d=st.sampled_from([7, 8, 33, 64, 65]), pad=st.integers(0, 9),
+       lk=st.integers(1, 90), d=st.sampled_from([7, 8, 16, 33, 48, 64, 65, 80, 128]),
+       pad=st.integers(0, 9),
        threads=st.integers(1, 3), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        seed=st.integers(0, 99))
-def test_native_property_over_both_isas(isa, b, hkv, group, lq, lk, d, pad, threads, dtype,
+def test_native_property_over_every_isa(isa, b, hkv, group, lq, lk, d, pad, threads, dtype,
                                         seed):
     """The native dense kernel over random shapes, head dims and row strides, under each
     inner-loop set, equals the float64 reference."""

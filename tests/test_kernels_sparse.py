@@ -24,7 +24,7 @@ def ragged(keep):
        lq=st.sampled_from([1, 3, 32]), lk=st.integers(0, 90), d=st.sampled_from([7, 8, 33, 64, 65]),
        p=st.floats(0, 1), causal=st.booleans(),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 99),
-       task=st.sampled_from([None, 1, 3]), isa=st.sampled_from(["avx2", "portable"]))
+       task=st.sampled_from([None, 1, 3]), isa=st.sampled_from(["avx512", "avx2", "portable"]))
 def test_any_split_merges_to_full(b, hkv, group, lq, lk, d, p, causal, dtype, seed, task, isa):
     q, k, v = make(b, hkv * group, hkv, lq, lk, d, dtype, seed)
     gen = torch.Generator().manual_seed(seed)

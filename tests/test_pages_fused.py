@@ -86,7 +86,7 @@ def loop_reference(q, k, v, pos, lens):
 
 
 @native
-@pytest.mark.parametrize("isa", ["avx2", "portable"])
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d", [7, 33, 64])
 @pytest.mark.parametrize("per", ["kv", "query"])
@@ -116,7 +116,7 @@ def test_native_pages_equal_torch_path(per: str, d: int, dtype: torch.dtype, isa
 
 
 @native
-@pytest.mark.parametrize("isa", ["avx2", "portable"])
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_pages_split_rows(dtype: torch.dtype, isa: str) -> None:
     """Few rows over many selected keys (2 query-head rows, 40 pages): the kernel splits each

@@ -47,13 +47,14 @@ def native_built() -> bool:
     return _lib() is not None
 
 
-ISAS = ("portable", "avx2")
+ISAS = ("portable", "avx2", "avx512")
 
 
 def isa(force: str | None = None) -> str | None:
-    """The native kernel's inner loops now in use: "avx2" (AVX2/FMA, chosen on first use
-    where the CPU has them) or "portable"; `force` selects one ("avx2" only takes effect on a
-    CPU that has it). None when the kernel is not built."""
+    """The native kernel's inner loops now in use: "avx512" (AVX-512 for float32 rows of a
+    head dim that is a multiple of 16, AVX2 for the rest), "avx2" (AVX2/FMA) or "portable",
+    the best the CPU has chosen on first use; `force` selects one (a set the CPU lacks
+    gives the best it has below it). None when the kernel is not built."""
     so = _lib()
     if so is None:
         return None
