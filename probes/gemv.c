@@ -5,8 +5,9 @@
  * and its speed is how close that stream runs to the memory's read bandwidth. Each W row
  * is read once, in order, and dotted with all B rows of x (they stay in L1: B x K floats),
  * with W prefetched into L2 far ahead (ROW below). Threads split N into contiguous ranges,
- * so each reads one sequential stream. AVX2/FMA where the CPU has it (chosen at run time,
- * as attn.c does), else a portable loop GCC vectorises.
+ * so each reads one sequential stream. AVX2/FMA where the CPU has it (AVX-512 for one row,
+ * where the CPU has that), chosen at run time as attn.c does, else a portable loop GCC
+ * vectorises.
  *
  * Measured against MKL/oneDNN on the 2-core AMD EPYC VM (kvbench.models.linear's doc).
  */
@@ -97,19 +98,55 @@ static AVX2 void rows_avx2(const gemv_t *g, int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; n++) f(g, n);
 }
 
-static int have_avx2(void) {
+/* One W row against one x row sixteen floats an instruction (K a multiple of 16): batch 1's
+ * matmuls, the weights of the bundled model and its head streamed 46-47 -> 51-52 GB/s
+ * against the read loop's 53-55 (2-core Zen 5 VM, same process). At batch 4 AVX-512 was no
+ * faster and at batch 8 slower (28-34 against 35-46 GB/s: B rows' sixteen-lane
+ * reductions), so more rows keep AVX2's. */
+#define A512 __attribute__((target("avx512f,avx2,fma")))
+#define U512 4
+static A512 void rows_avx512(const gemv_t *g, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) {
+        __m512 a[U512];
+        for (int u = 0; u < U512; u++) a[u] = _mm512_setzero_ps();
+        const float *w = g->w + n * g->K, *x = g->x;
+        int64_t k = 0;
+        for (; k + 16 * U512 <= g->K; k += 16 * U512) {
+            for (int u = 0; u < U512; u++)
+                _mm_prefetch((const char *)(w + k + 16 * u) + PREFETCH, _MM_HINT_T1);
+            for (int u = 0; u < U512; u++)
+                a[u] = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 16 * u),
+                                       _mm512_loadu_ps(x + k + 16 * u), a[u]);
+        }
+        for (; k < g->K; k += 16) {
+            _mm_prefetch((const char *)(w + k) + PREFETCH, _MM_HINT_T1);
+            a[0] = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), a[0]);
+        }
+        const float r = _mm512_reduce_add_ps(
+            _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
+        g->y[n] = g->acc ? g->y[n] + r : r;
+    }
+}
+
+/* 2: AVX-512F (with AVX2/FMA), 1: AVX2/FMA, 0: neither. */
+static int best_isa(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return 0;
+    return __builtin_cpu_supports("avx512f") ? 2 : 1;
 }
 #endif
 
-static int g_isa = -1; /* 1: AVX2/FMA, 0: portable; -1: not chosen yet */
+static int g_isa = -1; /* 2: AVX-512, 1: AVX2/FMA, 0: portable; -1: not chosen yet */
 
-/* The instruction set kvb_gemv uses: want 0 forces the portable loop, 1 AVX2 where the CPU
- * has it, -1 reports the current choice (AVX2 where available by default). */
+/* The instruction set kvb_gemv uses: want 0 forces the portable loop, 1 AVX2, 2 AVX-512,
+ * each where the CPU has it (else the best it has below); -1 reports the current choice
+ * (the best the CPU has by default). */
 int kvb_gemv_isa(int want) {
 #ifdef KVB_X86
-    if (want >= 0 || g_isa < 0) g_isa = want != 0 && have_avx2() ? 1 : 0;
+    if (want >= 0 || g_isa < 0) {
+        const int best = best_isa();
+        g_isa = want < 0 || want > best ? best : want;
+    }
 #else
     g_isa = 0;
     (void)want;
@@ -126,6 +163,10 @@ void kvb_gemv_share(int64_t N, int64_t t, int64_t T, int64_t *n0, int64_t *n1) {
 
 void kvb_gemv_range(const gemv_t *g, int64_t n0, int64_t n1) {
 #ifdef KVB_X86
+    if (kvb_gemv_isa(-1) == 2 && g->B == 1 && g->K % 16 == 0) {
+        rows_avx512(g, n0, n1);
+        return;
+    }
     if (kvb_gemv_isa(-1) && g->K % 8 == 0) {
         rows_avx2(g, n0, n1);
         return;

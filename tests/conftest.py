@@ -150,17 +150,20 @@ def device(request: pytest.FixtureRequest) -> torch.device:
     return torch.device(request.param)
 
 
-@pytest.fixture(params=["portable", "avx2"])
+@pytest.fixture(params=["portable", "avx2", "avx512"])
 def isa(request: pytest.FixtureRequest) -> Any:
-    """kvb_gemv's loops (probes/gemv.c, also the native decoder layer's) forced to one set
-    (avx2 only where the CPU has it), restored after."""
+    """kvb_gemv's loops (probes/gemv.c, also the native decoder layer's and step's) forced
+    to one set (skipped where the CPU lacks it), restored after."""
     from kvbench.kernels import cpu
 
     so = cpu._lib()
     if so is None:
         pytest.skip("native library not built")
     before = so.kvb_gemv_isa(-1)
-    so.kvb_gemv_isa(1 if request.param == "avx2" else 0)
+    want = ("portable", "avx2", "avx512").index(request.param)
+    if so.kvb_gemv_isa(want) != want:
+        so.kvb_gemv_isa(before)
+        pytest.skip(f"this CPU has no {request.param}")
     yield request.param
     so.kvb_gemv_isa(before)
 
