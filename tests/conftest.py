@@ -150,6 +150,12 @@ def device(request: pytest.FixtureRequest) -> torch.device:
     return torch.device(request.param)
 
 
+# Llama layer shapes the native decoder tests run, (heads, kv heads, hidden, ffn):
+# SmolLM2-135M's, and odd widths and groups (a width that is not a multiple of 8 takes
+# gemv's portable loop under any isa)
+LLAMA_SHAPES = [(9, 3, 576, 1536), (4, 2, 40, 36), (6, 6, 72, 100), (8, 1, 128, 344)]
+
+
 @pytest.fixture(params=["portable", "avx2", "avx512"])
 def isa(request: pytest.FixtureRequest) -> Any:
     """kvb_gemv's loops (probes/gemv.c, also the native decoder layer's and step's) forced

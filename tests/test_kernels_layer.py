@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from conftest import LLAMA_SHAPES
 
 torch = pytest.importorskip("torch")
 
@@ -49,17 +50,8 @@ def _model(spec: ModelSpec, batch: int, seed: int) -> tuple[Any, list[dict[str, 
     return model, seen
 
 
-SHAPES = [  # (heads, kv heads, hidden, ffn): SmolLM2-135M's, and odd widths and groups
-    # (a width that is not a multiple of 8 takes gemv's portable loop under either isa)
-    (9, 3, 576, 1536),
-    (4, 2, 40, 36),
-    (6, 6, 72, 100),
-    (8, 1, 128, 344),
-]
-
-
 @needs_native
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", LLAMA_SHAPES)
 @pytest.mark.parametrize("batch", [1, 3, native_layer.MAX_ROWS])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_native_layer_equals_the_module_path(shape: tuple[int, int, int, int], batch: int,
