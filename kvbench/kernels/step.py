@@ -1,4 +1,4 @@
-"""A Llama decode step in one native call (probes/step.c): full attention, or Quest's.
+"""A Llama decode step in one native call (probes/step.c): full attention, Quest, StreamingLLM.
 
 Issue 26 asks for every strategy's decode step in a bounded number of calls and the
 reference itself near its bytes bound. Layer by layer (kvbench.kernels.layer) a decode step
@@ -11,7 +11,8 @@ the strategy's attention, the MLP, then the final norm and the logits head, runs
 region whose threads meet at barriers.
 
 A strategy offers it through `Strategy.native_cache` (per layer a `NativeCache`: its cache,
-and for Quest its min/max digests and selection buffers) and `Strategy.native_pages` (Quest's
+where the new token goes and how much of it is attended, and for Quest its min/max digests
+and selection buffers) and `Strategy.native_pages` (Quest's
 selection rule for the step); after the call it does its per-layer bookkeeping in
 `Strategy.decoded`, and the decoder records the same stage graph as layer by layer, each
 layer's attention and selection timed inside the call (thread 0's clock). `Step.build`

@@ -216,8 +216,8 @@ class Decoder(nn.Module):
 
     def native_step(self, tokens: torch.Tensor, start: int) -> Step | None:
         """The native decode step (kvbench.kernels.step) when it takes tokens [B, T] at
-        `start`: decode rows, the native layers, a strategy that attends densely (built once
-        per strategy)."""
+        `start`: decode rows, the native layers, a strategy whose decode the step runs (built
+        once per strategy)."""
         if tokens.shape[1] != 1 or start == 0 or not self.native_layers:
             return None
         if self._step is None or self._step[0]() is not self.strategy:

@@ -217,8 +217,8 @@ class Strategy:
 
     def native_cache(self, layer: int) -> NativeCache | None:
         """What a decode step in one native call (kvbench.kernels.step) needs of `layer`,
-        when this strategy's decode of it is one that call runs (full attention over the
-        cache, or Quest's) and `layer_input` does nothing; the decoder then calls `decoded`
+        when this strategy's decode of it is one that call runs (dense attention over its
+        cache or ring, or Quest's) and `layer_input` does nothing; the decoder then calls `decoded`
         for each layer after it. None (the default): the strategy's own `decode`."""
         return None
 

@@ -263,6 +263,7 @@ class Quest(Strategy):
                            *self._sel[layer])
 
     def native_pages(self, n: int) -> Pages:
+        """This step's rule (`QuestParams.rule`) and pages kept over n tokens."""
         from kvbench.kernels.step import Pages
 
         per, sinks, window = self.p.rule()
