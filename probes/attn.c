@@ -48,10 +48,10 @@
 #include <stdlib.h>
 
 #include "attn.h"
+#include "native.h"
 
 #define SPLIT_ROWS 8  /* below this many rows per thread, rows are split along the keys */
 #define MIN_CHUNK 256 /* fewest keys per split chunk */
-
 
 static int g_isa = -1; /* -1: not chosen yet, 0: portable, 1: AVX2/FMA, 2: AVX-512 */
 static int64_t g_prefetch_from = (int64_t)16 << 20; /* KV bytes: half a 32 MiB LLC */
@@ -67,10 +67,7 @@ int64_t kvb_attn_prefetch_from(int64_t bytes) {
  * portable ones, 1: AVX2/FMA, 2: AVX-512, each where the CPU has it (else the best it has
  * below). Returns the choice now in effect. */
 int kvb_attn_isa(int want) {
-    if (want >= 0 || g_isa < 0) {
-        const int best = kvb_attn_have_avx512() ? 2 : kvb_attn_have_avx2() ? 1 : 0;
-        g_isa = want < 0 || want > best ? best : want;
-    }
+    if (want >= 0 || g_isa < 0) g_isa = kvb_isa_choice(want);
     return g_isa;
 }
 
@@ -80,15 +77,16 @@ typedef struct {
 } work_t;
 
 /* Pointers to rows pos[0..nb) of k or v (element offset off, row stride `stride`). */
-static inline void row_ptrs(const kvb_attn_job_t *j, const void *base, int64_t off, int64_t stride,
-                            const int32_t *pos, int64_t nb, const void **ptr) {
+static inline void row_ptrs(const kvb_attn_job_t *j, const void *base, int64_t off,
+                            int64_t stride, const int32_t *pos, int64_t nb, const void **ptr) {
     const int64_t esz = j->dtype == 0 ? 4 : 2;
     for (int64_t i = 0; i < nb; i++) ptr[i] = (const char *)base + (off + pos[i] * stride) * esz;
 }
 
 /* Attention of row r's G*Lq queries over its keys [k0, k1): leaves the running max m, sum l
  * and unnormalised accumulator acc (nr x D, in the isa's order) in w. */
-static void do_range(kvb_attn_job_t *j, const isa_t *isa, work_t *w, int64_t r, int64_t k0, int64_t k1) {
+static void do_range(kvb_attn_job_t *j, const isa_t *isa, work_t *w, int64_t r, int64_t k0,
+                     int64_t k1) {
     const int64_t D = j->D, G = j->Hq / j->Hs, Lq = j->Lq, nr = G * Lq; /* G: heads of a row */
     const int64_t b = r / j->Hs, h0 = r % j->Hs * G, hk = h0 / (j->Hq / j->Hkv);
     const int32_t *idx = j->idx ? j->idx + r * j->ldi : NULL;
@@ -149,8 +147,8 @@ static void do_range(kvb_attn_job_t *j, const isa_t *isa, work_t *w, int64_t r, 
 
 /* Normalised output and lse of row r from (m, l, acc) of nr queries; query t's m and l at
  * t * stride, its accumulator at t * astride. */
-static void finish_row(kvb_attn_job_t *j, int64_t r, const float *m, const float *l, const float *acc,
-                       int64_t stride, int64_t astride) {
+static void finish_row(kvb_attn_job_t *j, int64_t r, const float *m, const float *l,
+                       const float *acc, int64_t stride, int64_t astride) {
     const int64_t D = j->D, G = j->Hq / j->Hs, Lq = j->Lq, nr = G * Lq;
     const int64_t b = r / j->Hs, h0 = r % j->Hs * G;
     const int perm = j->isa->perm;
@@ -257,7 +255,7 @@ int kvb_attn_plan(kvb_attn_job_t *j, int dtype, const void *q, const void *k, co
     if (Hs < 1 || Hs % Hkv || Hq % Hs || (!idx && (Hs != Hkv || keep))) return -2;
     const int64_t rows = B * Hs, n = idx ? nmax : Lk, esz = dtype ? 2 : 4;
     j->prefetch = D * esz <= 256 && 2 * rows * Lk * D * esz >= g_prefetch_from;
-    const int nt = threads < 1 ? 1 : threads > 256 ? 256 : threads;
+    const int nt = kvb_team(threads);
     if (nt > 1 && rows < SPLIT_ROWS * nt && n >= 2 * MIN_CHUNK) {
         int64_t s = (SPLIT_ROWS * nt + rows - 1) / rows;
         while ((rows * s) % nt) s++; /* equal chunks per thread */
@@ -316,8 +314,7 @@ int kvb_attn(int dtype, const void *q, const void *k, const void *v, void *out, 
                                  kstrides, vstrides, idx, lens, keep, nmax, ldi, ldk, Hs,
                                  scale, causal, q_start, group, threads);
     if (rc) return rc;
-    int nt = threads < 1 ? 1 : threads > 256 ? 256 : threads;
-    if (nt > job.ntasks) nt = (int)job.ntasks;
+    const int nt = job.ntasks < kvb_team(threads) ? (int)job.ntasks : kvb_team(threads);
 #pragma omp parallel num_threads(nt)
     kvb_attn_work(&job);
     return kvb_attn_end(&job);

@@ -46,7 +46,7 @@ typedef struct {
     int64_t B, Hq, Hkv, Lq, Lk, D;
     const int64_t *ks, *vs;
     const int32_t *idx, *lens;
-    const uint8_t *keep; /* sparse, optional: [B * Hq, nmax], 0 where a query head skips a key */
+    const uint8_t *keep; /* sparse, optional: [B * Hq, nmax], 0: a query head skips a key */
     int64_t nmax, Hs; /* Hs: selection rows per sequence (Hkv, or up to Hq when sparse) */
     float scale;
     int causal;
@@ -95,9 +95,8 @@ int kvb_attn_isa(int want);
 /* attn_loops.c's AVX2 row max and exp-sum, which the AVX-512 loops share. */
 __attribute__((visibility("hidden"))) float kvb_rowmax_avx2(const float *s, int64_t n);
 __attribute__((visibility("hidden"))) float kvb_expsum_avx2(float *s, int64_t n, float m);
-/* attn_avx512.c: its float32 loops, and whether this CPU has AVX-512F (with AVX2/FMA). */
+/* attn_avx512.c's float32 loops. */
 __attribute__((visibility("hidden"))) const isa_t *kvb_attn_loops_avx512(void);
-__attribute__((visibility("hidden"))) int kvb_attn_have_avx512(void);
 /* One call in three parts (attn.c; kvb_attn is plan, a region of work, end): a caller that
  * is already inside a parallel region plans on one thread and works on all of them. */
 __attribute__((visibility("hidden"))) int kvb_attn_plan(
@@ -108,6 +107,4 @@ __attribute__((visibility("hidden"))) int kvb_attn_plan(
     int causal, int64_t q_start, int64_t group, int threads);
 __attribute__((visibility("hidden"))) void kvb_attn_work(kvb_attn_job_t *j);
 __attribute__((visibility("hidden"))) int kvb_attn_end(kvb_attn_job_t *j);
-/* Whether this CPU has AVX2 and FMA. */
-__attribute__((visibility("hidden"))) int kvb_attn_have_avx2(void);
 #endif

@@ -130,13 +130,6 @@ static A512 void pv(float *acc, const float *corr, const float *p, const void *c
 static const isa_t AVX512_F32 = {scores, kvb_rowmax_avx2, kvb_expsum_avx2, pv, 0};
 
 const isa_t *kvb_attn_loops_avx512(void) { return &AVX512_F32; }
-
-int kvb_attn_have_avx512(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
-           __builtin_cpu_supports("fma");
-}
 #else
 const isa_t *kvb_attn_loops_avx512(void) { return 0; }
-int kvb_attn_have_avx512(void) { return 0; }
 #endif

@@ -321,13 +321,6 @@ static const isa_t AVX2_F32 = {scores_avx2_f32, kvb_rowmax_avx2, kvb_expsum_avx2
                                0};
 static const isa_t AVX2_BF16 = {scores_avx2_bf16, kvb_rowmax_avx2, kvb_expsum_avx2,
                                 pv_avx2_bf16, 1};
-
-int kvb_attn_have_avx2(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-#else
-int kvb_attn_have_avx2(void) { return 0; }
 #endif
 
 const isa_t *kvb_attn_loops(int dtype, int64_t D, int isa) {

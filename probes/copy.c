@@ -12,7 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-uint64_t kvb_now_ns(void);
+#include "native.h"
 
 /* One thread's share of a copy: iteration i copies `chunk` bytes at offset w_i * stride of
  * both dst and src, where w_0 = start and w_{i+1} = (w_i + hop) % windows; `start` is

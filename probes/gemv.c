@@ -14,6 +14,7 @@
 #define _GNU_SOURCE
 #pragma GCC optimize("O3")
 #include "decode.h"
+#include "native.h"
 #include "sum8.h"
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -128,12 +129,6 @@ static A512 void rows_avx512(const gemv_t *g, int64_t n0, int64_t n1) {
     }
 }
 
-/* 2: AVX-512F (with AVX2/FMA), 1: AVX2/FMA, 0: neither. */
-static int best_isa(void) {
-    __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return 0;
-    return __builtin_cpu_supports("avx512f") ? 2 : 1;
-}
 #endif
 
 static int g_isa = -1; /* 2: AVX-512, 1: AVX2/FMA, 0: portable; -1: not chosen yet */
@@ -142,15 +137,7 @@ static int g_isa = -1; /* 2: AVX-512, 1: AVX2/FMA, 0: portable; -1: not chosen y
  * each where the CPU has it (else the best it has below); -1 reports the current choice
  * (the best the CPU has by default). */
 int kvb_gemv_isa(int want) {
-#ifdef KVB_X86
-    if (want >= 0 || g_isa < 0) {
-        const int best = best_isa();
-        g_isa = want < 0 || want > best ? best : want;
-    }
-#else
-    g_isa = 0;
-    (void)want;
-#endif
+    if (want >= 0 || g_isa < 0) g_isa = kvb_isa_choice(want);
     return g_isa;
 }
 
@@ -182,7 +169,7 @@ int kvb_gemv(const float *w, const float *x, float *y, int64_t N, int64_t K, int
              int64_t ldx, int threads) {
     if (B < 1 || B > MAX_B) return -2;
     const gemv_t g = {w, x, y, N, K, B, ldx, 0};
-    int nt = threads < 1 ? 1 : threads > 256 ? 256 : threads;
+    int nt = kvb_team(threads);
     if ((int64_t)nt * SPLIT * 4 > N) nt = 1; /* too few rows to split */
 #pragma omp parallel num_threads(nt)
     {

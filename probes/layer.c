@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "decode.h"
+#include "native.h"
 
 #ifdef _OPENMP
 extern int omp_get_thread_num(void), omp_get_num_threads(void);
@@ -102,7 +103,7 @@ int kvb_llama_pre(const float *x, const float *nw, float eps, const float *wqkv,
     float *qkv = malloc(sizeof(float) * B * (Hq + 2 * Hkv) * D);
     if (!qkv) return -1;
     const int64_t st[2] = {Hkv * D, D};
-#pragma omp parallel num_threads(threads < 1 ? 1 : threads)
+#pragma omp parallel num_threads(kvb_team(threads))
     kvb_llama_pre_in(x, nw, eps, wqkv, cos, sin, perm, h, qkv, q, k, st, v, st, B, H, Hq, Hkv,
                      D);
     free(qkv);
@@ -117,7 +118,7 @@ int kvb_llama_post(float *x, const float *a, const float *wo, const float *nw, f
     if (B < 1 || B > MAX_B) return -2;
     float *scratch = malloc(sizeof(float) * B * (H + 3 * F));
     if (!scratch) return -1;
-#pragma omp parallel num_threads(threads < 1 ? 1 : threads)
+#pragma omp parallel num_threads(kvb_team(threads))
     kvb_llama_post_in(x, a, wo, nw, eps, wgu, wd, scratch, B, H, A, F);
     free(scratch);
     return 0;

@@ -13,13 +13,14 @@
  */
 #pragma GCC optimize("O3")
 #include "attn.h"
+#include "native.h"
 
 void kvb_maw(const float *q, const float *k, const float *lse, float *maw, int64_t B,
              int64_t Hq, int64_t Hkv, int64_t N, int64_t D, const int64_t *ks, float scale,
              float alpha, int64_t slot, int threads) {
     const int64_t G = Hq / Hkv;
     const isa_t *isa = kvb_attn_loops(0, D, kvb_attn_isa(-1)); /* float32: no permutation */
-#pragma omp parallel for num_threads(threads < 1 ? 1 : threads) schedule(static)
+#pragma omp parallel for num_threads(kvb_team(threads)) schedule(static)
     for (int64_t r = 0; r < B * Hkv; r++) { /* row (b, g): query heads g*G .. g*G + G - 1 */
         float qf[G * D], s[G * BLK];
         const void *kp[BLK];

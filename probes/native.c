@@ -9,6 +9,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "native.h"
+
 int kvb_abi_version(void) { return 16; }
 
 /* The calling thread's OpenMP team size for regions without a num_threads clause (torch's
@@ -33,6 +35,16 @@ static inline uint64_t now_ns(void) {
 }
 
 uint64_t kvb_now_ns(void) { return now_ns(); }
+
+int kvb_cpu_isa(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return 0;
+    return __builtin_cpu_supports("avx512f") ? 2 : 1;
+#else
+    return 0;
+#endif
+}
 
 /* Plain single-threaded memcpy loop: the reference every host copy is judged against. */
 uint64_t kvb_memcpy_loop(void *dst, const void *src, size_t n, size_t iters) {

@@ -17,6 +17,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "native.h"
 #include "sum8.h"
 
 typedef struct { float s; int32_t p; } ranked;
@@ -125,7 +126,7 @@ int kvb_page_select(const float *q, int64_t B, int64_t Hq, int64_t Hkv, int64_t 
                     int64_t n, int32_t *idx, int32_t *lens, int threads) {
     if (Hkv < 1 || Hq % Hkv || n_pages < 1 || k < 1 || page < 1 || D < 1) return -2;
     int failed = 0;
-    int nt = threads < 1 ? 1 : threads > 256 ? 256 : threads;
+    int nt = kvb_team(threads);
     if (nt > B * Hkv) nt = (int)(B * Hkv);
 #pragma omp parallel num_threads(nt)
     kvb_page_select_in(q, B, Hq, Hkv, D, lo, hi, ds, n_pages, k, sinks, window, per_kv, page,

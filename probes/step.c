@@ -1,6 +1,6 @@
 /* A Llama decode step on the CPU in one call and one OpenMP region: for every layer,
- * layer.c's first half with the new token's k and v written straight into the cache at
- * position `pos`, the strategy's attention over the cache, layer.c's second half; then the
+ * layer.c's first half with the new token's k and v written straight into the cache, the
+ * strategy's attention over the cache, layer.c's second half; then the
  * final RMSNorm and the logits head.
  *
  * Attention is dense over the cache (attn.c's tasks and merge), or, for a layer with Quest's
@@ -29,10 +29,10 @@
 #define _GNU_SOURCE
 #pragma GCC optimize("O3")
 #include <stdlib.h>
-#include <time.h>
 
 #include "attn.h"
 #include "decode.h"
+#include "native.h"
 
 typedef struct {
     const float *nw1, *wqkv, *wo, *nw2, *wgu, *wd; /* one layer's weights (layer.c) */
@@ -52,12 +52,6 @@ typedef struct {
     int per_kv;
 } kvb_pages_t;
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 /* Returns 0, -1 when a buffer could not be had, -2 when B is outside 1..MAX_B or a selection
  * would not fit its rows. `pages` NULL: no digests are updated, no layer selects. */
 int kvb_llama_step(const kvb_layer_t *layers, int64_t L, const kvb_pages_t *pages, float *x,
@@ -68,7 +62,8 @@ int kvb_llama_step(const kvb_layer_t *layers, int64_t L, const kvb_pages_t *page
                    int threads) {
     const int64_t N = (Hq + 2 * Hkv) * D, A = Hq * D;
     const int64_t n_pages = pages ? (n + pages->page - 1) / pages->page : 0;
-    if (B < 1 || B > MAX_B || (pages && pages->k < n_pages && pages->k * pages->page > pages->ld))
+    if (B < 1 || B > MAX_B ||
+        (pages && pages->k < n_pages && pages->k * pages->page > pages->ld))
         return -2;
     float *buf = malloc(sizeof(float) * B * (H + N + 2 * A + Hq + H + 3 * F));
     if (!buf) return -1;
@@ -76,10 +71,10 @@ int kvb_llama_step(const kvb_layer_t *layers, int64_t L, const kvb_pages_t *page
           *scratch = lse + B * Hq;
     const gemv_t logit = {head, h, logits, V, H, B, H, 0};
     const int64_t rows = pages && !pages->per_kv ? Hq : Hkv; /* selection rows a sequence */
-    const int nt = threads < 1 ? 1 : threads;
+    const int nt = kvb_team(threads);
     kvb_attn_job_t job;
     int failed = 0;
-    double t0 = 0.0, t1 = 0.0;
+    uint64_t t0 = 0, t1 = 0; /* thread 0's clock (ns) at the layer's attention and selection */
 #pragma omp parallel num_threads(nt)
     {
         for (int64_t l = 0; l < L; l++) {
@@ -90,11 +85,11 @@ int kvb_llama_step(const kvb_layer_t *layers, int64_t L, const kvb_pages_t *page
                              H, Hq, Hkv, D);
 #pragma omp single
             {
-                t0 = now_s();
+                t0 = kvb_now_ns();
                 if (y->lo && pages)
                     kvb_digest_token(y->kc + at * y->ks[2], y->ks, y->lo, y->hi, y->ds, B,
                                      Hkv, D, pos / pages->page, pos % pages->page == 0);
-                t1 = now_s();
+                t1 = kvb_now_ns();
             }
             if (sparse)
                 kvb_page_select_in(q, B, Hq, Hkv, D, y->lo, y->hi, y->ds, n_pages, pages->k,
@@ -102,7 +97,7 @@ int kvb_llama_step(const kvb_layer_t *layers, int64_t L, const kvb_pages_t *page
                                    y->idx, pages->ld, y->lens, &failed);
 #pragma omp single
             {
-                sel_s[l] = sparse ? now_s() - t1 : -1.0;
+                sel_s[l] = sparse ? 1e-9 * (double)(kvb_now_ns() - t1) : -1.0;
                 const int rc = sparse ? kvb_attn_plan(
                     &job, 0, q, y->kc, y->vc, a, lse, B, Hq, Hkv, 1, n, D, y->ks, y->vs,
                     y->idx, y->lens, NULL, pages->k * pages->page, pages->ld, 0, rows, scale,
@@ -116,7 +111,7 @@ int kvb_llama_step(const kvb_layer_t *layers, int64_t L, const kvb_pages_t *page
 #pragma omp single
             {
                 failed |= kvb_attn_end(&job) != 0;
-                attn_s[l] = now_s() - t0;
+                attn_s[l] = 1e-9 * (double)(kvb_now_ns() - t0);
             }
             kvb_llama_post_in(x, a, y->wo, y->nw2, eps, y->wgu, y->wd, scratch, B, H, A, F);
         }

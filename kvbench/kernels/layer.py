@@ -44,6 +44,15 @@ def ok(layer: LlamaLayer) -> bool:
                     for w in ws))
 
 
+def rope_at(rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor], start: int
+            ) -> tuple[int, int, int]:
+    """Addresses of position `start`'s rows of the RoPE tables (cos, sin) [max_len, 1, D]
+    and of perm [D] (kvbench.models.decoder.rope_tables), as the native calls take them."""
+    cos, sin, perm = rope
+    row = start * cos.stride(0) * cos.element_size()
+    return cos.data_ptr() + row, sin.data_ptr() + row, perm.data_ptr()
+
+
 def _check(rc: int, what: str) -> None:
     if rc != 0:
         raise KvbenchError(f"native decoder layer ({what}) failed ({rc})")
@@ -60,15 +69,13 @@ def pre(layer: LlamaLayer, x: torch.Tensor,
     attn, norm = layer.self_attn, layer.input_layernorm
     b, _, hidden = x.shape
     d = attn.nq // attn.hq
-    cos, sin, perm = rope
     h = torch.empty_like(x)
     q = torch.empty(b, attn.hq, 1, d)
     k = torch.empty(b, attn.hkv, 1, d)
     v = torch.empty(b, attn.hkv, 1, d)
-    row = start * cos.stride(0) * cos.element_size()  # position `start`'s row of [max_len, 1, D]
     _check(_lib().kvb_llama_pre(
         x.data_ptr(), norm.weight.data_ptr(), norm.eps, attn.qkv_proj.weight.data_ptr(),
-        cos.data_ptr() + row, sin.data_ptr() + row, perm.data_ptr(), h.data_ptr(),
+        *rope_at(rope, start), h.data_ptr(),
         q.data_ptr(), k.data_ptr(), v.data_ptr(), b, hidden, attn.hq, attn.hkv, d,
         torch.get_num_threads()), "pre")
     return h, q, k, v

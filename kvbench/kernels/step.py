@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 from kvbench.errors import KvbenchError
 from kvbench.kernels.attention import note_backend
 from kvbench.kernels.cpu import _lib
+from kvbench.kernels.layer import rope_at
 from kvbench.timing import kernel
 
 if TYPE_CHECKING:
@@ -202,16 +203,14 @@ class Step:
         m = self.model
         a, norm = m.layers[0].self_attn, m.norm
         d = a.nq // a.hq
-        cos, sin, perm = m._rope
-        row = start * cos.stride(0) * cos.element_size()  # position `start`'s table row
         logits = x.new_empty(x.shape[0], self.head.shape[0])
         rule = None if pages is None else _Pages(pages.page, pages.k, pages.sinks,
                                                  pages.window, self.ld, int(pages.per_kv))
         rc = _lib().kvb_llama_step(
             self.layers, len(self.layers), None if rule is None else ctypes.byref(rule),
             x.data_ptr(), norm.eps, norm.weight.data_ptr(), self.head.data_ptr(),
-            self.head.shape[0], logits.data_ptr(), cos.data_ptr() + row, sin.data_ptr() + row,
-            perm.data_ptr(), d ** -0.5, start, *self.at, x.shape[0], x.shape[1], a.hq, a.hkv, d,
+            self.head.shape[0], logits.data_ptr(), *rope_at(m._rope, start), d ** -0.5, start,
+            *self.at, x.shape[0], x.shape[1], a.hq, a.hkv, d,
             m.layers[0].mlp.down_proj.weight.shape[1], self.seconds, self.select,
             torch.get_num_threads())
         if rc != 0:
