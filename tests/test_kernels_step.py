@@ -113,12 +113,15 @@ def test_native_quest_step_equals_the_layer_path(rule: tuple[str, str, int, int]
 
 @needs_native
 @pytest.mark.parametrize("threads", [1, 2])
-def test_native_streaming_step_equals_the_layer_path(threads: int) -> None:
-    """StreamingLLM's ring in the step: 2 sinks and 8 recent slots over a 20-token prompt,
-    6 steps writing round the ring."""
+@pytest.mark.parametrize(("prompt", "budget"), [(20, 10), (5, 12)])
+def test_native_streaming_step_equals_the_layer_path(threads: int, prompt: int,
+                                                     budget: int) -> None:
+    """StreamingLLM's ring in the step, 2 sinks: 8 recent slots over a 20-token prompt, 6
+    steps writing round the ring; and a ring still filling (5 tokens of 12 slots: each step
+    attends one slot more)."""
     spec = ModelSpec("t", "llama", 2, 9, 3, 576, 1536, 50, 64, rope_theta=1e4)
-    _same(spec, 2, 3, threads, prompt=20, steps=6, seed=3, strategy="streaming",
-          gpu_tokens=10, sinks=2)
+    _same(spec, 2, 3, threads, prompt=prompt, steps=6, seed=3, strategy="streaming",
+          gpu_tokens=budget, sinks=2)
 
 
 def _same(spec: ModelSpec, layers: int, batch: int, threads: int, prompt: int, steps: int,
@@ -202,6 +205,30 @@ def test_where_the_decoder_takes_it() -> None:
     model = _model(spec, 2, 2, 16, 0).to(torch.bfloat16)
     model.pack(2)
     assert Step.build(model) is None
+
+
+@needs_native
+def test_a_slot_outside_the_cache_is_refused() -> None:
+    """A strategy whose native_cache puts the new token (or the attended span) past its
+    slots gets a one-line error, not a native write out of bounds."""
+    import dataclasses
+
+    from kvbench.errors import KvbenchError
+    from kvbench.strategies.streaming import Streaming
+
+    class Past(Streaming):
+        decode = Streaming.decode  # beside its own native_cache: the step is taken
+
+        def native_cache(self, layer: int) -> Any:
+            c = super().native_cache(layer)
+            return dataclasses.replace(c, slot=c.k.shape[2])
+
+    spec = ModelSpec("t", "llama", 2, 4, 2, 40, 36, 50, 64, rope_theta=1e4)
+    model = _model(spec, 2, 2, 64, 0, strategy=Past, gpu_tokens=8, sinks=2)
+    tokens = torch.randint(0, 50, (2, 21))
+    model(tokens[:, :20], 0)
+    with pytest.raises(KvbenchError, match="slot 8 and span 8 outside its caches' 8 slots"):
+        model(tokens[:, 20:], 20)
 
 
 @needs_native

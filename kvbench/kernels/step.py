@@ -168,12 +168,19 @@ class Step:
 
     def ready(self, tokens: torch.Tensor, start: int) -> bool:
         """Whether tokens [B, 1] are the caches' batch and every layer's cache is at
-        position `start` with the same slot and span (kept for the call)."""
+        position `start` with the same slot and span (kept for the call); KvbenchError for a
+        slot or span outside the caches' slots (the native call would write or read past
+        them)."""
         s = self.model.strategy
-        where = {s.native_cache(i).where() for i in range(len(self.layers))}
+        caches = [s.native_cache(i) for i in range(len(self.layers))]
+        where = {c.where() for c in caches}
         if tokens.shape[0] != self.q.shape[0] or len(where) != 1:
             return False
         n, slot, span = where.pop()
+        slots = min(min(c.k.shape[2], c.v.shape[2]) for c in caches)
+        if not (0 <= slot < slots and slot < span <= slots):
+            raise KvbenchError(f"{s.name}: native step slot {slot} and span {span} outside "
+                               f"its caches' {slots} slots")
         self.at = (slot, span)
         return n == start
 
