@@ -44,6 +44,26 @@ __attribute__((visibility("hidden"))) void kvb_page_select_in(
     int32_t *lens, int *failed);
 void kvb_digest_token(const float *k, const int64_t *ks, float *lo, float *hi,
                       const int64_t *ds, int64_t B, int64_t H, int64_t D, int64_t p, int fresh);
+/* ArkVale's selection and recall in a step (ArkVale sections 4-5, Alg. 1 lines 2-6 and 11;
+ * pages.c): pages of `page` tokens, a pool of `slots` full pages, `nf` pages completed
+ * (the step selects when nf > slots), `k` of them kept, the first `sinks` and the last
+ * `window` full ones forced in; pages >= `fresh` were completed this step (copied, not
+ * counted as recalled); one set per sequence (`per_layer`, every head's score summed) or
+ * per KV head. */
+typedef struct {
+    int64_t page, slots, nf, k, sinks, window, fresh;
+    int per_layer;
+} kvb_recall_t;
+/* Inside a parallel region: make the top pages of each row resident in the pool k/v (page
+ * slot s of row (b, h) at b * ks[0] + h * ks[1] + s * page * D, rows of D floats
+ * contiguous), copied from the host backup bk/bv [P, B, Hkv, page, D]; slot_page [B, Hkv,
+ * slots] says which page each slot holds; moved[0] += pages recalled, moved[1] += pages
+ * evicted. */
+__attribute__((visibility("hidden"))) void kvb_recall_in(
+    const float *q, int64_t B, int64_t Hq, int64_t Hkv, int64_t D, const float *lo,
+    const float *hi, const int64_t *ds, const kvb_recall_t *r, int64_t *slot_page, float *pk,
+    const int64_t *ks, float *pv, const int64_t *vs, const float *bk, const float *bv,
+    int64_t *moved, int *failed);
 /* y[r] = w * x[r] / sqrt(mean(x[r]^2) + eps) for `rows` rows of `dim` floats (norm.c). */
 void kvb_rmsnorm(const float *x, const float *w, float *y, int64_t rows, int64_t dim,
                  float eps);

@@ -16,7 +16,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
+#include "decode.h"
 #include "native.h"
 #include "sum8.h"
 
@@ -151,4 +153,98 @@ void kvb_digest_token(const float *k, const int64_t *ks, float *lo, float *hi,
                 u[d] = fresh || x[d] > u[d] ? x[d] : u[d];
             }
         }
+}
+
+/* Slots in ascending score, ties by slot (the torch path's stable argsort): insertion. */
+static void by_score(ranked *a, int64_t n) {
+    for (int64_t i = 1; i < n; i++) {
+        const ranked x = a[i];
+        int64_t j = i;
+        for (; j > 0 && a[j - 1].s > x.s; j--) a[j] = a[j - 1];
+        a[j] = x;
+    }
+}
+
+/* ArkVale's decode step selection and recall (kvbench.strategies.arkvale: ArkVale._select,
+ * _place, _recall) on the threads of a parallel region, a row a sequence (per_layer) or a
+ * (sequence, KV head). A row's score of each full page is its heads' summed bound (q after
+ * RoPE; ArkVale's estimate.cu); the sinks and the last `window` full pages are forced in,
+ * the k best kept (every page when k >= nf; select.cu, Alg. 1 line 2). Then per KV head,
+ * each kept page not resident, in ascending page order, takes the next slot of an order
+ * that puts empty slots first, then the resident pages outside the kept set by ascending
+ * score (Alg. 1 lines 5-6, 11), and is copied there from the host backup. What the torch
+ * path does in about forty dispatched ops and a host read of the page ids per layer. */
+void kvb_recall_in(const float *q, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
+                   const float *lo, const float *hi, const int64_t *ds, const kvb_recall_t *r,
+                   int64_t *slot_page, float *pk, const int64_t *ks, float *pv,
+                   const int64_t *vs, const float *bk, const float *bv, int64_t *moved,
+                   int *failed) {
+    const int64_t G = Hq / Hkv, nf = r->nf, C = r->slots, S = r->page;
+    const int64_t heads = r->per_layer ? Hkv : 1, rows = r->per_layer ? B : B * Hkv;
+    ranked *rk = malloc(sizeof(ranked) * (nf + C));
+    float *score = malloc(sizeof(float) * (nf + 2 * D));
+    uint8_t *keep = malloc(2 * nf);
+    const int ok = rk && score && keep;
+    if (!ok) __atomic_store_n(failed, 1, __ATOMIC_RELAXED);
+#pragma omp for schedule(static)
+    for (int64_t row = 0; row < rows; row++) {
+        if (!ok) continue;
+        const int64_t b = r->per_layer ? row : row / Hkv, h0 = r->per_layer ? 0 : row % Hkv;
+        float *qp = score + nf, *qn = qp + D;
+        uint8_t *res = keep + nf;
+        ranked *ord = rk + nf;
+        for (int64_t p = 0; p < nf; p++) score[p] = 0.0f;
+        for (int64_t h = h0; h < h0 + heads; h++) {
+            for (int64_t d = 0; d < D; d++) qp[d] = qn[d] = 0.0f;
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t d = 0; d < D; d++) {
+                    const float x = q[(b * Hq + h * G + g) * D + d];
+                    if (x > 0) qp[d] += x; else qn[d] += x;
+                }
+            const float *l = lo + b * ds[0] + h * ds[1], *u = hi + b * ds[0] + h * ds[1];
+            for (int64_t p = 0; p < nf; p++)
+                score[p] += bound(qp, qn, u + p * ds[2], l + p * ds[2], D);
+        }
+        for (int64_t p = 0; p < nf; p++) {
+            keep[p] = r->k >= nf;
+            rk[p] = (ranked){p < r->sinks || p >= nf - r->window ? INFINITY : score[p],
+                             (int32_t)p};
+        }
+        if (r->k < nf) {
+            top_k(rk, nf, r->k);
+            for (int64_t j = 0; j < r->k; j++) keep[rk[j].p] = 1;
+        }
+        for (int64_t h = h0; h < h0 + heads; h++) {
+            int64_t *sp = slot_page + (b * Hkv + h) * C, next = 0, rec = 0, ev = 0;
+            int bad = 0;
+            for (int64_t p = 0; p < nf; p++) res[p] = 0;
+            for (int64_t s = 0; s < C; s++) {
+                const int64_t p = sp[s];
+                bad |= p >= nf;
+                if (p >= 0 && p < nf) res[p] = 1;
+                ord[s] = (ranked){p < 0 ? -INFINITY : p < nf && keep[p] ? INFINITY : p < nf
+                                  ? score[p] : 0.0f, (int32_t)s};
+            }
+            if (bad) { /* a slot holds a page not completed: the caller's bookkeeping broke */
+                __atomic_store_n(failed, 1, __ATOMIC_RELAXED);
+                continue;
+            }
+            by_score(ord, C);
+            for (int64_t p = 0; p < nf; p++) {
+                if (!keep[p] || res[p]) continue;
+                if (next == C) { __atomic_store_n(failed, 1, __ATOMIC_RELAXED); break; }
+                const int64_t s = ord[next++].p, src = ((p * B + b) * Hkv + h) * S * D;
+                ev += sp[s] >= 0;
+                rec += p < r->fresh;
+                sp[s] = p;
+                memcpy(pk + b * ks[0] + h * ks[1] + s * S * D, bk + src, sizeof(float) * S * D);
+                memcpy(pv + b * vs[0] + h * vs[1] + s * S * D, bv + src, sizeof(float) * S * D);
+            }
+            __atomic_fetch_add(moved, rec, __ATOMIC_RELAXED);
+            __atomic_fetch_add(moved + 1, ev, __ATOMIC_RELAXED);
+        }
+    }
+    free(rk);
+    free(score);
+    free(keep);
 }

@@ -15,16 +15,25 @@
  * next at a barrier. The same arithmetic, in float32, as the layer-by-layer path
  * (kvbench.kernels.step checks it).
  *
- * The new token (position `pos`, its RoPE row) goes to cache slot `at` and attention reads
- * slots 0..n-1 (full attention and Quest: at = pos, n = pos + 1; StreamingLLM: its ring's
- * slot and the slots filled; softmax does not depend on the slots' order).
+ * For a layer with ArkVale's pool (`slot_page`), ArkVale's decode (ArkVale sections 4-5,
+ * kvbench.strategies.arkvale): where the context has more full pages than the pool, the
+ * top pages by the digests' estimate are made resident, recalled from the host backup
+ * (pages.c), then attention runs over the pool and the current page.
+ *
+ * The new token (position `pos`, its RoPE row) goes to a layer's cache slot `at` and its
+ * attention reads slots 0..n-1 (full attention and Quest: at = pos, n = pos + 1;
+ * StreamingLLM: its ring's slot and the slots filled; ArkVale: the current page's next
+ * slot after the pool's; softmax does not depend on the slots' order).
  *
  * x [B, H] (updated in place, the residual stream), logits [B, V]; the caches [B, Hkv,
  * slots, D] with element strides ks/vs (batch, head, slot), the last dimension
- * contiguous; digests [B, Hkv, P, D] likewise (ds); cos/sin the RoPE tables' row of `pos`
- * [D], perm [D]; scale the attention's (D^-0.5). Per layer, attn_s: the seconds of its
- * attention (digest, selection and attention: what the layer-by-layer path times as its
- * strategy's call; thread 0's clock) and sel_s those of its selection (-1: none).
+ * contiguous; digests [B, Hkv, P, D] likewise (ds); ArkVale's pool is a cache of pages of
+ * contiguous rows, its host backup bk/bv [P, B, Hkv, page, D] contiguous and slot_page
+ * [B, Hkv, slots]; cos/sin the RoPE tables' row of `pos` [D], perm [D]; scale the
+ * attention's (D^-0.5). Per layer, attn_s: the seconds of its attention (digest,
+ * selection and attention: what the layer-by-layer path times as its strategy's call;
+ * thread 0's clock) and sel_s those of its selection or recall (-1: none); moved: pages
+ * recalled and evicted (ArkVale).
  */
 #define _GNU_SOURCE
 #pragma GCC optimize("O3")
@@ -38,9 +47,13 @@ typedef struct {
     const float *nw1, *wqkv, *wo, *nw2, *wgu, *wd; /* one layer's weights (layer.c) */
     float *kc, *vc;                                /* its cache */
     int64_t ks[3], vs[3];                          /* their element strides */
-    float *lo, *hi;       /* Quest's min/max digests (NULL: none) */
+    float *lo, *hi;       /* Quest's min/max or ArkVale's digests (NULL: none) */
     int64_t ds[3];        /* their element strides */
     int32_t *idx, *lens;  /* the layer's selection [B * rows, ld], [B * rows] (NULL: dense) */
+    int64_t at, n;        /* the new token's slot, the slots attended */
+    int64_t *slot_page;   /* ArkVale's pool: the page in each slot (NULL: none) */
+    const float *bk, *bv; /* and its host backup */
+    int64_t *moved;       /* [2]: pages recalled, evicted this step */
 } kvb_layer_t;
 
 /* Quest's selection this step (Quest section 3.2-3.3; pages.c): pages of `page` tokens,
@@ -52,19 +65,21 @@ typedef struct {
     int per_kv;
 } kvb_pages_t;
 
-/* Returns 0, -1 when a buffer could not be had, -2 when B is outside 1..MAX_B or a selection
- * would not fit its rows. `pages` NULL: no digests are updated, no layer selects. */
-int kvb_llama_step(const kvb_layer_t *layers, int64_t L, const kvb_pages_t *pages, float *x,
-                   float eps, const float *norm, const float *head, int64_t V, float *logits,
-                   const float *cos, const float *sin, const int64_t *perm, float scale,
-                   int64_t pos, int64_t at, int64_t n, int64_t B, int64_t H, int64_t Hq,
-                   int64_t Hkv, int64_t D, int64_t F, double *attn_s, double *sel_s,
-                   int threads) {
+/* Returns 0, -1 when a buffer could not be had (or a pool's slots were inconsistent), -2
+ * when B is outside 1..MAX_B or a selection would not fit its rows. `pages` NULL: no
+ * digests are updated, no layer selects; `recall` NULL: no pool recalls. */
+int kvb_llama_step(const kvb_layer_t *layers, int64_t L, const kvb_pages_t *pages,
+                   const kvb_recall_t *recall, float *x, float eps, const float *norm,
+                   const float *head, int64_t V, float *logits, const float *cos,
+                   const float *sin, const int64_t *perm, float scale, int64_t pos, int64_t B,
+                   int64_t H, int64_t Hq, int64_t Hkv, int64_t D, int64_t F, double *attn_s,
+                   double *sel_s, int threads) {
     const int64_t N = (Hq + 2 * Hkv) * D, A = Hq * D;
-    const int64_t n_pages = pages ? (n + pages->page - 1) / pages->page : 0;
-    if (B < 1 || B > MAX_B ||
-        (pages && pages->k < n_pages && pages->k * pages->page > pages->ld))
-        return -2;
+    if (B < 1 || B > MAX_B) return -2;
+    for (int64_t l = 0; pages && l < L; l++)
+        if (pages->k < (layers[l].n + pages->page - 1) / pages->page &&
+            pages->k * pages->page > pages->ld)
+            return -2;
     float *buf = malloc(sizeof(float) * B * (H + N + 2 * A + Hq + H + 3 * F));
     if (!buf) return -1;
     float *h = buf, *qkv = h + B * H, *q = qkv + B * N, *a = q + B * A, *lse = a + B * A,
@@ -79,25 +94,32 @@ int kvb_llama_step(const kvb_layer_t *layers, int64_t L, const kvb_pages_t *page
     {
         for (int64_t l = 0; l < L; l++) {
             const kvb_layer_t *y = layers + l;
+            const int64_t n = y->n, n_pages = pages ? (n + pages->page - 1) / pages->page : 0;
             const int sparse = y->idx && pages && pages->k < n_pages;
+            const int recalls = y->slot_page && recall && recall->nf > recall->slots;
             kvb_llama_pre_in(x, y->nw1, eps, y->wqkv, cos, sin, perm, h, qkv, q,
-                             y->kc + at * y->ks[2], y->ks, y->vc + at * y->vs[2], y->vs, B,
-                             H, Hq, Hkv, D);
+                             y->kc + y->at * y->ks[2], y->ks, y->vc + y->at * y->vs[2], y->vs,
+                             B, H, Hq, Hkv, D);
 #pragma omp single
             {
                 t0 = kvb_now_ns();
                 if (y->lo && pages)
-                    kvb_digest_token(y->kc + at * y->ks[2], y->ks, y->lo, y->hi, y->ds, B,
+                    kvb_digest_token(y->kc + y->at * y->ks[2], y->ks, y->lo, y->hi, y->ds, B,
                                      Hkv, D, pos / pages->page, pos % pages->page == 0);
+                if (y->moved) y->moved[0] = y->moved[1] = 0;
                 t1 = kvb_now_ns();
             }
+            if (recalls)
+                kvb_recall_in(q, B, Hq, Hkv, D, y->lo, y->hi, y->ds, recall, y->slot_page,
+                              y->kc, y->ks, y->vc, y->vs, y->bk, y->bv, y->moved, &failed);
             if (sparse)
                 kvb_page_select_in(q, B, Hq, Hkv, D, y->lo, y->hi, y->ds, n_pages, pages->k,
                                    pages->sinks, pages->window, pages->per_kv, pages->page, n,
                                    y->idx, pages->ld, y->lens, &failed);
 #pragma omp single
             {
-                sel_s[l] = sparse ? 1e-9 * (double)(kvb_now_ns() - t1) : -1.0;
+                sel_s[l] = sparse || (y->slot_page && recall)
+                               ? 1e-9 * (double)(kvb_now_ns() - t1) : -1.0;
                 const int rc = sparse ? kvb_attn_plan(
                     &job, 0, q, y->kc, y->vc, a, lse, B, Hq, Hkv, 1, n, D, y->ks, y->vs,
                     y->idx, y->lens, NULL, pages->k * pages->page, pages->ld, 0, rows, scale,

@@ -51,8 +51,9 @@ def _model(spec: ModelSpec, layers: int, batch: int, max_len: int, seed: int,
 
 
 def _decode(model: Any, tokens: Any, prompt: int, native: bool) -> list[Any]:
-    """Prefill `prompt` tokens, then decode the rest one by one, natively or layer by layer,
-    each step closed as the run closes it; the logits of each step."""
+    """Prefill `prompt` tokens, then decode the rest one by one, natively (every step taken
+    by the native call) or layer by layer, each step closed as the run closes it; the
+    logits of each step."""
     if not native:
         model.native_step = lambda tokens, start: None
     model.counters.step = 0
@@ -61,6 +62,7 @@ def _decode(model: Any, tokens: Any, prompt: int, native: bool) -> list[Any]:
     for s in range(prompt, tokens.shape[1]):
         model.counters.step = s - prompt + 1
         model.counters.step_begin()
+        assert (model.native_step(tokens[:, s:s + 1], s) is not None) == native
         out.append(model(tokens[:, s:s + 1], s))
         model.counters.step_end(0.0)  # as the run: the step's lazy counts summed
     return out
@@ -125,7 +127,8 @@ def test_native_streaming_step_equals_the_layer_path(threads: int, prompt: int,
 
 
 def _same(spec: ModelSpec, layers: int, batch: int, threads: int, prompt: int, steps: int,
-          seed: int, **strategy: Any) -> None:
+          seed: int, **strategy: Any) -> Any:
+    """The two paths' runs compared; the native one's counters."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     tokens = torch.randint(0, 50, (batch, prompt + steps),
@@ -145,19 +148,27 @@ def _same(spec: ModelSpec, layers: int, batch: int, threads: int, prompt: int, s
     count = "seen" if hasattr(ref.strategy, "seen") else "length"
     assert getattr(got.strategy, count) == getattr(ref.strategy, count) == [n] * layers
     for cache in ("k", "v"):  # every cached token, the ones the steps wrote too
-        for a, b in zip(getattr(ref.strategy, cache), getattr(got.strategy, cache), strict=True):
+        for a, b in zip(_layers(ref.strategy, cache), _layers(got.strategy, cache), strict=True):
             torch.testing.assert_close(b[:, :, :n], a[:, :, :n], rtol=1e-5, atol=1e-5)
-    if hasattr(ref.strategy, "dig"):  # Quest: its digests and the last step's selections
-        for a, b in zip(ref.strategy.dig, got.strategy.dig, strict=True):
-            torch.testing.assert_close(b.lo, a.lo, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(b.hi, a.hi, rtol=1e-5, atol=1e-5)
+    for a, b in zip(_layers(ref.strategy, "dig"), _layers(got.strategy, "dig"), strict=True):
+        torch.testing.assert_close(b.lo, a.lo, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(b.hi, a.hi, rtol=1e-5, atol=1e-5)
+    if hasattr(ref.strategy, "last"):  # Quest: the last step's selections
         assert sorted(ref.strategy.last) == sorted(got.strategy.last) == list(range(layers))
         for i in range(layers):
             a, b = ref.strategy.last[i], got.strategy.last[i]
             assert (a is None) == (b is None) == (i < 1)
-            assert torch.equal(got.strategy.attended(i), ref.strategy.attended(i))
             if a is not None:
                 assert torch.equal(b[1], a[1])
+    for name in ("slot_page", "pool_k", "pool_v", "host_k", "host_v"):  # ArkVale's pool
+        for a, b in zip(_layers(ref.strategy, name), _layers(got.strategy, name), strict=True):
+            if name.startswith("host"):  # the pages backed up (the rest never written)
+                full = (n - 1) // ref.strategy.p.page_size
+                a, b = a[:full], b[:full]
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    if hasattr(ref.strategy, "dig"):
+        for i in range(layers):
+            assert torch.equal(got.strategy.attended(i), ref.strategy.attended(i))
     # the same stage graph (bytes per memory each step) and counters (tokens, FLOPs, bytes)
     graphs = [m.counters.graph.steps() for m in (ref, got)]
     for s in range(1, steps + 1):
@@ -170,6 +181,13 @@ def _same(spec: ModelSpec, layers: int, batch: int, threads: int, prompt: int, s
     times = {lay: v for q, w, lay, v in got.counters.series() if (q, w) == ("time", "attention")}
     assert sorted(times) == list(range(layers))
     assert all(times[lay][s] > 0 for lay in times for s in range(1, steps + 1))
+    return got.counters
+
+
+def _layers(strategy: Any, name: str) -> list[Any]:
+    """A strategy's per-layer state `name` (a list, or a dict by layer), in layer order."""
+    got = getattr(strategy, name, [])
+    return [got[i] for i in sorted(got)] if isinstance(got, dict) else list(got)
 
 
 @needs_native
@@ -254,3 +272,32 @@ def test_a_native_step_dispatches_a_few_ops_whatever_the_layers(strategy: str) -
         counts.append(dict(c.by_op))
     assert counts[0] == counts[1]
     assert sum(counts[0].values()) <= 6
+
+
+ARKVALE = [  # (variant, window pages, dense layers)
+    ("authors", 2, 1),
+    ("per-kv-head", 2, 0),
+    ("authors", 1, 1),
+]
+
+
+@needs_native
+@pytest.mark.parametrize("rule", ARKVALE)
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_arkvale_step_equals_the_layer_path(rule: tuple[str, int, int], batch: int,
+                                                   threads: int) -> None:
+    """ArkVale's decode in the step (the pool's top pages recalled from the host backup,
+    attention over the pool and the current page) as layer by layer: the same pools, slots,
+    digests and backups too. 70 cached tokens in pages of 4 over a pool of 5 pages, 3 kept:
+    every sparse layer selects each step, recalling pages into a full pool, and steps 3 and
+    7 complete a page first (with one window page, it is recalled if selected)."""
+    variant, window, dense = rule
+    spec = ModelSpec("t", "llama", 3, 9, 3, 576, 1536, 50, 96, rope_theta=1e4)
+    counters = _same(spec, 3, batch, threads, prompt=70, steps=7, seed=batch,
+                     strategy="arkvale", variant=variant, budget_tokens=24, page_size=4,
+                     pages=3, sinks=1, window_pages=window, dense_layers=dense)
+    pages = {(w, lay): v for q, w, lay, v in counters.series() if q == "pages"}
+    for what in ("recalled", "evicted"):  # the steps recalled pages into full pools
+        assert sum(v for (w, lay), steps in pages.items() if w == what
+                   for s, v in steps.items() if s > 0) >= 3 * batch

@@ -167,21 +167,30 @@ def _small(name: str, model, g: int):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_host_reads_as_declared(name: str, bundled) -> None:
+def test_host_reads_as_declared(name: str, bundled, monkeypatch) -> None:
     """One decode step at the small budget (or the defaults), counted as every run counts
     it (on the CPU every read of a tensor's value counts, an upper bound of a GPU's): no
-    more syncs than the strategy's `host_reads` allow per layer, none where it declares
-    none, and some where it declares some (a stale declaration fails too)."""
+    more syncs than the strategy's `host_reads` allow per layer; layer by layer (the path a
+    GPU runs), none where it declares none and some where it declares some (a stale
+    declaration fails too); in the native step (kvbench.kernels.step), where it takes one,
+    none."""
+    from kvbench.kernels.attention import backend_use
     from kvbench.runtime.opcount import count_step
 
     model = bundled.model
-    strategy, rows = _small(name, model, G2)
-    out = decode_run(model, strategy, rows, G2, "generate", lambda: None)
-    counted, layers = count_step(model, strategy, out.tokens, lambda: None), model.n_layers
     most, why = STRATEGIES.get(name).host_reads
-    assert counted.syncs <= most * layers, (name, dict(counted.syncs_by_op))
-    assert (counted.syncs > 0) == (most > 0) and bool(why) == (most > 0), (
-        name, dict(counted.syncs_by_op), STRATEGIES.get(name).host_reads)
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(model, "native_step", lambda tokens, start: None)
+        strategy, rows = _small(name, model, G2)
+        out = decode_run(model, strategy, rows, G2, "generate", lambda: None)
+        backend_use(reset=True)
+        counted = count_step(model, strategy, out.tokens, lambda: None)
+        took = backend_use().get("decode") == "native-step"
+        assert took <= native
+        assert counted.syncs <= most * model.n_layers, (name, dict(counted.syncs_by_op))
+        assert (counted.syncs > 0) == (most > 0 and not took) and bool(why) == (most > 0), (
+            name, native, dict(counted.syncs_by_op), STRATEGIES.get(name).host_reads)
 
 
 REPEAT = 4  # the wide model: every head of the narrow one, 4 times

@@ -1,4 +1,5 @@
-"""A Llama decode step in one native call (probes/step.c): full attention, Quest, StreamingLLM.
+"""A Llama decode step in one native call (probes/step.c): full attention, Quest, StreamingLLM,
+ArkVale.
 
 Issue 26 asks for every strategy's decode step in a bounded number of calls and the
 reference itself near its bytes bound. Layer by layer (kvbench.kernels.layer) a decode step
@@ -11,17 +12,20 @@ the strategy's attention, the MLP, then the final norm and the logits head, runs
 region whose threads meet at barriers.
 
 A strategy offers it through `Strategy.native_cache` (per layer a `NativeCache`: its cache,
-where the new token goes and how much of it is attended, and for Quest its min/max digests
-and selection buffers) and `Strategy.native_pages` (Quest's
-selection rule for the step); after the call it does its per-layer bookkeeping in
+where the new token goes and how much of it is attended, for Quest its min/max digests and
+selection buffers, for ArkVale its pool's pages, digests and host backup) and
+`Strategy.native_rule` (the step's selection rule, Quest's `Pages` or ArkVale's `Recall`,
+after the bookkeeping that must precede the call); after the call it does its per-layer
+bookkeeping in
 `Strategy.decoded`, and the decoder records the same stage graph as layer by layer, each
 layer's attention and selection timed inside the call (thread 0's clock). `Step.build`
 takes it for decode rows of a model on the native layers (float32 CPU Llama layers,
 kvbench.kernels.layer.ok) with a row-major float32 head, when every layer's cache is a
 float32 CPU one; otherwise the decoder goes layer by layer.
 
-Shapes: tokens [B, 1]; x [B, hidden]; caches [B, Hkv, max_len, D]; digests [B, Hkv, P, D];
-selections idx [B, H, ld] int32 (H: KV or query heads), lens [B, H]; logits [B, vocab].
+Shapes: tokens [B, 1]; x [B, hidden]; caches [B, Hkv, slots, D]; digests [B, Hkv, P, D];
+selections idx [B, H, ld] int32 (H: KV or query heads), lens [B, H]; ArkVale's slot_page
+[B, Hkv, C] int64 and host backup [P, B, Hkv, S, D]; logits [B, vocab].
 """
 
 from __future__ import annotations
@@ -47,9 +51,13 @@ class NativeCache:
     """What a native step reads and writes of one layer: its cache k/v [B, Hkv, slots, D]
     after n tokens (the step's position), the slot the new token goes to (`slot`, default
     n) and how many slots from 0 the step then attends (`span`, default n + 1: every
-    token), and for Quest its min/max digests lo/hi [B, Hkv, P, D] (the token's key joins
+    token); for Quest its min/max digests lo/hi [B, Hkv, P, D] (the token's key joins
     them) with, on a layer that selects pages, the buffers of its selection idx [B, H, ld]
-    and lens [B, H] int32."""
+    and lens [B, H] int32; for ArkVale's pool (the cache: pages of S contiguous rows) its
+    digests, slot_page [B, Hkv, C] int64, the host backup bk/bv [P, B, Hkv, S, D] the
+    recalls copy from and `moved` (pages recalled, evicted: the call writes them). `ok`
+    False: the step cannot run this layer now (ArkVale's pool not yet full); the decoder
+    goes layer by layer."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -60,6 +68,11 @@ class NativeCache:
     lens: torch.Tensor | None = None
     slot: int | None = None
     span: int | None = None
+    slot_page: torch.Tensor | None = None
+    bk: torch.Tensor | None = None
+    bv: torch.Tensor | None = None
+    moved: ctypes.Array[ctypes.c_int64] | None = None
+    ok: bool = True
 
     def where(self) -> tuple[int, int, int]:
         """(n, slot, span) with the defaults resolved."""
@@ -81,6 +94,29 @@ class Pages:
     per_kv: bool
 
 
+@dataclass(frozen=True)
+class Recall:
+    """ArkVale's selection and recall in a step (probes/decode.h's kvb_recall_t): pages of
+    `page` tokens, a pool of `slots` full pages, `nf` pages completed (the layers select
+    when nf > slots), `k` kept, the first `sinks` and last `window` full pages forced in,
+    pages >= `fresh` completed this step (copied, not recalled), one set per sequence
+    (`per_layer`) or per KV head."""
+
+    page: int
+    slots: int
+    nf: int
+    k: int
+    sinks: int
+    window: int
+    fresh: int
+    per_layer: bool
+
+
+def moved() -> ctypes.Array[ctypes.c_int64]:
+    """A layer's (pages recalled, pages evicted) that a native step writes."""
+    return (ctypes.c_int64 * 2)()
+
+
 class Layer(ctypes.Structure):
     """probes/step.c's kvb_layer_t: one layer's weights, its cache, digests and selection."""
 
@@ -88,12 +124,19 @@ class Layer(ctypes.Structure):
                                                 "kc", "vc")] + \
         [("ks", ctypes.c_int64 * 3), ("vs", ctypes.c_int64 * 3), ("lo", ctypes.c_void_p),
          ("hi", ctypes.c_void_p), ("ds", ctypes.c_int64 * 3), ("idx", ctypes.c_void_p),
-         ("lens", ctypes.c_void_p)]
+         ("lens", ctypes.c_void_p), ("at", ctypes.c_int64), ("n", ctypes.c_int64),
+         ("slot_page", ctypes.c_void_p), ("bk", ctypes.c_void_p), ("bv", ctypes.c_void_p),
+         ("moved", ctypes.c_void_p)]
 
 
 class _Pages(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int64) for n in ("page", "k", "sinks", "window", "ld")] + \
         [("per_kv", ctypes.c_int)]
+
+
+class _Recall(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in ("page", "slots", "nf", "k", "sinks", "window",
+                                              "fresh")] + [("per_layer", ctypes.c_int)]
 
 
 def _usable(t: torch.Tensor | None) -> bool:
@@ -122,6 +165,11 @@ def _layer(layer: object, c: NativeCache) -> Layer:
         assert c.idx.dtype == c.lens.dtype == torch.int32 and c.idx.is_contiguous() \
             and c.lens.is_contiguous()
         out.idx, out.lens = c.idx.data_ptr(), c.lens.data_ptr()
+    if c.slot_page is not None:
+        assert c.slot_page.dtype == torch.int64 and c.slot_page.is_contiguous() and \
+            c.k.stride()[2:] == c.v.stride()[2:] == (c.k.shape[3], 1)
+        out.slot_page, out.moved = c.slot_page.data_ptr(), ctypes.addressof(c.moved)
+        out.bk, out.bv = c.bk.data_ptr(), c.bv.data_ptr()
     return out
 
 
@@ -136,7 +184,6 @@ class Step:
         self.ld = ld  # a selection row's length (0: no layer selects)
         self.seconds = (ctypes.c_double * len(layers))()  # each layer's attention
         self.select = (ctypes.c_double * len(layers))()  # and its selection (-1: none)
-        self.at = (0, 0)  # this step's slot and span (`ready`)
 
     @classmethod
     def build(cls, model: LlamaDecoder) -> Step | None:
@@ -159,7 +206,8 @@ class Step:
         out, ld = (Layer * len(model.layers))(), 0
         for i, layer in enumerate(model.layers):
             c = s.native_cache(i)
-            if c is None or not all(_usable(t) for t in (c.k, c.v, c.lo, c.hi)):
+            if c is None or not all(_usable(t) for t in (c.k, c.v, c.lo, c.hi, c.bk, c.bv)) \
+                    or not all(t is None or t.is_contiguous() for t in (c.bk, c.bv)):
                 return None
             out[i] = _layer(layer, c)
             ld = ld if c.idx is None else c.idx.shape[-1]
@@ -167,57 +215,58 @@ class Step:
         return cls(model, out, head, torch.empty(c.k.shape[0], a.hq, 1, a.nq // a.hq), ld)
 
     def ready(self, tokens: torch.Tensor, start: int) -> bool:
-        """Whether tokens [B, 1] are the caches' batch and every layer's cache is at
-        position `start` with the same slot and span (kept for the call); KvbenchError for a
-        slot or span outside the caches' slots (the native call would write or read past
-        them)."""
+        """Whether tokens [B, 1] are the caches' batch and every layer's cache can run now
+        at position `start` (its slot and span kept for the call); KvbenchError for a slot
+        or span outside a cache's slots (the native call would write or read past them)."""
         s = self.model.strategy
         caches = [s.native_cache(i) for i in range(len(self.layers))]
-        where = {c.where() for c in caches}
-        if tokens.shape[0] != self.q.shape[0] or len(where) != 1:
+        if tokens.shape[0] != self.q.shape[0] or \
+                not all(c.ok and c.n == start for c in caches):
             return False
-        n, slot, span = where.pop()
-        slots = min(min(c.k.shape[2], c.v.shape[2]) for c in caches)
-        if not (0 <= slot < slots and slot < span <= slots):
-            raise KvbenchError(f"{s.name}: native step slot {slot} and span {span} outside "
-                               f"its caches' {slots} slots")
-        self.at = (slot, span)
-        return n == start
+        for layer, c in zip(self.layers, caches, strict=True):
+            _, slot, span = c.where()
+            slots = min(c.k.shape[2], c.v.shape[2])
+            if not (0 <= slot < slots and slot < span <= slots):
+                raise KvbenchError(f"{s.name}: native step slot {slot} and span {span} "
+                                   f"outside its caches' {slots} slots")
+            layer.at, layer.n = slot, span
+        return True
 
     def __call__(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
         """Logits [B, vocab] of decode rows tokens [B, 1] at position `start`; the strategy's
         `decoded` and the stage graph per layer follow."""
         m = self.model
         x = m.embed(tokens, start)[:, 0].contiguous()
-        logits = self._run(x, start, m.strategy.native_pages(start + 1))
+        logits = self._run(x, start, m.strategy.native_rule(start + 1))
         note_backend("native-step", self.q)  # every layer's attention, in the call
         c, spec, rows = m.counters, m.spec, x.shape[0]
         for i in range(len(self.layers)):
             c.layer = i
             c.dense(spec, "pre", rows)
-            if self.select[i] >= 0:
-                c.elapsed("bookkeeping.select", self.select[i])
-            m.strategy.decoded(i, self.q)
+            m.strategy.decoded(i, self.q, self.select[i])
             c.elapsed("attention", self.seconds[i])
             c.dense(spec, "post", rows)
         c.dense(spec, "head", rows)
         return logits
 
     @kernel
-    def _run(self, x: torch.Tensor, start: int, pages: Pages | None) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, start: int, rule: Pages | Recall | None) -> torch.Tensor:
         import torch
 
         m = self.model
         a, norm = m.layers[0].self_attn, m.norm
         d = a.nq // a.hq
         logits = x.new_empty(x.shape[0], self.head.shape[0])
-        rule = None if pages is None else _Pages(pages.page, pages.k, pages.sinks,
-                                                 pages.window, self.ld, int(pages.per_kv))
+        pages = None if not isinstance(rule, Pages) else _Pages(
+            rule.page, rule.k, rule.sinks, rule.window, self.ld, int(rule.per_kv))
+        recall = None if not isinstance(rule, Recall) else _Recall(
+            rule.page, rule.slots, rule.nf, rule.k, rule.sinks, rule.window, rule.fresh,
+            int(rule.per_layer))
         rc = _lib().kvb_llama_step(
-            self.layers, len(self.layers), None if rule is None else ctypes.byref(rule),
-            x.data_ptr(), norm.eps, norm.weight.data_ptr(), self.head.data_ptr(),
-            self.head.shape[0], logits.data_ptr(), *rope_at(m._rope, start), d ** -0.5, start,
-            *self.at, x.shape[0], x.shape[1], a.hq, a.hkv, d,
+            self.layers, len(self.layers), None if pages is None else ctypes.byref(pages),
+            None if recall is None else ctypes.byref(recall), x.data_ptr(), norm.eps,
+            norm.weight.data_ptr(), self.head.data_ptr(), self.head.shape[0], logits.data_ptr(),
+            *rope_at(m._rope, start), d ** -0.5, start, x.shape[0], x.shape[1], a.hq, a.hkv, d,
             m.layers[0].mlp.down_proj.weight.shape[1], self.seconds, self.select,
             torch.get_num_threads())
         if rc != 0:

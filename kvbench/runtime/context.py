@@ -181,8 +181,18 @@ class Counters:
         (kvbench.kernels.step, whose time is kernel time): recorded as `timed` records a
         block of that many seconds that recorded no work itself (a "host" task, but for a
         wait phase such as "attention", whose work its strategy counts)."""
+        with self.carried(phase, seconds):
+            pass
+
+    @contextmanager
+    def carried(self, phase: str, seconds: float) -> Iterator[None]:
+        """`elapsed` for a block whose work the body records (a strategy counting what its
+        native call did): as `timed` records it, a "host" task only if the body recorded
+        none."""
+        n0 = len(self.graph.tasks)
+        yield
         self._v[("time", phase, self.layer)][self.step] += seconds
-        self._carry(phase, False, len(self.graph.tasks), seconds)
+        self._carry(phase, False, n0, seconds)
 
     @contextmanager
     def timed(self, phase: str, wait: bool = False) -> Iterator[None]:

@@ -81,7 +81,7 @@ from kvbench.registry import Registry, first_line
 if TYPE_CHECKING:
     import torch
 
-    from kvbench.kernels.step import NativeCache, Pages
+    from kvbench.kernels.step import NativeCache, Pages, Recall
     from kvbench.runtime.breakdown import Metric
     from kvbench.runtime.context import RunContext
 
@@ -218,19 +218,23 @@ class Strategy:
     def native_cache(self, layer: int) -> NativeCache | None:
         """What a decode step in one native call (kvbench.kernels.step) needs of `layer`,
         when this strategy's decode of it is one that call runs (dense attention over its
-        cache or ring, or Quest's) and `layer_input` does nothing; the decoder then calls `decoded`
-        for each layer after it. None (the default): the strategy's own `decode`."""
+        cache or ring, Quest's or ArkVale's) and `layer_input` does nothing; the decoder then
+        calls `native_rule` before the call and `decoded` for each layer after it. None (the
+        default): the strategy's own `decode`."""
         return None
 
-    def native_pages(self, n: int) -> Pages | None:
+    def native_rule(self, n: int) -> Pages | Recall | None:
         """The page selection of a native step whose caches hold n tokens with the new one
-        (Quest's); None: no layer selects."""
+        (Quest's `Pages`, ArkVale's `Recall`), after the bookkeeping that must precede the
+        call (ArkVale completes a full page); None: no layer selects."""
         return None
 
-    def decoded(self, layer: int, q: torch.Tensor) -> None:
+    def decoded(self, layer: int, q: torch.Tensor, select_s: float) -> None:
         """After a native step wrote `layer`'s new k/v at its cache's n and attended q
-        [B, Hq, 1, D]: what `decode` does besides (its length, its counters). Called only
-        where `native_cache` is not None."""
+        [B, Hq, 1, D]: what `decode` does besides (its length, its counters, and the
+        seconds its selection took in the call, `select_s` (-1: none), recorded where its
+        decode's "bookkeeping.select" block sits). Called only where `native_cache` is not
+        None."""
         raise NotImplementedError
 
     def append(self, layer: int, q: torch.Tensor, k: torch.Tensor,

@@ -66,8 +66,11 @@ from kvbench.strategies._pages import (
 )
 
 if TYPE_CHECKING:
+    import ctypes
+
     import torch
 
+    from kvbench.kernels.step import NativeCache, Recall
     from kvbench.runtime.context import RunContext
 
 
@@ -193,6 +196,10 @@ class ArkVale(Strategy):
         if self.host_k:
             self.stage = tuple(self.host.empty((b * hkv * self.c, page, d), ctx.dtype)
                                for _ in range(2))
+        # the native step's: per sparse layer its (pages recalled, evicted), written by the
+        # call, and (bytes backed up, pages evicted) of a page `native_rule` completed
+        self._moved: dict[int, ctypes.Array[ctypes.c_int64]] = {}
+        self._done: dict[int, tuple[float, float]] = {}
         self.stored: dict[int, torch.cuda.Event] = {}  # layer -> its last backup's D2H
         self.staged: torch.cuda.Event | None = None  # the last recall's H2D out of stage
 
@@ -219,27 +226,30 @@ class ArkVale(Strategy):
 
     # --- pages of one sparse layer ---------------------------------------------------
 
-    def _enter(self, layer: int, page: int, cur_k: torch.Tensor, cur_v: torch.Tensor) -> None:
+    def _enter(self, layer: int, page: int, cur_k: torch.Tensor, cur_v: torch.Tensor) -> float:
         """Completed page `page` (k/v [B, Hkv, 1, S, D], the current slot) into the pool: an
         empty slot while there is one (pages fill slots in order), else the slot of the page
         leaving the window, evicted (`_decode_alloc_1_page`, ArkVale's window ring). With one
-        window page the completed page leaves it itself: it enters only if selected."""
+        window page the completed page leaves it itself: it enters only if selected. Returns
+        the pages evicted (rows x KV heads, or 0)."""
         import torch
 
         sp = self.slot_page[layer]
         leave = page - (self.p.window_pages - 1)
+        evicted = 0.0
         if page < self.c:
             slot = sp.new_full(sp.shape[:2], page)
         elif leave < page:  # the window's oldest full page is resident (always in the top set)
             slot = (sp == leave).to(torch.int8).argmax(-1)  # [B, Hkv]
-            self.ctx.counters.add("pages", "evicted", float(slot.numel()))
+            evicted = float(slot.numel())
         else:
-            return
+            return evicted
         bi = torch.arange(sp.shape[0], device=sp.device)[:, None]
         hi = torch.arange(sp.shape[1], device=sp.device)[None, :]
         self.pool_k[layer][bi, hi, slot] = cur_k[:, :, 0]
         self.pool_v[layer][bi, hi, slot] = cur_v[:, :, 0]
         sp[bi, hi, slot] = page
+        return evicted
 
     def _place(self, layer: int, scores: torch.Tensor, target: torch.Tensor, fresh_first: int,
                fresh_k: torch.Tensor, fresh_v: torch.Tensor) -> None:
@@ -307,10 +317,11 @@ class ArkVale(Strategy):
             self.staged = torch.cuda.Event()
             self.staged.record(torch.cuda.current_stream())
 
-    def _complete(self, layer: int, first: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _complete(self, layer: int, first: int, k: torch.Tensor, v: torch.Tensor) -> float:
         """Back up full pages k/v [B, Hkv, m, S, D] (on the accelerator) to the host as pages
         first..first+m-1 (page-major: one contiguous D2H each, then an event for the host's
-        gathers) and digest them (ArkVale's decode_backup_1_page, save_1_digest)."""
+        gathers) and digest them (ArkVale's decode_backup_1_page, save_1_digest). Returns
+        the bytes backed up, for counters.moved("d2h")."""
         import torch
 
         m = k.shape[2]
@@ -320,7 +331,7 @@ class ArkVale(Strategy):
             self.stored[layer] = torch.cuda.Event()
             self.stored[layer].record(torch.cuda.current_stream())
         self.dig[layer].put(first, k)
-        self.ctx.counters.moved("d2h", 2.0 * k.numel() * self.ctx.elem_bytes)
+        return 2.0 * k.numel() * self.ctx.elem_bytes
 
     def _select(self, layer: int, q: torch.Tensor, n_full: int, k: int, sinks: int,
                 per_layer: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -394,7 +405,7 @@ class ArkVale(Strategy):
         self.pool_v[layer][:, :, c, :rem] = seg_v[:, :, m * size:]
         self.length[layer] = n0 + k.shape[2]
         if m:
-            self._complete(layer, nf, fresh_k, fresh_v)
+            counters.moved("d2h", self._complete(layer, nf, fresh_k, fresh_v))
             with counters.timed("bookkeeping.select"):
                 scores, target = (
                     self._select(layer, q[:, :, -1:], nf + m, c, self.p.prefill_sinks, True)
@@ -422,8 +433,10 @@ class ArkVale(Strategy):
         with counters.timed("bookkeeping.select"):
             fresh = t == size
             if fresh:  # the token after a full page: complete it as page nf
-                self._complete(layer, nf, cur_k, cur_v)
-                self._enter(layer, nf, cur_k, cur_v)
+                counters.moved("d2h", self._complete(layer, nf, cur_k, cur_v))
+                evicted = self._enter(layer, nf, cur_k, cur_v)
+                if evicted:
+                    counters.add("pages", "evicted", evicted)
                 nf, t = nf + 1, 0
             if nf > c:
                 scores, target = self._select(layer, q, nf, self.p.topk, self.p.sinks,
@@ -446,3 +459,70 @@ class ArkVale(Strategy):
         cur = slice(c * size, c * size + t)
         o2, s2 = dense_attention(q, flat_k[:, :, cur], flat_v[:, :, cur], causal=False)
         return merge(o1, s1, o2, s2)[0]
+
+    # --- the native step (kvbench.kernels.step) --------------------------------------
+
+    def native_cache(self, layer: int) -> NativeCache:
+        """A dense layer's cache; a sparse layer's pool as one cache [B, Hkv, (C + 1) S, D]
+        (slot C, the current page, last), the token going to the current page's next row
+        (its first once a pending full page is completed) and the pool and the current page
+        attended: a span the step can take once the pool is full (`ok`), with the digests,
+        slot_page and host backup its recall reads and writes."""
+        from kvbench.kernels.step import NativeCache, moved
+
+        n = self.length[layer]
+        if layer < self.p.dense_layers:
+            return NativeCache(self.k[layer], self.v[layer], n)
+        nf, t = self._split(n)
+        if t == self.p.page_size:  # completed by `native_rule` before the call
+            nf, t = nf + 1, 0
+        pk, pv, dig = self.pool_k[layer], self.pool_v[layer], self.dig[layer]
+        at = self.c * self.p.page_size + t
+        return NativeCache(pk.flatten(2, 3), pv.flatten(2, 3), n, dig.lo, dig.hi, slot=at,
+                           span=at + 1, slot_page=self.slot_page[layer],
+                           bk=self.host_k[layer], bv=self.host_v[layer],
+                           moved=self._moved.setdefault(layer, moved()), ok=nf >= self.c)
+
+    def native_rule(self, n: int) -> Recall:
+        """Complete each sparse layer's full current page (backup, digest, into the pool, as
+        `decode` does first), then the step's rule over the n - 1 cached tokens' pages."""
+        from kvbench.kernels.step import Recall
+
+        size, c = self.p.page_size, self.c
+        nf, t = self._split(n - 1)
+        fresh = t == size
+        for layer in self.pool_k if fresh else ():
+            cur_k, cur_v = self.pool_k[layer][:, :, c:c + 1], self.pool_v[layer][:, :, c:c + 1]
+            self._done[layer] = (self._complete(layer, nf, cur_k, cur_v),
+                                 self._enter(layer, nf, cur_k, cur_v))
+        nf += fresh
+        return Recall(size, c, nf, self.p.topk, self.p.sinks, self.p.window_pages - 1,
+                      nf - 1 if fresh and self.p.window_pages == 1 else nf,
+                      self.p.variant == "authors")
+
+    def decoded(self, layer: int, q: torch.Tensor, select_s: float) -> None:
+        """The token is in the current page, the top pages made resident and the pool
+        attended: counted as `decode` counts (the backup, evictions, the digests read, the
+        recalls' pages and bytes, the completion's, selection's and recall's time in the
+        call)."""
+        counters, size = self.ctx.counters, self.p.page_size
+        n = self.length[layer] = self.length[layer] + 1
+        if layer < self.p.dense_layers:
+            counters.attended("accel", q, n)
+            return
+        nf, t = self._split(n)
+        with counters.carried("bookkeeping.select", select_s):
+            backed, evicted = self._done.pop(layer, (0.0, 0.0))
+            if backed:
+                counters.moved("d2h", backed)
+            if nf > self.c:
+                counters.add("bytes_read", "accel", self.dig[layer].nbytes(nf * size))
+                recalled, out = self._moved[layer]
+                evicted += out
+                if recalled:
+                    counters.moved("h2d", 2.0 * recalled * size * q.shape[-1]
+                                   * self.ctx.elem_bytes)
+                    counters.add("pages", "recalled", float(recalled))
+            if evicted:
+                counters.add("pages", "evicted", evicted)
+        counters.attended("accel", q, self.c * size + t)

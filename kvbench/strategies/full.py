@@ -67,7 +67,7 @@ class Full(Strategy):
 
         return NativeCache(self.k[layer], self.v[layer], self.length[layer])
 
-    def decoded(self, layer: int, q: torch.Tensor) -> None:
+    def decoded(self, layer: int, q: torch.Tensor, select_s: float) -> None:
         """A native step's token is cached and attended: as `decode` after its kernel."""
         self.length[layer] += 1
         self.ctx.counters.attended("accel", q, self.length[layer])

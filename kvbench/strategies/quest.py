@@ -262,17 +262,19 @@ class Quest(Strategy):
         return NativeCache(self.k[layer], self.v[layer], self.length[layer], dig.lo, dig.hi,
                            *self._sel[layer])
 
-    def native_pages(self, n: int) -> Pages:
+    def native_rule(self, n: int) -> Pages:
         """This step's rule (`QuestParams.rule`) and pages kept over n tokens."""
         from kvbench.kernels.step import Pages
 
         per, sinks, window = self.p.rule()
         return Pages(self.p.page_size, self.p.pages(n), sinks, window, per != "query")
 
-    def decoded(self, layer: int, q: torch.Tensor) -> None:
+    def decoded(self, layer: int, q: torch.Tensor, select_s: float) -> None:
         """The token is cached, digested and attended (densely, or over the pages the step
         selected into the layer's buffers): count it as `decode` does."""
         p, counters = self.p, self.ctx.counters
+        if select_s >= 0:
+            counters.elapsed("bookkeeping.select", select_s)
         n = self.length[layer] = self.length[layer] + 1
         k_pages = p.pages(n)
         if layer < p.dense_layers or k_pages >= -(-n // p.page_size):

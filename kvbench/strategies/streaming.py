@@ -142,7 +142,7 @@ class Streaming(Strategy):
         return NativeCache(self.k[layer], self.v[layer], t, slot=self._slot(t),
                            span=min(t + 1, self.budget))
 
-    def decoded(self, layer: int, q: torch.Tensor) -> None:
+    def decoded(self, layer: int, q: torch.Tensor, select_s: float) -> None:
         """The token is in its slot and the filled slots attended: as `decode`."""
         self.seen[layer] += 1
         self.ctx.counters.attended("accel", q, min(self.seen[layer], self.budget))
