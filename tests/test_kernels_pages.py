@@ -11,6 +11,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from test_kernels_attention import native_isa  # noqa: E402
+
 from kvbench.kernels import cpu  # noqa: E402
 from kvbench.strategies._pages import page_scores, page_tokens, select_pages  # noqa: E402
 
@@ -22,9 +24,14 @@ needs_native = pytest.mark.skipif(cpu._lib() is None, reason="native library not
 @pytest.mark.parametrize(("n", "k", "sinks", "window"), [(1000, 8, 1, 2), (1003, 5, 0, 1),
                                                          (97, 6, 2, 3), (4096, 32, 1, 1)])
 @pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize(("isa", "d"), [("avx512", 32), ("avx2", 32), ("avx2", 36),
+                                        ("portable", 32)])
 def test_native_selection_equals_the_torch_path(per: str, n: int, k: int, sinks: int,
-                                                window: int, threads: int) -> None:
-    page, b, hq, hkv, d = 16, 2, 6, 2, 32
+                                                window: int, threads: int, isa: str,
+                                                d: int) -> None:
+    """The scores in each instruction set's loops (d 36: AVX2's eight channels, not
+    AVX-512's sixteen)."""
+    page, b, hq, hkv = 16, 2, 6, 2
     g = torch.Generator().manual_seed(n + k + sinks)
     n_pages = -(-n // page)
     lo_buf = torch.randn(b, hkv, n_pages + 7, d, generator=g)  # a preallocated P_max
@@ -33,7 +40,9 @@ def test_native_selection_equals_the_torch_path(per: str, n: int, k: int, sinks:
     lo, hi = lo_buf[:, :, :n_pages], hi_buf[:, :, :n_pages]
     ref_pos, ref_lens = page_tokens(select_pages(page_scores(q, lo, hi, per), n_pages, k,
                                                  sinks, window), page, n)
-    pos, lens = cpu.page_select(q, lo, hi, n_pages, k, sinks, window, per, page, n, threads)
+    with native_isa(isa):
+        pos, lens = cpu.page_select(q, lo, hi, n_pages, k, sinks, window, per, page, n,
+                                    threads)
     assert pos.dtype == lens.dtype == torch.int32
     assert torch.equal(lens.long(), ref_lens.long())
     assert torch.equal(pos.long(), ref_pos.long())  # the tails are 0 in both

@@ -197,8 +197,10 @@ class ArkVale(Strategy):
             self.stage = tuple(self.host.empty((b * hkv * self.c, page, d), ctx.dtype)
                                for _ in range(2))
         # the native step's: per sparse layer its (pages recalled, evicted), written by the
-        # call, and (bytes backed up, pages evicted) of a page `native_rule` completed
+        # call, and (bytes backed up, pages evicted) of a page `native_rule` completed; its
+        # pool as one cache [B, Hkv, (C + 1) S, D]
         self._moved: dict[int, ctypes.Array[ctypes.c_int64]] = {}
+        self._flat: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._done: dict[int, tuple[float, float]] = {}
         self.stored: dict[int, torch.cuda.Event] = {}  # layer -> its last backup's D2H
         self.staged: torch.cuda.Event | None = None  # the last recall's H2D out of stage
@@ -476,9 +478,12 @@ class ArkVale(Strategy):
         nf, t = self._split(n)
         if t == self.p.page_size:  # completed by `native_rule` before the call
             nf, t = nf + 1, 0
-        pk, pv, dig = self.pool_k[layer], self.pool_v[layer], self.dig[layer]
-        at = self.c * self.p.page_size + t
-        return NativeCache(pk.flatten(2, 3), pv.flatten(2, 3), n, dig.lo, dig.hi, slot=at,
+        if layer not in self._flat:  # views made once: no op a step
+            self._flat[layer] = (self.pool_k[layer].flatten(2, 3),
+                                 self.pool_v[layer].flatten(2, 3))
+        pk, pv = self._flat[layer]
+        dig, at = self.dig[layer], self.c * self.p.page_size + t
+        return NativeCache(pk, pv, n, dig.lo, dig.hi, slot=at,
                            span=at + 1, slot_page=self.slot_page[layer],
                            bk=self.host_k[layer], bv=self.host_v[layer],
                            moved=self._moved.setdefault(layer, moved()), ok=nf >= self.c)
