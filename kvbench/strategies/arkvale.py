@@ -39,6 +39,14 @@ into the staging (after the layer's last backup D2H has landed, and after the H2
 read the staging), then one async H2D and a scatter into the pool slots. The page ids to
 recall must reach the host (the authors' `recall` reads them too): on CUDA a layer step
 over the budget waits for its selection there; nothing else in a decode step syncs.
+
+On the CPU, once every sparse layer's pool is full, a decode step runs in one native call
+(kvbench.kernels.step; `native_cache`, `native_rule`, `decoded`): `native_rule` completes a
+full current page in torch first (backup, digest, into the pool), then the call scores,
+selects and recalls inside its region (probes/pages.c kvb_recall_in: the same rule, ties
+aside; on the CPU the backup is host memory, so a recall is a copy and reads no id on the
+host) and attends the pool and the current page as one span; the same pools, slots,
+counters and stage graph as `decode` (tests/test_kernels_step.py).
 """
 
 from __future__ import annotations
