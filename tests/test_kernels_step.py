@@ -301,3 +301,21 @@ def test_native_arkvale_step_equals_the_layer_path(rule: tuple[str, int, int], b
     for what in ("recalled", "evicted"):  # the steps recalled pages into full pools
         assert sum(v for (w, lay), steps in pages.items() if w == what
                    for s, v in steps.items() if s > 0) >= 3 * batch
+
+
+@needs_native
+def test_arkvale_steps_note_their_backends_by_phase() -> None:
+    """The prefill's cut of ArkVale's pool (torch page scores of the prompt's last query)
+    is noted as prefill, so a decode taken by the native step records that alone."""
+    from kvbench.kernels.attention import backend_use
+
+    spec = ModelSpec("t", "llama", 2, 4, 2, 40, 36, 50, 64, rope_theta=1e4)
+    model = _model(spec, 2, 2, 64, 0, strategy="arkvale", budget_tokens=16, page_size=4,
+                   pages=2, sinks=1, window_pages=1, dense_layers=1)
+    tokens = torch.randint(0, 50, (2, 41))
+    backend_use(reset=True)
+    model(tokens[:, :40], 0)
+    prefill = backend_use(reset=True)
+    model(tokens[:, 40:], 40)
+    assert "torch-select" in prefill["prefill/append"] and "decode" not in prefill
+    assert backend_use(reset=True) == {"decode": "native-step"}

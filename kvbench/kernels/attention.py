@@ -62,11 +62,12 @@ _REFUSED: set[tuple[str, object, int]] = set()
 _USE: Counter[tuple[str, str]] = Counter()
 
 
-def note_backend(backend: str, q: torch.Tensor) -> None:
+def note_backend(backend: str, q: torch.Tensor, append: bool = False) -> None:
     """Count one attention call of q `[B, Hq, Lq, D]` on `backend` ("native", "torch" or a
     fused CUDA kernel, "sdpa-flash" / "sdpa-efficient");
-    phase "decode" when Lq == 1, else "prefill/append"."""
-    _USE[(backend, "decode" if q.shape[2] == 1 else "prefill/append")] += 1
+    phase "decode" when Lq == 1, else (or for a prompt's last query, `append`)
+    "prefill/append"."""
+    _USE[(backend, "decode" if q.shape[2] == 1 and not append else "prefill/append")] += 1
 
 
 def backend_use(reset: bool = False) -> dict[str, str]:

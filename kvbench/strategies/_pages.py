@@ -126,8 +126,8 @@ class Digests:
             self.lo[:, :, p], self.hi[:, :, p] = digest(k[:, :, p * s:n1], self.kind)
 
 
-def page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, per: str
-                ) -> torch.Tensor:
+def page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, per: str,
+                append: bool = False) -> torch.Tensor:
     """Upper-bound scores of q [B, Hq, 1, D] against digests [B, Hkv, P, D]: [B, H, P].
 
     H = Hq (per="query") or Hkv (per="kv": the group's query heads summed). As
@@ -135,13 +135,14 @@ def page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, per: str
     q+ . hi + q- . lo, and the group's sum sums q+ and q- first: every head and page in a
     fixed number of calls, the digests read once. Counted as backend "torch-select" (a
     selection in torch ops; Quest's native one is "native-select"), so every record's
-    method.backend says which selection path ran.
+    method.backend says which selection path ran; `append`: q is a prompt's last query (its
+    phase prefill/append, not decode).
     """
     import torch
 
     from kvbench.kernels.attention import note_backend
 
-    note_backend("torch-select", q)
+    note_backend("torch-select", q, append)
     b, hq, _, d = q.shape
     hkv, p = lo.shape[1], lo.shape[2]
     qf = q.float().reshape(b * hkv, hq // hkv, d)  # [B * Hkv, G, D]

@@ -344,14 +344,15 @@ class ArkVale(Strategy):
         return 2.0 * k.numel() * self.ctx.elem_bytes
 
     def _select(self, layer: int, q: torch.Tensor, n_full: int, k: int, sinks: int,
-                per_layer: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                per_layer: bool, append: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores [B, Hkv, n_full] of q [B, Hq, 1, D] (summed over each KV head's query
         heads, or over every head when `per_layer`: one set for the layer) and the target
         pages [B, Hkv, n_full] (bool): `sinks`, the window's full pages (the current page is
         the window's last, outside the pool), top of the rest; k in all, or every page when
-        k >= n_full (`select_pages`; Alg. 1 line 2, S[:K])."""
+        k >= n_full (`select_pages`; Alg. 1 line 2, S[:K]); `append`: q is the prompt's last
+        query (the prefill's cut)."""
         dig = self.dig[layer]
-        scores = page_scores(q, dig.lo[:, :, :n_full], dig.hi[:, :, :n_full], "kv")
+        scores = page_scores(q, dig.lo[:, :, :n_full], dig.hi[:, :, :n_full], "kv", append)
         if per_layer:
             scores = scores.sum(1, keepdim=True).expand(scores.shape)
         self.ctx.counters.add("bytes_read", "accel", dig.nbytes(n_full * self.p.page_size))
@@ -418,7 +419,8 @@ class ArkVale(Strategy):
             counters.moved("d2h", self._complete(layer, nf, fresh_k, fresh_v))
             with counters.timed("bookkeeping.select"):
                 scores, target = (
-                    self._select(layer, q[:, :, -1:], nf + m, c, self.p.prefill_sinks, True)
+                    self._select(layer, q[:, :, -1:], nf + m, c, self.p.prefill_sinks, True,
+                                 append=True)
                     if nf + m > c else self._all(layer, nf + m))
                 self._place(layer, scores, target, nf, fresh_k, fresh_v)
         return out

@@ -375,7 +375,8 @@ class Scout(Strategy):
         ws = max(-(-n // self.p.page_size) - self.p.window_pages, 0)
         self.win[layer] = ws
         if ws:
-            scores = page_scores(q[:, :, -1:], dig.lo[:, :, :ws], dig.hi[:, :, :ws], "kv")
+            scores = page_scores(q[:, :, -1:], dig.lo[:, :, :ws], dig.hi[:, :, :ws], "kv",
+                                 append=True)
             top = scores.topk(min(self.p.resident, ws), dim=-1).indices
             self.res[layer][:, :, :ws].scatter_(2, top, True)
             self._evict(layer, ~self.res[layer][:, :, :ws])
