@@ -16,9 +16,8 @@ where the new token goes and how much of it is attended, for Quest its min/max d
 selection buffers, for ArkVale its pool's pages, digests and host backup) and
 `Strategy.native_rule` (the step's selection rule, Quest's `Pages` or ArkVale's `Recall`,
 after the bookkeeping that must precede the call); after the call it does its per-layer
-bookkeeping in
-`Strategy.decoded`, and the decoder records the same stage graph as layer by layer, each
-layer's attention and selection timed inside the call (thread 0's clock). `Step.build`
+bookkeeping in `Strategy.decoded`, and the decoder records the same stage graph as layer by
+layer, each layer's attention and selection timed inside the call (thread 0's clock). `Step.build`
 takes it for decode rows of a model on the native layers (float32 CPU Llama layers,
 kvbench.kernels.layer.ok) with a row-major float32 head, when every layer's cache is a
 float32 CPU one; otherwise the decoder goes layer by layer.

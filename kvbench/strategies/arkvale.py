@@ -518,8 +518,9 @@ class ArkVale(Strategy):
     def decoded(self, layer: int, q: torch.Tensor, select_s: float) -> None:
         """The token is in the current page, the top pages made resident and the pool
         attended: counted as `decode` counts (the backup, evictions, the digests read, the
-        recalls' pages and bytes, the completion's, selection's and recall's time in the
-        call)."""
+        recalls' pages and bytes), its selection's and recall's seconds in the call as its
+        "bookkeeping.select" (a page's completion, in torch before the call, is the step's
+        dispatch)."""
         counters, size = self.ctx.counters, self.p.page_size
         n = self.length[layer] = self.length[layer] + 1
         if layer < self.p.dense_layers:
