@@ -36,13 +36,6 @@ static void rows_gen(const gemv_t *g, int64_t n0, int64_t n1) {
 #ifdef KVB_X86
 #define AVX2 __attribute__((target("avx2,fma")))
 
-static AVX2 inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* One W row against NB rows of x (a compile-time constant: accumulators in registers), K
  * unrolled U vectors deep so that U x NB independent accumulators hide the FMA latency and
  * each W load feeds NB FMAs (x stays in L1, read as memory operands). W streams in order;
@@ -78,7 +71,7 @@ static AVX2 inline float hsum(__m256 v) {
         for (int b = 0; b < NB; b++) {                                                    \
             __m256 s = a[0][b];                                                           \
             for (int u = 1; u < U; u++) s = _mm256_add_ps(s, a[u][b]);                    \
-            const float r = hsum(s);                                                      \
+            const float r = kvb_hsum256(s);                                               \
             g->y[b * g->N + n] = g->acc ? g->y[b * g->N + n] + r : r;                     \
         }                                                                                 \
     }

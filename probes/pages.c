@@ -75,48 +75,31 @@ static inline float bound(const float *qp, const float *qn, const float *u, cons
  * from memory, against 56, 136, 99 and 159 us with the portable loop (SSE2 by default). */
 #define A512 __attribute__((target("avx512f,avx2,fma")))
 #define AVX2 __attribute__((target("avx2,fma")))
-static A512 void bounds512(const float *qp, const float *qn, int64_t R, const float *u,
-                           const float *l, int64_t stride, int64_t n, int64_t D, float *out) {
-    for (int64_t p = 0; p < n; p++) {
-        const float *up = u + p * stride, *lp = l + p * stride;
-        if (p + AHEAD < n)
-            for (int64_t d = 0; d < D; d += 16) {
-                _mm_prefetch((const char *)(up + AHEAD * stride + d), _MM_HINT_T0);
-                _mm_prefetch((const char *)(lp + AHEAD * stride + d), _MM_HINT_T0);
-            }
-        for (int64_t i = 0; i < R; i++) {
-            __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
-            for (int64_t d = 0; d < D; d += 16) {
-                a = _mm512_fmadd_ps(_mm512_loadu_ps(qp + i * D + d), _mm512_loadu_ps(up + d), a);
-                b = _mm512_fmadd_ps(_mm512_loadu_ps(qn + i * D + d), _mm512_loadu_ps(lp + d), b);
-            }
-            out[i * n + p] += _mm512_reduce_add_ps(_mm512_add_ps(a, b));
-        }
+/* One set's loops: W channels a vector (V its type, P its intrinsics' prefix), SUM its
+ * horizontal sum. */
+#define BOUNDS(NAME, ATTR, V, P, W, SUM)                                                   \
+    static ATTR void NAME(const float *qp, const float *qn, int64_t R, const float *u,     \
+                          const float *l, int64_t stride, int64_t n, int64_t D,           \
+                          float *out) {                                                   \
+        for (int64_t p = 0; p < n; p++) {                                                 \
+            const float *up = u + p * stride, *lp = l + p * stride;                       \
+            if (p + AHEAD < n)                                                            \
+                for (int64_t d = 0; d < D; d += 16) {                                     \
+                    _mm_prefetch((const char *)(up + AHEAD * stride + d), _MM_HINT_T0);   \
+                    _mm_prefetch((const char *)(lp + AHEAD * stride + d), _MM_HINT_T0);   \
+                }                                                                         \
+            for (int64_t i = 0; i < R; i++) {                                             \
+                V a = P##_setzero_ps(), b = P##_setzero_ps();                             \
+                for (int64_t d = 0; d < D; d += W) {                                      \
+                    a = P##_fmadd_ps(P##_loadu_ps(qp + i * D + d), P##_loadu_ps(up + d), a); \
+                    b = P##_fmadd_ps(P##_loadu_ps(qn + i * D + d), P##_loadu_ps(lp + d), b); \
+                }                                                                         \
+                out[i * n + p] += SUM(P##_add_ps(a, b));                                  \
+            }                                                                             \
+        }                                                                                 \
     }
-}
-
-static AVX2 void bounds256(const float *qp, const float *qn, int64_t R, const float *u,
-                           const float *l, int64_t stride, int64_t n, int64_t D, float *out) {
-    for (int64_t p = 0; p < n; p++) {
-        const float *up = u + p * stride, *lp = l + p * stride;
-        if (p + AHEAD < n)
-            for (int64_t d = 0; d < D; d += 16) {
-                _mm_prefetch((const char *)(up + AHEAD * stride + d), _MM_HINT_T0);
-                _mm_prefetch((const char *)(lp + AHEAD * stride + d), _MM_HINT_T0);
-            }
-        for (int64_t i = 0; i < R; i++) {
-            __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
-            for (int64_t d = 0; d < D; d += 8) {
-                a = _mm256_fmadd_ps(_mm256_loadu_ps(qp + i * D + d), _mm256_loadu_ps(up + d), a);
-                b = _mm256_fmadd_ps(_mm256_loadu_ps(qn + i * D + d), _mm256_loadu_ps(lp + d), b);
-            }
-            __m256 v = _mm256_add_ps(a, b);
-            __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-            x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-            out[i * n + p] += _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-        }
-    }
-}
+BOUNDS(bounds512, A512, __m512, _mm512, 16, _mm512_reduce_add_ps)
+BOUNDS(bounds256, AVX2, __m256, _mm256, 8, kvb_hsum256)
 #endif
 
 /* out[i * n + p] += the bound of row i's q+/q- (qp/qn [R, D]) over page p's digests (hi u,
