@@ -61,7 +61,8 @@ def _consistent(s: ArkVale) -> None:
 
 def test_a_decode_step_files_its_pages_and_attention() -> None:
     """Prompt 32 in pages of 8: three full pages and a full current one, a pool of C = 3.
-    Step 1 completes page 3 (backed up: B * Hkv pages to the host), which takes the slot of
+    The prefill backs up pages 0-2. Step 1 completes page 3 (backed up: B * Hkv pages to
+    the host), which takes the slot of
     page 2 as it leaves the window (B * Hkv evictions), scores the digests of 4 pages, makes
     its top set resident (each recall two pages' worth of K and V over h2d, each into a
     full pool: one eviction more) and attends 3 pages and 1 token per KV head."""
@@ -70,6 +71,9 @@ def test_a_decode_step_files_its_pages_and_attention() -> None:
                                  dense_layers=1), prompt=32, steps=3, check=_consistent)
     assert s.c == 3
     step, sparse = 1, (1, 2, 3)
+    # the prompt's three completed pages backed up, over d2h, at the prefill (step 0)
+    assert _layer(c, "bytes_moved", "d2h", 0) == {
+        layer: 2.0 * 3 * B * HKV * S * D * elem for layer in sparse}
     recalled = _layer(c, "pages", "recalled", step)
     evicted = _layer(c, "pages", "evicted", step)
     h2d, d2h = _layer(c, "bytes_moved", "h2d", step), _layer(c, "bytes_moved", "d2h", step)

@@ -178,6 +178,9 @@ def _same(spec: ModelSpec, layers: int, batch: int, threads: int, prompt: int, s
     series = [{(q, w, lay): v for q, w, lay, v in m.counters.series() if q != "time"}
               for m in (ref, got)]
     assert series[1] == series[0]
+    phases = [{(w, lay) for q, w, lay, _ in m.counters.series() if q == "time"}
+              for m in (ref, got)]
+    assert phases[1] == phases[0]  # the same stages timed (each layer's attention, selection)
     times = {lay: v for q, w, lay, v in got.counters.series() if (q, w) == ("time", "attention")}
     assert sorted(times) == list(range(layers))
     assert all(times[lay][s] > 0 for lay in times for s in range(1, steps + 1))
@@ -304,9 +307,28 @@ def test_native_arkvale_step_equals_the_layer_path(rule: tuple[str, int, int], b
 
 
 @needs_native
+@pytest.mark.parametrize("prompt", [16, 20])
+def test_arkvale_takes_the_native_step_once_its_pool_is_full(prompt: int) -> None:
+    """A pool of 5 pages of 4: after 16 tokens the step's completed page is the pool's
+    fourth (a gap before the current page: layer by layer), after 20 its fifth (full: the
+    native step, the pool just full and not selecting, then over it), each step as the
+    layer path."""
+    spec = ModelSpec("t", "llama", 2, 4, 2, 40, 36, 50, 64, rope_theta=1e4)
+    arkvale = {"strategy": "arkvale", "budget_tokens": 24, "page_size": 4, "pages": 3,
+               "sinks": 1, "window_pages": 2, "dense_layers": 1}
+    model = _model(spec, 2, 2, 64, 0, **arkvale)
+    tokens = torch.randint(0, 50, (2, prompt + 1))
+    model(tokens[:, :prompt], 0)
+    assert (model.native_step(tokens[:, prompt:], prompt) is not None) == (prompt == 20)
+    if prompt == 20:
+        _same(spec, 2, 2, 2, prompt=20, steps=6, seed=1, **arkvale)
+
+
+@needs_native
 def test_arkvale_steps_note_their_backends_by_phase() -> None:
     """The prefill's cut of ArkVale's pool (torch page scores of the prompt's last query)
-    is noted as prefill, so a decode taken by the native step records that alone."""
+    is noted as prefill, so a decode taken by the native step records that alone; layer by
+    layer, a decode's selection is noted as decode."""
     from kvbench.kernels.attention import backend_use
 
     spec = ModelSpec("t", "llama", 2, 4, 2, 40, 36, 50, 64, rope_theta=1e4)
@@ -319,3 +341,10 @@ def test_arkvale_steps_note_their_backends_by_phase() -> None:
     model(tokens[:, 40:], 40)
     assert "torch-select" in prefill["prefill/append"] and "decode" not in prefill
     assert backend_use(reset=True) == {"decode": "native-step"}
+    model = _model(spec, 2, 2, 64, 0, strategy="arkvale", budget_tokens=16, page_size=4,
+                   pages=2, sinks=1, window_pages=1, dense_layers=1)
+    model.native_step = lambda tokens, start: None  # layer by layer: its decode selects
+    model(tokens[:, :40], 0)
+    backend_use(reset=True)
+    model(tokens[:, 40:], 40)
+    assert "torch-select" in backend_use(reset=True)["decode"]
