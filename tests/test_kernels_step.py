@@ -253,6 +253,32 @@ def test_a_slot_outside_the_cache_is_refused() -> None:
 
 
 @needs_native
+@pytest.mark.parametrize("drop", ["lo", "bk", "moved"])
+def test_a_pool_without_its_digests_or_backup_is_refused(drop: str) -> None:
+    """An ArkVale whose native_cache leaves out what its recall reads gets a one-line error
+    when the step is built, not a native read through a null pointer."""
+    import dataclasses
+
+    from kvbench.errors import KvbenchError
+    from kvbench.strategies.arkvale import ArkVale
+
+    class Partial(ArkVale):
+        decode = ArkVale.decode  # beside its own native_cache: the step is built
+
+        def native_cache(self, layer: int) -> Any:
+            c = super().native_cache(layer)
+            return c if c.slot_page is None else dataclasses.replace(c, **{drop: None})
+
+    spec = ModelSpec("t", "llama", 2, 4, 2, 40, 36, 50, 64, rope_theta=1e4)
+    model = _model(spec, 2, 2, 64, 0, strategy=Partial, budget_tokens=16, page_size=4,
+                   pages=2, sinks=1, window_pages=1, dense_layers=1)
+    tokens = torch.randint(0, 50, (2, 41))
+    model(tokens[:, :40], 0)
+    with pytest.raises(KvbenchError, match="a pool without its digests, host backup"):
+        model(tokens[:, 40:], 40)
+
+
+@needs_native
 @pytest.mark.parametrize("strategy", ["full", "quest"])
 def test_a_native_step_dispatches_a_few_ops_whatever_the_layers(strategy: str) -> None:
     """The embedding lookup and the logits buffer: the same handful of ops with 2 layers

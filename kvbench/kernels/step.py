@@ -153,6 +153,11 @@ def _owner(obj: object, name: str) -> type:
 def _layer(layer: object, c: NativeCache) -> Layer:
     import torch
 
+    if (c.lo is None) != (c.hi is None) or (c.idx is None) != (c.lens is None) or (
+            c.slot_page is not None and None in (c.lo, c.bk, c.bv, c.moved)):
+        raise KvbenchError("native step: a layer's NativeCache gives digests without both "
+                           "lo and hi, a selection without its lengths, or a pool without "
+                           "its digests, host backup and counts")
     a, m = layer.self_attn, layer.mlp
     out = Layer(*(t.data_ptr() for t in (
         layer.input_layernorm.weight, a.qkv_proj.weight, a.o_proj.weight,
