@@ -282,17 +282,16 @@ void kvb_recall_in(const float *q, int64_t B, int64_t Hq, int64_t Hkv, int64_t D
         for (int64_t h = h0; h < h0 + heads; h++) {
             int64_t *sp = slot_page + (b * Hkv + h) * C, next = 0, rec = 0, ev = 0;
             int bad = 0;
-            for (int64_t p = 0; p < nf; p++) res[p] = 0;
-            for (int64_t s = 0; s < C; s++) {
-                const int64_t p = sp[s];
-                bad |= p >= nf;
-                if (p >= 0 && p < nf) res[p] = 1;
-                ord[s] = (ranked){p < 0 ? -INFINITY : p < nf && keep[p] ? INFINITY : p < nf
-                                  ? score[p] : 0.0f, (int32_t)s};
-            }
+            for (int64_t s = 0; s < C; s++) bad |= sp[s] >= nf;
             if (bad) { /* a slot holds a page not completed: the caller's bookkeeping broke */
                 __atomic_store_n(failed, 1, __ATOMIC_RELAXED);
                 continue;
+            }
+            for (int64_t p = 0; p < nf; p++) res[p] = 0;
+            for (int64_t s = 0; s < C; s++) { /* empty first, kept last, else by score */
+                const int64_t p = sp[s];
+                if (p >= 0) res[p] = 1;
+                ord[s] = (ranked){p < 0 ? -INFINITY : keep[p] ? INFINITY : score[p], (int32_t)s};
             }
             by_score(ord, C);
             for (int64_t p = 0; p < nf; p++) {

@@ -279,6 +279,22 @@ def test_a_pool_without_its_digests_or_backup_is_refused(drop: str) -> None:
 
 
 @needs_native
+def test_a_pool_slot_naming_a_page_not_completed_fails_the_step() -> None:
+    """ArkVale's slot_page naming a page past the completed ones (bookkeeping gone wrong)
+    fails the native step with one line instead of copying from past the host backup."""
+    from kvbench.errors import KvbenchError
+
+    spec = ModelSpec("t", "llama", 2, 4, 2, 40, 36, 50, 64, rope_theta=1e4)
+    model = _model(spec, 2, 2, 64, 0, strategy="arkvale", budget_tokens=16, page_size=4,
+                   pages=2, sinks=1, window_pages=1, dense_layers=1)
+    tokens = torch.randint(0, 50, (2, 41))
+    model(tokens[:, :40], 0)
+    model.strategy.slot_page[1][1, 0, 2] = 1000
+    with pytest.raises(KvbenchError, match=r"native decode step failed \(-1\)"):
+        model(tokens[:, 40:], 40)
+
+
+@needs_native
 @pytest.mark.parametrize("strategy", ["full", "quest"])
 def test_a_native_step_dispatches_a_few_ops_whatever_the_layers(strategy: str) -> None:
     """The embedding lookup and the logits buffer: the same handful of ops with 2 layers
