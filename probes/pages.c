@@ -123,6 +123,20 @@ static void bounds(const float *qp, const float *qn, int64_t R, const float *u,
             out[i * n + p] += bound(qp + i * D, qn + i * D, u + p * stride, l + p * stride, D);
 }
 
+/* The positive and negative parts of the G query heads of KV head `hk` of sequence b (q [B,
+ * Hq, D]) into qp/qn: summed into one row (`sum`: the group's selection), or a row per head;
+ * a score is then `bounds` of each row. */
+static void signed_parts(const float *q, int64_t Hq, int64_t G, int64_t D, int64_t b,
+                         int64_t hk, int sum, float *qp, float *qn) {
+    for (int64_t i = 0; i < (sum ? 1 : G) * D; i++) qp[i] = qn[i] = 0.0f;
+    for (int64_t g = 0; g < G; g++) /* query head hk * G + g into row g (or 0) */
+        for (int64_t d = 0; d < D; d++) {
+            const float x = q[(b * Hq + hk * G + g) * D + d];
+            const int64_t at = (sum ? 0 : g) * D + d;
+            if (x > 0) qp[at] += x; else qn[at] += x;
+        }
+}
+
 static int by_id(const void *x, const void *y) {
     return ((const ranked *)x)->p - ((const ranked *)y)->p;
 }
@@ -147,13 +161,7 @@ void kvb_page_select_in(const float *q, int64_t B, int64_t Hq, int64_t Hkv, int6
     for (int64_t grp = 0; grp < groups; grp++) {
         if (!ok) continue;
         const int64_t b = grp / Hkv, hk = grp % Hkv;
-        for (int64_t i = 0; i < R * D; i++) qp[i] = qn[i] = 0.0f;
-        for (int64_t g = 0; g < G; g++) /* query head hk * G + g into row g (or 0) */
-            for (int64_t d = 0; d < D; d++) {
-                const float x = q[(b * Hq + hk * G + g) * D + d];
-                const int64_t at = (per_kv ? 0 : g) * D + d;
-                if (x > 0) qp[at] += x; else qn[at] += x;
-            }
+        signed_parts(q, Hq, G, D, b, hk, per_kv, qp, qn);
         const float *l = lo + b * ds[0] + hk * ds[1], *u = hi + b * ds[0] + hk * ds[1];
         for (int64_t i = 0; i < R * n_pages; i++) sc[i] = 0.0f;
         bounds(qp, qn, R, u, l, ds[2], n_pages, D, sc);
@@ -261,12 +269,7 @@ void kvb_recall_in(const float *q, int64_t B, int64_t Hq, int64_t Hkv, int64_t D
         ranked *ord = rk + nf;
         for (int64_t p = 0; p < nf; p++) score[p] = 0.0f;
         for (int64_t h = h0; h < h0 + heads; h++) {
-            for (int64_t d = 0; d < D; d++) qp[d] = qn[d] = 0.0f;
-            for (int64_t g = 0; g < G; g++)
-                for (int64_t d = 0; d < D; d++) {
-                    const float x = q[(b * Hq + h * G + g) * D + d];
-                    if (x > 0) qp[d] += x; else qn[d] += x;
-                }
+            signed_parts(q, Hq, G, D, b, h, 1, qp, qn);
             bounds(qp, qn, 1, hi + b * ds[0] + h * ds[1], lo + b * ds[0] + h * ds[1], ds[2],
                    nf, D, score);
         }

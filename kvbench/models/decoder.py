@@ -18,9 +18,10 @@ layer on the CPU decodes in two native calls around its attention (kvbench.kerne
 norms, projections, RoPE, MLP and residuals, one OpenMP region each): the bundled model's
 decode step at batch 1 went from 938 to 426 torch ops and 18.1 to 16.2 ms (median of four
 interleaved runs each, 2-core AMD EPYC Zen 5 VM, 2026-11-27). Where the strategy's decode is
-one kvbench.kernels.step runs (full attention, Quest, StreamingLLM: `Strategy.native_cache`),
-a decode step is one native call for every layer and the head (`native_step`): 4 torch ops
-a step; the strategy then does its bookkeeping (`Strategy.decoded`).
+one kvbench.kernels.step runs (full attention, Quest, StreamingLLM, ArkVale:
+`Strategy.native_cache`), a decode step is one native call for every layer and the head
+(`native_step`): 4 torch ops a step; the strategy then does its bookkeeping
+(`Strategy.decoded`).
 """
 
 from __future__ import annotations
