@@ -1,6 +1,7 @@
 """ScoutAttention's decode steps through a whole model (issue 30): what each sparse layer's
 step files, tied together as the algorithm ties them (the current token stored to the host,
-the query sent there when the host attends anything, its output and lse back, the host's
+the query and the selection's host positions and lengths sent wherever a selection is
+issued, without a read on the launching thread, the host's output and lse back, the host's
 share of the budget equal to the host tokens over the budget, each recall's blocks over the
 recall link), for the predicted and the real query; the dense layers read everything; the
 mask of the last step covers the budget."""
@@ -41,10 +42,12 @@ def test_each_sparse_step_files_its_host_part_and_recalls(precompute: bool) -> N
     for step in range(1, STEPS + 1):
         n_tot = P + step
         host = {layer: at("tokens", "host", layer, step) / B for layer in (1, 2, 3)}
-        # the query goes to the host where the layer's selection is issued: with precompute
-        # at the previous layer's input (the predicted query), else at the layer itself
-        sent = {layer: B * HQ * D * 4.0 if host.get(layer + precompute) else 0.0
-                for layer in range(4)}
+        # the query and the selection's positions [B, Hkv, budget] and lengths [B, Hkv]
+        # (int64) go to the host where the layer's selection is issued, whether the host
+        # then attends anything or not (its worker finds out): with precompute at the
+        # previous layer's input (the predicted query), else at the layer itself
+        sent = {layer: B * HQ * D * 4.0 + B * HKV * (BUDGET + 1) * 8.0
+                if layer + precompute in (1, 2, 3) else 0.0 for layer in range(4)}
         assert at("tokens", "accel", 0, step) == B * n_tot  # the dense layer
         assert at("bytes_moved", "d2h", 0, step) == sent[0]
         for layer in (1, 2, 3):
@@ -73,3 +76,31 @@ def test_each_sparse_step_files_its_host_part_and_recalls(precompute: bool) -> N
     dense = s.attended(0)
     assert dense.dtype == torch.bool and tuple(dense.shape) == (B, HQ, n - 1)
     assert bool(dense.all())
+
+
+@pytest.mark.parametrize("precompute", [True, False])
+@pytest.mark.parametrize("interval", [2, 3])
+def test_only_recall_steps_read_the_device(precompute: bool, interval: int) -> None:
+    """The launching thread of a decode step reads no device value (the host attention's
+    inputs reach its worker, which finds out itself whether it has work), but on a recall
+    step: one nonzero for the blocks to copy in and one for those evicted, per sparse layer
+    (Scout.host_reads). Counted as every run counts a step (kvbench.runtime.opcount): the
+    step after STEPS, a recall step for interval 3 (step 9) and not for 2; the host
+    attended in it."""
+    from kvbench.runtime.opcount import count_step
+
+    model = load(SPEC, "random", 4, torch.float32, CPU, seed=11).model
+    c = Counters(HKV, 4, False, 4)
+    n = P + STEPS + 2
+    ctx = RunContext(SPEC, 4, B, n, torch.float32, CPU, CPU, c, model)
+    s = Scout(ScoutParams(budget_tokens=BUDGET, page_size=S, dense_layers=1,
+                          precompute=precompute, recall_interval=interval), ctx)
+    model.setup(s, c, n)
+    rows = torch.randint(0, SPEC.vocab, (B, P), generator=torch.Generator().manual_seed(12))
+    out = decode_run(model, s, rows, STEPS, "generate", lambda: None)
+    counted = count_step(model, s, out.tokens, lambda: None)
+    assert c.step == STEPS + 1
+    recall = (STEPS + 1) % interval == 0
+    assert dict(counted.syncs_by_op) == ({"aten.nonzero_numpy": 6} if recall else {})
+    assert Scout.host_reads[0] == 2
+    assert c.step_total("tokens", "host", STEPS + 1) > 0

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -165,9 +165,11 @@ class Scout(Strategy):
     version = "2"
     params = ScoutParams
     exact = (("budget_tokens", 1 << 20),)  # every block resident and selected
-    sparse = (("budget_tokens", 32),)
-    host_reads = (1, "the selection's host tokens: whether the layer-ahead host attention "
-                  "runs, its positions then copied to the host")
+    sparse = (("budget_tokens", 32), ("recall_interval", 1))
+    host_reads = (2, "a recall step's (every R_l-th, section 3.4): the blocks the host "
+                  "gathers for the accelerator and those it evicts (NaN-filled), a nonzero "
+                  "each; the host attention's positions reach its worker "
+                  "without a read on the launching thread")
     metrics = (
         PAGES,
         Metric("cpu_compute_ratio_per_step", "ratio", "lower", "step_mean", of="cpu_ratio",
@@ -250,11 +252,13 @@ class Scout(Strategy):
             max_workers=1, thread_name_prefix="scout-host",
             initializer=None if pin else cpu.helper_thread)
         self.stream = torch.cuda.Stream(ctx.accel) if pin else None
-        # layer -> (selected blocks [B, H, K], host job or None, predicted query or None)
-        self.pending: dict[int, tuple[torch.Tensor, Future | None, torch.Tensor | None]] = {}
+        # layer -> (selected blocks [B, H, K], on-accelerator mask, host job, host tokens,
+        # predicted query or None)
+        self.pending: dict[int, tuple[Any, ...]] = {}
         self.recalling: dict[int, Any] = {}  # layer -> CUDA event of its recall copy
         self.last: dict[int, torch.Tensor] = {}  # layer -> blocks selected at its last decode
-        self.ratios: list[list[float]] = [[] for _ in range(L)]  # calibration: per step
+        # calibration: per layer and step, the cpu ratio (0-dim tensors, read at the end)
+        self.ratios: list[list[torch.Tensor]] = [[] for _ in range(L)]
 
     def begin_step(self, step: int) -> None:
         self.step = step
@@ -279,11 +283,11 @@ class Scout(Strategy):
         return x.view(x.shape[0], x.shape[1], last - first, s, x.shape[-1])
 
     def _evict(self, layer: int, mask: torch.Tensor, first: int = 0) -> None:
-        """Blocks first.. where mask [B, Hkv, m] leave the accelerator: NaN there."""
-        if bool(mask.any()):
-            m = mask.shape[2]
-            for t in (self.acc_k[layer], self.acc_v[layer]):
-                self._blocks(t, first, first + m)[mask] = float("nan")
+        """Blocks first.. where mask [B, Hkv, m] leave the accelerator: NaN there (the mask's
+        blocks found once, a read of it on the host: prefill and recall steps)."""
+        at = mask.nonzero(as_tuple=True)
+        for t in (self.acc_k[layer], self.acc_v[layer]):
+            self._blocks(t, first, first + mask.shape[2])[at] = float("nan")
 
     def _slide(self, layer: int, n_tot: int) -> None:
         """Blocks leaving the window at n_tot tokens stay resident while fewer than C are."""
@@ -292,13 +296,21 @@ class Scout(Strategy):
         for j in range(self.win[layer], ws):
             room = self.res[layer].sum(-1) < p.resident  # [B, Hkv]
             self.res[layer][:, :, j] = room
-            self._evict(layer, ~room[..., None], j)
+            gone = ~room[:, :, None, None, None]  # one block: filled through the mask, unread
+            for t in (self.acc_k[layer], self.acc_v[layer]):
+                self._blocks(t, j, j + 1).masked_fill_(gone, float("nan"))
         self.win[layer] = ws
 
     def _issue(self, layer: int, q: torch.Tensor, n_tot: int) -> tuple:
         """Select blocks with q [B, Hq, 1, D] over n_tot tokens (Alg. 1 L5) and start the
         host's attention over the selected blocks not on the accelerator (L6-L7).
-        Returns (blocks [B, H, K], on-accelerator mask [B, H, K], job, host tokens)."""
+        Returns (blocks [B, H, K], on-accelerator mask [B, H, K], job, host tokens: their
+        mean per row, a 0-dim tensor counted at the step's end). This thread reads no
+        device value: the query and the host's positions go to the host without blocking
+        (pinned, then an event on CUDA) and the worker waits for them; a job whose rows
+        hold no host token returns None (`_host`)."""
+        import torch
+
         p, c = self.p, self.ctx.counters
         self._slide(layer, n_tot)
         n_pages = -(-n_tot // p.page_size)
@@ -313,29 +325,39 @@ class Scout(Strategy):
         res = self.res[layer].repeat_interleave(h // hkv, dim=1)
         on = res.gather(2, pages) | (pages >= self.win[layer])
         pos, lens = page_tokens(pages.masked_fill(on, n_pages), p.page_size, n_tot)
-        host_tokens = float(lens.float().mean())
-        if host_tokens == 0:
-            return pages, on, None, 0.0
-        qh = q.to(self.ctx.host)
-        c.moved("d2h", 1.0 * qh.numel() * self.ctx.elem_bytes)
-        job = self.worker.submit(self._host, layer, qh, pos.to(self.ctx.host),
-                                 lens.to(self.ctx.host), n_tot - 1, self.stored.get(layer))
-        return pages, on, job, host_tokens
+        qh, ph, lh = (t.to(self.ctx.host, non_blocking=True) for t in (q, pos, lens))
+        landed = None
+        if q.is_cuda:
+            landed = torch.cuda.Event()
+            landed.record(torch.cuda.current_stream())
+        c.moved("d2h", 1.0 * qh.numel() * self.ctx.elem_bytes
+                + 1.0 * (ph.numel() * ph.element_size() + lh.numel() * lh.element_size()))
+        job = self.worker.submit(self._host, layer, qh, ph, lh, n_tot - 1, landed,
+                                 self.stored.get(layer))
+        return pages, on, job, lens.float().mean()
 
     def _host(self, layer: int, q: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor,
-              n: int, stored: Any) -> tuple[torch.Tensor, torch.Tensor, float, Counters]:
-        """Worker: attention of q over the host's selected tokens (of the first n, once the
-        store event `stored` has fired: they were written by D2H); own counters (merged at
-        the join, where the step and layer are the main thread's)."""
+              n: int, landed: Any, stored: Any
+              ) -> tuple[torch.Tensor, torch.Tensor, float, Counters] | None:
+        """Worker: attention of q over the host's selected tokens (of the first n) once the
+        event `landed` says q, pos and lens have reached the host and `stored` that the
+        layer's KV has (both D2H); None where no row holds a host token. Own counters
+        (merged at the join, where the step and layer are the main thread's)."""
         from kvbench.runtime.context import Counters
 
+        if landed is not None:
+            landed.synchronize()
+        if not bool(lens.any()):  # host memory read on this thread: the stream runs on
+            return None
         if stored is not None:
             stored.synchronize()
         c = Counters(self.ctx.counters.kv_heads, self.ctx.elem_bytes)
         t0 = time.perf_counter()
         out, lse = attend_selected(q, heads_first(self.host_k[layer][:n]),
                                    heads_first(self.host_v[layer][:n]), pos, lens, c, "host")
-        return out, lse, time.perf_counter() - t0, c
+        seconds = time.perf_counter() - t0
+        c.settle()  # its counts of the host's lens read here, not on the launching thread
+        return out, lse, seconds, c
 
     def _store(self, layer: int, n0: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k/v [B, Hkv, T, D] to host rows n0..n0+T (one contiguous D2H each, then an event
@@ -427,9 +449,10 @@ class Scout(Strategy):
         with c.fork("resident"):
             out, lse = attend_selected(q, self.acc_k[layer][:, :, :n_tot],
                                        self.acc_v[layer][:, :, :n_tot], pos, lens, c)
-        if job is not None:
-            with c.timed("accel_idle"):
-                out_h, lse_h, seconds, private = job.result()
+        with c.timed("accel_idle"):
+            got = job.result()
+        if got is not None:
+            out_h, lse_h, seconds, private = got
             with c.fork("host"):
                 for quantity, where, _, steps in private.series():
                     c.add(quantity, where, sum(steps.values()))
@@ -437,12 +460,13 @@ class Scout(Strategy):
                         + 4.0 * lse_h.numel())
             c.add("time", "host_attention", seconds)
         c.join()
-        if job is not None:
+        if got is not None:
             with c.timed("bookkeeping.merge"):
                 out = merge(out, lse, out_h, lse_h)[0]
         ratio = host_tokens / min(p.budget_tokens, n_tot)
-        c.add("cpu_ratio", "host", ratio)
-        self.ratios[layer].append(ratio)
+        c.add("cpu_ratio", "host", ratio)  # read at the step's end: no sync
+        if p.calibrate_recall:  # the intervals' file, written after the last step
+            self.ratios[layer].append(ratio)
         if q_pred is not None:
             cos = F.cosine_similarity(q_pred.float(), q.float(), dim=-1)  # [B, Hq, 1]
             c.add("q_cosine", "predicted", cos.mean())  # read at the step's end: no sync
@@ -482,10 +506,10 @@ class Scout(Strategy):
         err = torch.linalg.vector_norm((out.float() - ref).flatten())
         norm = torch.linalg.vector_norm(ref.flatten()).clamp_min(1e-30)
         c = self.ctx.counters
-        c.add("pred_error", "predicted", float(err / norm))
+        c.add("pred_error", "predicted", err / norm)  # read at the step's end
         hit = torch.zeros(*real.shape[:2], n_pages, dtype=torch.bool, device=real.device)
         hit.scatter_(2, pages, True)
-        c.add("pred_overlap", "predicted", float(hit.gather(2, real).float().mean()))
+        c.add("pred_overlap", "predicted", hit.gather(2, real).float().mean())
 
     def _recall(self, layer: int, q: torch.Tensor) -> None:
         """Section 3.4: make the top C full blocks below the window (by the real query q's
@@ -502,26 +526,27 @@ class Scout(Strategy):
             top = scores.topk(min(p.resident, ws), dim=-1).indices
             target = torch.zeros_like(res).scatter_(2, top, True)
             missing = target & ~res
-            if not bool(missing.any()):
-                return
             need = (missing.sum(-1) - (p.resident - self.res[layer].sum(-1))).clamp_min(0)
             cand = res & ~target
             key = scores if p.recall_evict == "score" else self.used[layer][:, :, :ws]
             rank = key.masked_fill(~cand, float("inf")).argsort(-1).argsort(-1)
             evict = cand & (rank < need[..., None])
-            c.add("pages", "recalled", float(missing.sum()))
-            c.add("pages", "evicted", float(evict.sum()))
+            c.add("pages", "recalled", missing)  # summed at the step's end: no sync
+            c.add("pages", "evicted", evict)
             self.res[layer][:, :, :ws] = (res & ~evict) | missing
             self._evict(layer, evict)
-            b, h, j = missing.nonzero(as_tuple=True)
+            # the blocks the host gathers, read on the host (host_reads)
+            b, h, j = missing.to(self.ctx.host).nonzero(as_tuple=True)
+            if not j.numel():
+                return
             c.moved("h2d.recall", 2.0 * j.numel() * p.page_size * q.shape[-1]
                     * self.ctx.elem_bytes)
             self._copy_blocks(layer, ws, b, h, j)
 
     def _copy_blocks(self, layer: int, ws: int, b: torch.Tensor, h: torch.Tensor,
                      j: torch.Tensor) -> None:
-        """Blocks j[i] of (batch b[i], KV head h[i]) (index tensors [m] on the accelerator),
-        from the host into the accelerator k/v: gathered on the host into the pinned staging
+        """Blocks j[i] of (batch b[i], KV head h[i]) (index tensors [m] on the host), from
+        the host into the accelerator k/v: gathered on the host into the pinned staging
         [m * S, D], one H2D each for k and v and a scatter, on the side stream on CUDA
         (waited for at this layer's next step)."""
         import torch
@@ -532,9 +557,10 @@ class Scout(Strategy):
         self._landed(layer)
         hk = self.host_k[layer]
         bsz, hkv, d = hk.shape[1], hk.shape[2], hk.shape[3]
-        tok = (j.cpu()[:, None] * s + torch.arange(s)).flatten()  # [m * S] positions
-        rows = (tok * bsz + b.cpu().repeat_interleave(s)) * hkv + h.cpu().repeat_interleave(s)
+        tok = (j[:, None] * s + torch.arange(s)).flatten()  # [m * S] positions
+        rows = (tok * bsz + b.repeat_interleave(s)) * hkv + h.repeat_interleave(s)
         m = rows.numel()
+        at = tuple(t.to(self.acc_k[layer].device, non_blocking=True) for t in (b, h, j))
         side = self.stream is not None
         if side:
             self.stream.wait_stream(torch.cuda.current_stream())
@@ -544,17 +570,20 @@ class Scout(Strategy):
             with torch.cuda.stream(self.stream) if side else contextlib.nullcontext():
                 dev = transfer(torch.empty(m, d, dtype=dst.dtype, device=dst.device),
                                stage[:m])
-                self._blocks(dst, 0, ws)[b, h, j] = dev.view(-1, s, d)
+                self._blocks(dst, 0, ws)[at] = dev.view(-1, s, d)
         if side:
-            for t in (b, h, j):  # freed by the main stream only after the copy
+            for t in at:  # freed by the main stream only after the copy
                 t.record_stream(self.stream)
             self.staged = self.recalling[layer] = torch.cuda.Event()
             self.staged.record(self.stream)
 
     def _finish(self, layer: int, n_tot: int) -> None:
         """Calibration: after the run's last decode step, write the intervals."""
+        import torch
+
         p = self.p
         if p.calibrate_recall and layer == self.ctx.n_layers - 1 \
                 and n_tot == self.ctx.max_len - 1:
-            recall_file.write(p.calibrate_recall, self.ctx.spec.name, self.ratios, p.tau,
+            ratios = [torch.stack(rs).tolist() if rs else [] for rs in self.ratios]
+            recall_file.write(p.calibrate_recall, self.ctx.spec.name, ratios, p.tau,
                               p.page_size, p.budget_tokens)
