@@ -90,11 +90,15 @@ def test_select_pages_keeps_sinks_window_and_the_top() -> None:
 
 
 def test_page_tokens_positions_and_lengths() -> None:
-    pages = torch.tensor([[[0, 2, 3], [3, 1, 4]]])  # page 3 partial (n = 11), page 4 empty
+    """Whole pages in their order, then the partial page, then the pages past the end."""
+    pages = torch.tensor([[[0, 2, 3], [3, 1, 4], [5, 2, 0]]])  # page 3 partial (n = 11)
     pos, lens = page_tokens(pages, 3, 11)
     assert pos.tolist() == [[[0, 1, 2, 6, 7, 8, 9, 10, 0],
-                             [9, 10, 3, 4, 5, 0, 0, 0, 0]]]
-    assert lens.tolist() == [[8, 5]]
+                             [3, 4, 5, 9, 10, 0, 0, 0, 0],
+                             [6, 7, 8, 0, 1, 2, 0, 0, 0]]]
+    assert lens.tolist() == [[8, 5, 6]]
+    pos, lens = page_tokens(pages, 3, 12)  # page 3 whole: only pages 4 and 5 past the end
+    assert pos.tolist()[0][1] == [9, 10, 11, 3, 4, 5, 0, 0, 0] and lens.tolist() == [[9, 6, 6]]
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
