@@ -99,6 +99,20 @@ def test_page_tokens_positions_and_lengths() -> None:
     assert lens.tolist() == [[8, 5, 6]]
     pos, lens = page_tokens(pages, 3, 12)  # page 3 whole: only pages 4 and 5 past the end
     assert pos.tolist()[0][1] == [9, 10, 11, 3, 4, 5, 0, 0, 0] and lens.tolist() == [[9, 6, 6]]
+    # a page past the end given before the partial one, which holds one token (n = 10)
+    pos, lens = page_tokens(torch.tensor([[[4, 3, 1], [3, 4, 0]]]), 3, 10)
+    assert pos.tolist() == [[[3, 4, 5, 9, 0, 0, 0, 0, 0], [0, 1, 2, 9, 0, 0, 0, 0, 0]]]
+    assert lens.tolist() == [[4, 4]]
+    pos, lens = page_tokens(torch.tensor([[[4, 3, 1]]]), 3, 11)  # the partial page holds 2
+    assert pos.tolist() == [[[3, 4, 5, 9, 10, 0, 0, 0, 0]]] and lens.tolist() == [[5]]
+
+
+def test_page_tokens_keeps_the_order_of_many_pages() -> None:
+    """Whole pages keep the order they are given in, however many (a stable sort: an
+    unstable one reorders rows this long)."""
+    pages = torch.randperm(300, generator=torch.Generator().manual_seed(3)).view(1, 1, -1)
+    pos, lens = page_tokens(pages, 4, 300 * 4)
+    assert torch.equal(pos.view(1, 1, 300, 4)[..., 0] // 4, pages) and lens.tolist() == [[1200]]
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
