@@ -1,7 +1,7 @@
 """ScoutAttention's decode steps through a whole model (issue 30): what each sparse layer's
 step files, tied together as the algorithm ties them (the current token stored to the host,
-the query and the selection's host positions and lengths sent wherever a selection is
-issued, without a read on the launching thread, the host's output and lse back, the host's
+the query and the host's block ids sent wherever a selection is issued, without a read
+on the launching thread, the host's output and lse back, the host's
 share of the budget equal to the host tokens over the budget, each recall's blocks over the
 recall link), for the predicted and the real query; the dense layers read everything; the
 mask of the last step covers the budget."""
@@ -42,11 +42,11 @@ def test_each_sparse_step_files_its_host_part_and_recalls(precompute: bool) -> N
     for step in range(1, STEPS + 1):
         n_tot = P + step
         host = {layer: at("tokens", "host", layer, step) / B for layer in (1, 2, 3)}
-        # the query and the selection's positions [B, Hkv, budget] and lengths [B, Hkv]
-        # (int64) go to the host where the layer's selection is issued, whether the host
-        # then attends anything or not (its worker finds out): with precompute at the
-        # previous layer's input (the predicted query), else at the layer itself
-        sent = {layer: B * HQ * D * 4.0 + B * HKV * (BUDGET + 1) * 8.0
+        # the query and the host's block ids [B, Hkv, budget / S] (int64) go to the host
+        # where the layer's selection is issued, whether the host then attends anything
+        # or not (its worker finds out): with precompute at the previous layer's input
+        # (the predicted query), else at the layer itself
+        sent = {layer: B * HQ * D * 4.0 + B * HKV * (BUDGET // S) * 8.0
                 if layer + precompute in (1, 2, 3) else 0.0 for layer in range(4)}
         assert at("tokens", "accel", 0, step) == B * n_tot  # the dense layer
         assert at("bytes_moved", "d2h", 0, step) == sent[0]

@@ -168,7 +168,7 @@ class Scout(Strategy):
     sparse = (("budget_tokens", 32), ("recall_interval", 1))
     host_reads = (2, "a recall step's (every R_l-th, section 3.4): the blocks the host "
                   "gathers for the accelerator and those it evicts (NaN-filled), a nonzero "
-                  "each; the host attention's positions reach its worker "
+                  "each; the host attention's block ids reach its worker "
                   "without a read on the launching thread")
     metrics = (
         PAGES,
@@ -306,9 +306,10 @@ class Scout(Strategy):
         host's attention over the selected blocks not on the accelerator (L6-L7).
         Returns (blocks [B, H, K], on-accelerator mask [B, H, K], job, host tokens: their
         mean per row, a 0-dim tensor counted at the step's end). This thread reads no
-        device value: the query and the host's positions go to the host without blocking
-        (pinned, then an event on CUDA) and the worker waits for them; a job whose rows
-        hold no host token returns None (`_host`)."""
+        device value: the query and the host's block ids go to the host without blocking
+        (pinned, then an event on CUDA), as the paper's GPU sends its CPU the blocks to
+        attend; the worker waits for them, lists their tokens and returns None where no row
+        holds one (`_host`). Every host block is whole: the partial one is the window's."""
         import torch
 
         p, c = self.p, self.ctx.counters
@@ -324,30 +325,31 @@ class Scout(Strategy):
         self.used[layer].scatter_(2, pages.reshape(b, hkv, -1), float(self.step))
         res = self.res[layer].repeat_interleave(h // hkv, dim=1)
         on = res.gather(2, pages) | (pages >= self.win[layer])
-        pos, lens = page_tokens(pages.masked_fill(on, n_pages), p.page_size, n_tot)
-        qh, ph, lh = (t.to(self.ctx.host, non_blocking=True) for t in (q, pos, lens))
+        qh, blocks = (t.to(self.ctx.host, non_blocking=True)
+                      for t in (q, pages.masked_fill(on, n_pages)))  # n_pages: none
         landed = None
         if q.is_cuda:
             landed = torch.cuda.Event()
             landed.record(torch.cuda.current_stream())
         c.moved("d2h", 1.0 * qh.numel() * self.ctx.elem_bytes
-                + 1.0 * (ph.numel() * ph.element_size() + lh.numel() * lh.element_size()))
-        job = self.worker.submit(self._host, layer, qh, ph, lh, n_tot - 1, landed,
+                + 1.0 * blocks.numel() * blocks.element_size())
+        job = self.worker.submit(self._host, layer, qh, blocks, n_tot - 1, landed,
                                  self.stored.get(layer))
-        return pages, on, job, lens.float().mean()
+        return pages, on, job, (~on).sum(-1).float().mean() * p.page_size
 
-    def _host(self, layer: int, q: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor,
-              n: int, landed: Any, stored: Any
-              ) -> tuple[torch.Tensor, torch.Tensor, float, Counters] | None:
-        """Worker: attention of q over the host's selected tokens (of the first n) once the
-        event `landed` says q, pos and lens have reached the host and `stored` that the
-        layer's KV has (both D2H); None where no row holds a host token. Own counters
-        (merged at the join, where the step and layer are the main thread's)."""
+    def _host(self, layer: int, q: torch.Tensor, blocks: torch.Tensor, n: int, landed: Any,
+              stored: Any) -> tuple[torch.Tensor, torch.Tensor, float, Counters] | None:
+        """Worker: attention of q over the tokens of the host's blocks [B, H, K] (ids of
+        whole blocks below the window; the number of blocks: none) once the event `landed`
+        says q and the ids have reached the host and `stored` that the layer's first n
+        tokens have (both D2H); None where no row holds a host block. Own counters (merged
+        at the join, where the step and layer are the main thread's)."""
         from kvbench.runtime.context import Counters
 
         if landed is not None:
             landed.synchronize()
-        if not bool(lens.any()):  # host memory read on this thread: the stream runs on
+        pos, lens = page_tokens(blocks, self.p.page_size, n)  # host memory, this thread
+        if not bool(lens.any()):
             return None
         if stored is not None:
             stored.synchronize()
