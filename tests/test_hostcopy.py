@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
+import sys
 
 import pytest
 import torch
@@ -156,8 +157,10 @@ def test_every_host_device_copy_is_a_checked_transfer(name: str, monkeypatch) ->
         seen.append((tuple(dst.shape), dst.is_contiguous() and src.is_contiguous()))
         return real(dst, src)
 
-    module = __import__(f"kvbench.strategies.{name}", fromlist=["transfer"])
-    monkeypatch.setattr(module, "transfer", spy)
+    __import__(f"kvbench.strategies.{name}")  # and its helper modules (scout's blocks)
+    for mod in [m for k, m in sys.modules.items() if k.startswith("kvbench.strategies.")]:
+        if getattr(mod, "transfer", None) is real:
+            monkeypatch.setattr(mod, "transfer", spy)
     nll = _run(name, SPARSE[name], CPU, torch.float32, steps=24)
     assert all(math.isfinite(x) for x in nll)
     assert len(seen) > 2 * 3 and all(ok for _, ok in seen)

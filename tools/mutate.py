@@ -162,8 +162,14 @@ MODULES: dict[str, Spec] = {
                                                  "not (equals_full or precompute_error_is or "
                                                  "recall_lowers or run_records)"), OTHER,
                   functions=_in("kvbench.strategies.scout", *(f"Scout.{m}" for m in (
-                      "attended", "_blocks", "_evict", "_slide", "_issue", "_host", "decode",
-                      "_pred_error", "_recall", "_finish"))), group="strategies"),
+                      "attended", "_issue", "_host", "decode", "_pred_error", "_finish"))),
+                  group="strategies"),
+    "scout_blocks": Spec("kvbench/strategies/_scout_blocks.py", (
+        "tests/test_scout.py", "tests/test_scout_steps.py", "-k",
+        "not (equals_full or precompute_error_is or recall_lowers or run_records)"), OTHER,
+        functions=_in("kvbench.strategies._scout_blocks", *(
+            f"ScoutBlocks.{m}" for m in ("_blocks", "_evict", "_slide", "_recall"))),
+        group="strategies"),
     "pnm": Spec("kvbench/strategies/_pnm.py", ("tests/test_pnm.py",), OTHER,
                 functions=_in("kvbench.strategies._pnm", "group_devices", "mask_tokens",
                               "DeviceKV.select", "DeviceKV._count_selection"),
