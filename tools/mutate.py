@@ -134,12 +134,16 @@ MODULES: dict[str, Spec] = {
                                                      "tests/test_arkvale_steps.py",
                                                      "tests/test_page_strategies.py",
                                                      "tests/test_kernels_step.py"), OTHER,
-                    functions=_in("kvbench.strategies.arkvale", "ArkValeParams.topk",
-                                  "ArkValeParams.prefill_sinks", *(f"ArkVale.{m}" for m in (
-                                      "_split", "attended", "_enter", "_place", "_recall",
-                                      "_complete", "_select", "_all", "append", "decode",
-                                      "native_cache", "native_rule", "decoded"))),
-                    group="strategies"),
+                    functions=_in("kvbench.strategies.arkvale", *(f"ArkVale.{m}" for m in (
+                        "attended", "append", "decode", "native_cache", "native_rule",
+                        "decoded"))), group="strategies"),
+    "arkvale_pool": Spec("kvbench/strategies/_arkvale_pool.py", (
+        "tests/test_fidelity_arkvale.py", "tests/test_arkvale_steps.py",
+        "tests/test_page_strategies.py", "tests/test_kernels_step.py"), OTHER,
+        functions=_in("kvbench.strategies._arkvale_pool", "ArkValeParams.topk",
+                      "ArkValeParams.prefill_sinks", *(f"ArkValePool.{m}" for m in (
+                          "_split", "_enter", "_place", "_recall", "_complete", "_select",
+                          "_all"))), group="strategies"),
     "hgca": Spec("kvbench/strategies/hgca.py", ("tests/test_fidelity_hgca.py",
                                                "tests/test_hgca_steps.py",
                                                "tests/test_hgca_reference.py",
