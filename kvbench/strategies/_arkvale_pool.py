@@ -202,9 +202,7 @@ class ArkValePool:
             counters.add("pages", "evicted", valid[b, h, slot].sum())
             if old:  # older pages: from the host backup
                 self._recall(layer, b, h, pg, slot)
-                page_elems = self.p.page_size * fresh_k.shape[-1]  # S * D per K or V
-                counters.moved("h2d", 2.0 * pg.numel() * page_elems * self.ctx.elem_bytes)
-                counters.add("pages", "recalled", float(pg.numel()))
+                self._count_recalled(pg.numel(), fresh_k.shape[-1])
             else:  # just written on the accelerator: copied there
                 self.pool_k[layer][b, h, slot] = fresh_k[b, h, pg - first]
                 self.pool_v[layer][b, h, slot] = fresh_v[b, h, pg - first]
@@ -233,6 +231,13 @@ class ArkValePool:
         if pool.is_cuda:
             self.staged = torch.cuda.Event()
             self.staged.record(torch.cuda.current_stream())
+
+    def _count_recalled(self, pages: int, d: int) -> None:
+        """`pages` pages recalled from the host backup: their k and v ([S, d] each) over
+        h2d, and the count (the torch path's `_place` and the native step's `decoded`)."""
+        counters = self.ctx.counters
+        counters.moved("h2d", 2.0 * pages * self.p.page_size * d * self.ctx.elem_bytes)
+        counters.add("pages", "recalled", float(pages))
 
     def _complete(self, layer: int, first: int, k: torch.Tensor, v: torch.Tensor) -> float:
         """Back up full pages k/v [B, Hkv, m, S, D] (on the accelerator) to the host as pages

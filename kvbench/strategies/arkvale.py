@@ -286,9 +286,7 @@ class ArkVale(ArkValePool, Strategy):
                 recalled, out = self._moved[layer]
                 evicted += out
                 if recalled:
-                    counters.moved("h2d", 2.0 * recalled * size * q.shape[-1]
-                                   * self.ctx.elem_bytes)
-                    counters.add("pages", "recalled", float(recalled))
+                    self._count_recalled(recalled, q.shape[-1])
             if evicted:
                 counters.add("pages", "evicted", evicted)
         counters.attended("accel", q, self.c * size + t)
