@@ -142,8 +142,8 @@ MODULES: dict[str, Spec] = {
         "tests/test_page_strategies.py", "tests/test_kernels_step.py"), OTHER,
         functions=_in("kvbench.strategies._arkvale_pool", "ArkValeParams.topk",
                       "ArkValeParams.prefill_sinks", *(f"ArkValePool.{m}" for m in (
-                          "_split", "_enter", "_place", "_recall", "_complete", "_select",
-                          "_all"))), group="strategies"),
+                          "_split", "_enter", "_place", "_recall", "_count_recalled",
+                          "_complete", "_select", "_all"))), group="strategies"),
     "hgca": Spec("kvbench/strategies/hgca.py", ("tests/test_fidelity_hgca.py",
                                                "tests/test_hgca_steps.py",
                                                "tests/test_hgca_reference.py",
