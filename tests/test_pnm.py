@@ -14,7 +14,7 @@ from conftest import ancestors, assert_usage_error, cli
 from kvbench.cli import main
 from kvbench.models import ModelSpec
 from kvbench.runtime.context import Counters, RunContext
-from kvbench.strategies import _pnm
+from kvbench.strategies import _pages, _pnm
 from kvbench.strategies.png_kv import PngKV, PngParams
 from kvbench.strategies.pnm_kv import PnmKV, PnmParams
 
@@ -371,14 +371,28 @@ def test_the_devices_selection_work_counted(mode: str) -> None:
 
 def test_mask_tokens_lists_marked_pages_positions_in_order() -> None:
     """Pages 0 and 2 of 4 (pages of 2, 7 tokens): positions 0, 1, 4, 5; the last page holds
-    only position 6; one head, so the page count (not the head count) bounds the pages."""
+    only position 6; the width is `most` pages (at most the mask's), whatever the rows mark,
+    so no device value sizes it."""
     mask = torch.tensor([[[True, False, True, False], [False, False, False, True]]])
-    pos, lens = _pnm.mask_tokens(mask, 2, 7)
-    assert lens.tolist() == [[4, 1]]
-    assert pos[0, 0, :4].tolist() == [0, 1, 4, 5] and pos[0, 1, 0].item() == 6
-    one = mask[:, :1]
-    pos, lens = _pnm.mask_tokens(one, 2, 7)
+    pos, lens = _pnm.mask_tokens(mask, 2, 7, 2)
+    assert pos.shape == (1, 2, 4) and lens.tolist() == [[4, 1]]
+    assert pos[0, 0].tolist() == [0, 1, 4, 5] and pos[0, 1].tolist() == [6, 0, 0, 0]
+    wide, wlens = _pnm.mask_tokens(mask, 2, 7, 9)  # clamped to the mask's 4 pages
+    assert wide.shape == (1, 2, 8) and wlens.tolist() == [[4, 1]]
+    assert wide[..., :4].tolist() == pos.tolist() and not wide[..., 4:].any()
+    pos, lens = _pnm.mask_tokens(mask[:, :1], 2, 7, 2)
     assert lens.tolist() == [[4]] and pos[0, 0].tolist() == [0, 1, 4, 5]
+
+
+def test_budget_pages_is_the_selections_width() -> None:
+    """budget_pages is select_pages' K' (the pages every row of the device's mask marks):
+    the budget's pages, or every page of a shorter context."""
+    p = PnmParams(budget_tokens=32, page_size=8, sinks=1, window_pages=1)
+    scores = torch.randn(2, 3, 10)
+    for n in (1, 8, 9, 31, 33, 80):
+        n_pages = -(-n // 8)
+        pages = _pages.select_pages(scores, n_pages, 4, 1, 1)
+        assert pages.shape[-1] == _pnm.budget_pages(p, n) == min(4, n_pages)
 
 
 @pytest.mark.parametrize("prompt", [1, 2])

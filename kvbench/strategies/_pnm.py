@@ -267,16 +267,17 @@ class DeviceKV:
         c.add("topk_candidates", "pnm", float(sorts * n_pages))
 
     def count_load(self, lens: torch.Tensor) -> None:
-        """device_load of attention over lens [B, Hkv] selected tokens per row and KV head."""
+        """device_load of attention over lens [B, Hkv] selected tokens per row and KV head:
+        tensors summed at the step's end (no device value read here)."""
         c, e = self.ctx.counters, self.ctx.elem_bytes
-        per = (2.0 * lens.double() * self.d * e).tolist()  # [B][Hkv] bytes
-        for r, heads in enumerate(per):
-            if self.p.parallel == "dp":
-                c.add("device_load", f"pnm{self.row_dev[r]}", sum(heads))
-                continue
-            for j, ds in enumerate(self.group_devs):
-                for dev in ds:
-                    c.add("device_load", f"pnm{dev}", heads[j])
+        per = lens.double() * (2.0 * self.d * e)  # [B, Hkv] bytes
+        if self.p.parallel == "dp":
+            for r in range(per.shape[0]):
+                c.add("device_load", f"pnm{self.row_dev[r]}", per[r])
+            return
+        for j, ds in enumerate(self.group_devs):
+            for dev in ds:
+                c.add("device_load", f"pnm{dev}", per[:, j])
 
     def activations_back(self, b: int, lse: bool) -> None:
         """The device's attention output (and, for a merge, its lse) back to the GPU."""
@@ -288,16 +289,24 @@ class DeviceKV:
         self.ctx.counters.moved("d2h", float(q.numel() * self.ctx.elem_bytes))
 
 
-def mask_tokens(mask: torch.Tensor, page: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token positions [B, H, M * S] of the pages marked in mask [B, H, n_pages] (M the most
-    marked in a row) and valid lengths [B, H], valid positions first (`_pages.page_tokens`
-    for a variable number of pages per row)."""
+def budget_pages(p: PnmParams, n: int) -> int:
+    """Pages the device's selection marks in every row over n tokens (`select_pages`' K'):
+    the most any mask it derives marks, known without reading the device."""
+    return min(p.budget_tokens // p.page_size, -(-n // p.page_size))
+
+
+def mask_tokens(mask: torch.Tensor, page: int, n: int, most: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token positions [B, H, M * S] of the pages marked in mask [B, H, n_pages], M =
+    min(most, n_pages) with `most` at least the pages any row marks (`budget_pages`: the
+    width is known on the host, so no device value is read), and valid lengths [B, H],
+    valid positions first (`_pages.page_tokens` for a variable number of pages per row)."""
     import torch
 
     from kvbench.strategies._pages import page_tokens
 
     cnt = mask.sum(-1)
-    m = max(int(cnt.max()), 1)
+    m = max(min(most, mask.shape[-1]), 1)
     ids = (~mask).to(torch.int8).argsort(dim=-1, stable=True)[..., :m]  # marked first
     pos, _ = page_tokens(ids, page, n + page * mask.shape[-1])  # every position valid
     off = torch.arange(m * page, device=mask.device)

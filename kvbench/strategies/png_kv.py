@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 from kvbench.errors import require
 from kvbench.strategies import STRATEGIES
 from kvbench.strategies._pages import PAGES, attend_selected
-from kvbench.strategies._pnm import PnmParams, mask_tokens, resolve_node
+from kvbench.strategies._pnm import PnmParams, budget_pages, mask_tokens, resolve_node
 from kvbench.strategies.pnm_kv import PnmKV
 
 if TYPE_CHECKING:
@@ -83,8 +83,8 @@ class PngKV(PnmKV):
     params = PngParams
     exact = (("budget_tokens", 1 << 20),)  # every page selected
     sparse = (("budget_tokens", 32), ("page_size", 8), ("sinks", 1), ("window_pages", 1))
-    host_reads = (4, "PNM-KV's two plus the steady pages to recall into the GPU pool "
-                  "(one nonzero per sparse layer, as ArkVale's recall)")
+    host_reads = (1, "the steady pages to recall into the GPU pool (one nonzero per sparse "
+                  "layer, as ArkVale's recall)")
     metrics = (*PnmKV.metrics, PAGES)
 
     @classmethod
@@ -164,14 +164,14 @@ class PngKV(PnmKV):
         from kvbench.kernels.attention import merge
 
         n, mask, ranked = self._budget(layer, q, k, v)
-        size = self.p.page_size
+        size, most = self.p.page_size, budget_pages(self.p, n)
         if mask is None or self.c == 0 or n < size:  # no full page can be steady yet
-            sel = None if mask is None else mask_tokens(mask, size, n)
+            sel = None if mask is None else mask_tokens(mask, size, n, most)
             self.last[layer] = sel
             out = self._device_attention(layer, q, sel, n)[0]
             self.dev.activations_back(q.shape[0], lse=False)
             return out.to(q.device)
-        self.last[layer] = mask_tokens(mask, size, n)
+        self.last[layer] = mask_tokens(mask, size, n, most)
         nf = n // size
         counters = self.ctx.counters
         with counters.timed("bookkeeping.steady_select"):
@@ -179,7 +179,7 @@ class PngKV(PnmKV):
         rest = mask.clone()
         rest[:, :, :nf] &= ~resident.to(mask.device)
         with counters.fork("pnm"):  # the device attends beside the GPU's steady pages
-            o2, s2 = self._device_attention(layer, q, mask_tokens(rest, size, n), n)
+            o2, s2 = self._device_attention(layer, q, mask_tokens(rest, size, n, most), n)
             self.dev.activations_back(q.shape[0], lse=True)
         sp = self.slot_page[layer]
         b, h, c, d = sp.shape[0], sp.shape[1], self.c, self.dev.d

@@ -30,6 +30,7 @@ from kvbench.strategies._pnm import (
     PNM_METRICS,
     DeviceKV,
     PnmParams,
+    budget_pages,
     check_device_fit,
     mask_tokens,
     resolve_node,
@@ -50,8 +51,6 @@ class PnmKV(Strategy):
     params = PnmParams
     exact = (("budget_tokens", 1 << 20),)  # every page selected
     sparse = (("budget_tokens", 32), ("page_size", 8), ("sinks", 1), ("window_pages", 1))
-    host_reads = (2, "the device's own selection (the most pages a row selected, the tokens "
-                  "each device attends for its load): device memory, counted on a CPU run")
     metrics = PNM_METRICS
 
     @classmethod
@@ -146,7 +145,8 @@ class PnmKV(Strategy):
                v: torch.Tensor) -> torch.Tensor:
         """One token: the device selects the budget pages and attends them."""
         n, mask, _ = self._budget(layer, q, k, v)
-        sel = None if mask is None else mask_tokens(mask, self.p.page_size, n)
+        sel = None if mask is None else mask_tokens(mask, self.p.page_size, n,
+                                                    budget_pages(self.p, n))
         self.last[layer] = sel
         out, _ = self._device_attention(layer, q, sel, n)
         self.dev.activations_back(q.shape[0], lse=False)
