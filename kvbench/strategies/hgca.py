@@ -351,23 +351,41 @@ class Hgca(Strategy):
         parts = [dense_attention(q, k, v, causal=False) for k, v, _ in ranges]
         return parts[0] if len(parts) == 1 else merge(*parts[0], *parts[1])
 
-    def _to_host(self, L: LayerKV, q: torch.Tensor) -> torch.Tensor:
-        """The queries on the host (copied before the accelerator work is queued); the
-        stage graph's "host" fork beside the accelerator window."""
+    def _to_host(self, L: LayerKV, q: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """The queries on the host and, on CUDA, the event that says they have landed: the
+        copy is queued without blocking before the window's attention (pinned; GPU audit
+        finding 14), so the accelerator runs the window while the host waits for q
+        (`_host`); the stage graph's "host" fork beside the accelerator window."""
+        import torch
+
         with self.ctx.counters.fork("host"):
             self.ctx.counters.moved("d2h", q.numel() * q.element_size())
-        return q.to(device="cpu", dtype=L.hk.dtype)
+        qh = q.to(dtype=L.hk.dtype).to(self.ctx.host, non_blocking=True)
+        if not q.is_cuda:
+            return qh, None
+        landed = torch.cuda.Event()
+        landed.record(torch.cuda.current_stream())
+        return qh, landed
 
-    def _host(self, L: LayerKV, q: torch.Tensor,
-              qh: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Sparse attention of qh (q copied to the host) over each row's KV_ctx on the host
-        thread pool (line 12): one pass over each KV head's copy (the longest's entries,
-        `L.sizes`) for its query group, a query head skipping what it did not select
-        (`ckeep`); None when no entry is selected."""
+    @staticmethod
+    def _arrived(sent: tuple[torch.Tensor, Any]) -> torch.Tensor:
+        """The host's copy of q once `_to_host`'s copy has landed (its event waited for)."""
+        qh, landed = sent
+        if landed is not None:
+            landed.synchronize()
+        return qh
+
+    def _host(self, L: LayerKV, q: torch.Tensor, qh: tuple[torch.Tensor, Any] | None
+              ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Sparse attention of qh (q copied to the host, and the event of its copy:
+        `_to_host`) over each row's KV_ctx on the host thread pool (line 12): one pass over
+        each KV head's copy (the longest's entries, `L.sizes`) for its query group, a query
+        head skipping what it did not select (`ckeep`); None when no entry is selected."""
         from kvbench.kernels.sparse import Selection, sparse_attention
 
         if qh is None:
             return None
+        qh = self._arrived(qh)
         c = self.ctx.counters
         if L.out is None:
             from kvbench.kernels.cpu import output_buffers
@@ -432,13 +450,14 @@ class Hgca(Strategy):
         vals = torch.cat([p[1] for p in parts] + [v], dim=2)
         old = torch.cat([p[2] for p in parts], dim=2)
         nh = L.n_host
-        qh = self._to_host(L, q) if nh else None
+        sent = self._to_host(L, q) if nh else None
         out, lse = dense_attention(q, keys, vals, q_start=n)
         c.attended("accel", q, n + t)
         m = n + t
         evict = math.ceil((m - self.w + 1) / self.p.block) * self.p.block if m >= self.w else 0
-        if qh is not None:  # the host part is exact: every KV_cpu entry
+        if sent is not None:  # the host part is exact: every KV_cpu entry
             with c.timed("accel_idle"):
+                qh = self._arrived(sent)
                 host = dense_attention(qh, L.hk[:, :, :nh], L.hv[:, :, :nh], causal=False,
                                        scale=self.scale, threads=self.p.cpu_threads)
             with c.fork("host"):
