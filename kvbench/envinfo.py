@@ -165,6 +165,17 @@ def identity(env: dict[str, Any]) -> dict[str, Any]:
     return strip({k: env[k] for k in ("cpu", "numa_nodes", "gpus", "versions")})
 
 
+def huge_pages(root: Path) -> dict[str, Any]:
+    """Transparent huge pages: the kernel's mode (the bracketed choice of
+    /sys/kernel/mm/transparent_hugepage/enabled; None where unreadable) and whether torch
+    asks for them (THP_MEM_ALLOC_ENABLE: allocations of 2 MiB and more aligned to 2 MiB and
+    madvised, which the `kvbench` command turns on; kvbench.cli.main says why)."""
+    mode = re.search(r"\[(\w+)\]",
+                     read_file(root / "sys/kernel/mm/transparent_hugepage/enabled"))
+    return {"mode": mode.group(1) if mode else None,
+            "torch_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE", "0") == "1"}
+
+
 def collect_env(root: Path | str = "/") -> dict[str, Any]:
     """The full environment record, with a stable env_id over its identity fields."""
     root = Path(root)
@@ -180,6 +191,7 @@ def collect_env(root: Path | str = "/") -> dict[str, Any]:
         "cpu": cpu_info(root),
         "numa_nodes": [n.to_dict() for n in nodes],
         "memory_bytes": meminfo_total(read_file(root / "proc/meminfo")),
+        "huge_pages": huge_pages(root),
         "cxl_devices": read_cxl_devices(root),
         "gpus": gpus,
         "versions": versions(),

@@ -1,4 +1,5 @@
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -229,3 +230,30 @@ def test_missing_pynvml_is_a_note(fake_sysfs: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import raises ImportError
     env = collect_env(fake_sysfs)
     assert any("pynvml not installed" in n for n in env["notes"])
+
+
+def test_huge_pages_mode_and_torch_setting(fake_sysfs: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel's bracketed THP mode and whether torch asks for huge pages are recorded;
+    an unreadable mode is None, not an error."""
+    thp = fake_sysfs / "sys/kernel/mm/transparent_hugepage"
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    assert collect_env(fake_sysfs)["huge_pages"] == {"mode": None, "torch_alloc": False}
+    thp.mkdir(parents=True)
+    (thp / "enabled").write_text("always [madvise] never\n")
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")
+    assert collect_env(fake_sysfs)["huge_pages"] == {"mode": "madvise", "torch_alloc": True}
+
+
+def test_the_command_asks_torch_for_huge_pages_unless_told(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvbench` sets THP_MEM_ALLOC_ENABLE=1 for its torch (before torch's first large
+    allocation in a fresh process); a user's own value stands."""
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    with pytest.raises(SystemExit):
+        main(["list", "--help"])
+    assert os.environ["THP_MEM_ALLOC_ENABLE"] == "1"
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
+    with pytest.raises(SystemExit):
+        main(["list", "--help"])
+    assert os.environ["THP_MEM_ALLOC_ENABLE"] == "0"
