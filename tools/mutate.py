@@ -149,8 +149,13 @@ MODULES: dict[str, Spec] = {
                                                "tests/test_hgca_reference.py",
                                                "tests/test_hgca_append.py"), OTHER,
                  functions=_in("kvbench.strategies.hgca", *(f"Hgca.{m}" for m in (
-                     "_evict", "_manage", "_chosen", "_select", "_reselect", "_update_maw",
                      "_window", "_host", "attended", "decode"))), group="strategies"),
+    "hgca_manager": Spec("kvbench/strategies/_hgca_manager.py", (
+        "tests/test_fidelity_hgca.py", "tests/test_hgca_steps.py",
+        "tests/test_hgca_reference.py", "tests/test_hgca_append.py"), OTHER,
+        functions=_in("kvbench.strategies._hgca_manager", *(f"HgcaManager.{m}" for m in (
+            "_evict", "_manage", "_chosen", "_select", "_reselect", "_update_maw"))),
+        group="strategies"),
     "hgca_kv": Spec("kvbench/strategies/_hgca_kv.py", ("tests/test_fidelity_hgca.py",
                                                       "tests/test_hgca_steps.py",
                                                       "tests/test_hgca_reference.py",
