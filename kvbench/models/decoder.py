@@ -232,6 +232,7 @@ class Decoder(nn.Module):
         """tokens [B, T] at positions start..start+T-1 -> logits of the last one [B, vocab]."""
         if tokens.shape[0] != self._batch:
             self.pack(tokens.shape[0])
+        self.counters.flush()  # the last native step's accounts, if no step end ran them
         with torch.inference_mode():
             step = self.native_step(tokens, start)
             if step is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -69,6 +69,7 @@ class Counters:
         self._k0 = 0  # kernel clock at the step's start (CPU runs' dispatch account)
         self._excluded = 0.0  # seconds of the step in waits and carried blocks
         self._lazy: list[tuple[dict[Any, Any], Any, Any, float]] = []  # see `add`
+        self._after: list[tuple[int, Callable[[], None]]] = []  # see `after_step`
 
     def add(self, quantity: str, where: str, value: float | torch.Tensor,
             scale: float = 1.0) -> None:
@@ -104,9 +105,27 @@ class Counters:
                              f"(kvbench.runtime.breakdown) for it to the strategy's `metrics`")
         return self._units[quantity]
 
+    def after_step(self, account: Callable[[], None]) -> None:
+        """Run `account` once the step's clock has stopped (`flush`), as of this step: a
+        native decode step's record of what its one call did (kvbench.kernels.step: the
+        strategies' `decoded`, the layers' work and times), which is kvbench's bookkeeping,
+        not the step's work."""
+        self._after.append((self.step, account))
+
+    def flush(self) -> None:
+        """Run the deferred accounts (`after_step`) in order, each at its own step: at
+        `settle` (so at `step_end` and `series`) and before a model's next forward."""
+        now = self.step
+        while self._after:
+            self.step, account = self._after.pop(0)
+            account()
+        self.step = now
+
     def settle(self) -> None:
         """Add the tensor values' sums (`add`): one read per device for all of them, at
-        `step_end` and `series`, after the step's clock stopped."""
+        `step_end` and `series`, after the step's clock stopped (the deferred accounts
+        first: `flush`)."""
+        self.flush()
         held: dict[Any, list[tuple[dict[Any, Any], Any, Any, float]]] = defaultdict(list)
         for item in self._lazy:
             held[item[2].device].append(item)

@@ -175,6 +175,7 @@ def count_step(model: Any, strategy: Any, seq: Any, sync: Callable[[], None]) ->
     try:  # the run's tokens live where its model does
         with Counting(cuda_only=seq.device.type == "cuda") as counting:
             model(seq[:, pos:pos + 1], pos)
+            counters.flush()  # a native step's accounts (its strategy's `decoded`) count
         sync()
     finally:
         model.strategy = strategy
