@@ -390,3 +390,33 @@ def test_arkvale_steps_note_their_backends_by_phase() -> None:
     backend_use(reset=True)
     model(tokens[:, 40:], 40)
     assert "torch-select" in backend_use(reset=True)["decode"]
+
+
+def test_native_step_accounts_once_its_clock_stopped() -> None:
+    """A native step's call records nothing: its accounting (the strategy's `decoded`, each
+    layer's work and attention seconds) waits for the step's end (`flush`, at step_end,
+    settle or the next forward), and is filed under the step that ran, not the one the
+    counters have moved on to."""
+    from kvbench.kernels.attention import backend_use
+
+    spec = ModelSpec("t", "llama", 2, 4, 2, 40, 36, 50, 64, rope_theta=1e4)
+    model = _model(spec, 2, 2, 64, 0)
+    c, s = model.counters, model.strategy
+    tokens = torch.randint(0, 50, (2, 42))
+    model(tokens[:, :40], 0)
+    c.step, n0 = 1, len(c.graph.tasks)
+    model(tokens[:, 40:41], 40)
+    assert model.native_step(tokens[:, 41:], 41) is None  # its length not yet counted
+    assert len(c.graph.tasks) == n0 and s.length == [40, 40]
+    c.step = 2
+    c.flush()
+    assert s.length == [41, 41] and c.step == 2
+    filed = c.graph.tasks[n0:]
+    assert filed and {t.step for t in filed} == {1}
+    assert {t.op for t in filed} >= {"pre", "post", "head"}
+    assert c.step_total("time", "attention", 1) > 0
+    backend_use(reset=True)
+    model(tokens[:, 41:], 41)  # the native step again: the forward ran what was pending
+    assert backend_use(reset=True) == {"decode": "native-step"} and s.length == [41, 41]
+    c.flush()
+    assert s.length == [42, 42]
