@@ -196,11 +196,12 @@ def test_infinigen_queues_layer_i_before_gathering_for_i_plus_1(monkeypatch) -> 
 def test_infinigen_skews_from_the_first_skew_tokens_queries(monkeypatch) -> None:
     """GPU audit finding 21: a 50-token prompt and --skew-tokens 8: the SVD gets 8 queries
     per head, not all 50."""
-    from kvbench.strategies import infinigen
+    from kvbench.strategies import _infinigen_cache
 
     got: list[int] = []
-    real = infinigen.skew
-    monkeypatch.setattr(infinigen, "skew", lambda q, *a: got.append(q.shape[2]) or real(q, *a))
+    real = _infinigen_cache.skew
+    monkeypatch.setattr(_infinigen_cache, "skew",
+                        lambda q, *a: got.append(q.shape[2]) or real(q, *a))
     _run("infinigen", SPARSE["infinigen"], CPU, torch.float32, steps=2)
     assert got and set(got) == {8}
 

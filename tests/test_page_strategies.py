@@ -153,7 +153,7 @@ def test_infinigen_speculation_matches_reference(max_per: str, device: torch.dev
 
 
 def test_infinigen_skew_is_orthogonal_and_keeps_the_heaviest_channels() -> None:
-    from kvbench.strategies.infinigen import skew
+    from kvbench.strategies._infinigen_calib import skew
 
     g = torch.Generator().manual_seed(4)
     q = torch.randn(1, 6, 50, 8, generator=g) * torch.linspace(0.1, 3, 8)

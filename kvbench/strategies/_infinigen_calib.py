@@ -13,7 +13,7 @@ kvbench does the same on the model it runs: the skew text is the first SKEW_TOKE
 narrative written for kvbench, Apache-2.0 like the package), the channel prompt is
 `kvbench/data/infinigen_channels.txt` (five short cause-and-effect sentences written for
 kvbench, in the manner of the authors' prompt). GQA (the authors' Llama-2 code has none):
-one A per KV head from its group's queries stacked (`infinigen.skew`), the query channel mass
+one A per KV head from its group's queries stacked (`skew`), the query channel mass
 summed over the group, so q A . k A = q . k and one partial key cache serves the group.
 
 Computed once per (weights, texts, ratio) and stored under $KVBENCH_CACHE/infinigen (default
