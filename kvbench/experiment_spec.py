@@ -97,6 +97,8 @@ def _pivot(raw: dict[str, Any], i: int, path: Path) -> Pivot:
                     *kw["spread_stats"]]:
             require(got in stats, f"{where}: statistic '{got}': one of "
                     f"{', '.join(sorted(stats))}")
+        require(not kw.get("paired") or (kw.get("median_over") and kw.get("reference")),
+                f"{where}: paired: needs median_over and a reference")
         return Pivot(**kw, extras=extras, paper=paper)
     except (TypeError, KeyError) as e:
         raise KvbenchError(f"{where}: {e}") from None

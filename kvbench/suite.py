@@ -158,7 +158,8 @@ class _Sink:
         for rec in records:
             rec.version = unit.case.version
             rec.command = unit.command()
-            rec.method.update({"suite": str(self.suite.path), "suite_case": unit.case_id})
+            rec.method.update({"suite": str(self.suite.path), "suite_case": unit.case_id,
+                               "suite_repetition": unit.rep})
             if unit.machine:
                 rec.method["machine"] = unit.machine
             if concurrent:  # its machine ran other cases meanwhile (a non-exclusive case)

@@ -163,6 +163,9 @@ BAD = [
      "required"),
     ("[[control]]\ntitle = \"c\"\nwhere = {}\nreference = {}\ntolerance = 5",
      "control 1: tolerance 5: a share from 0 to 1"),
+    ("[[table]]\ntitle = \"t\"\nmetric = \"perplexity\"\nrows = \"name\"\ncolumns = \"batch\"\n"
+     "reference = { name = \"full\" }\npaired = true",
+     "table 1: paired: needs median_over and a reference"),
 ]
 
 
@@ -361,3 +364,31 @@ def test_runs_declared_inline_make_the_declaration_its_own_suite(tmp_path: Path,
     bare.write_text(INLINE.replace("[experiment]", "[table]"))
     with pytest.raises(KvbenchError, match="unknown top-level key 'table'"):
         load_suite(bare)
+
+
+def test_paired_change_takes_each_round_against_its_own_reference() -> None:
+    """median_over = "repetition" with `paired`: the change of the medians beside the
+    median and range of each round's change against the reference's run of that round
+    (method.suite_repetition); a slow round moves both runs of its pair. A round without
+    its reference is no pair; a declaration asking for pairs without rounds is refused."""
+    def run(name: str, value: float, rep: int | None) -> dict:
+        r = rec(name, "tbt", value, gpu_tokens=1)
+        r["method"] = {"suite_case": f"{name}{rep}"}
+        if rep is not None:
+            r["method"]["suite_repetition"] = rep
+        return r
+
+    full = [run("full", v, i) for i, v in enumerate((10.0, 20.0, 12.0))]
+    quest = [run("quest", v, i) for i, v in enumerate((6.0, 11.0, 8.0, 5.0))]
+    pivot = Pivot(title="t", metric="tbt", rows=("name",), columns="gpu_tokens",
+                  reference={"name": "full"}, median_over="repetition", paired=True, fmt=".1f")
+    t = Table(pivot, full + quest, {})
+    # medians 12 and 7: -41.7%; rounds -40%, -45%, -33.3% (round 3 has no full run)
+    assert t.cell(t.cells[("quest", 1)], 1) == \
+        "7.0 (-41.7%; paired -40.0% (-45.0% to -33.3%, 3 pairs))"
+    unpaired = Table(dataclasses.replace(pivot, paired=False), full + quest, {})
+    assert unpaired.cell(unpaired.cells[("quest", 1)], 1) == "7.0 (-41.7%)"
+    old = [run("full", 10.0, None), run("quest", 6.0, None)]  # before suites recorded rounds
+    assert Table(pivot, old, {}).cell(Table(pivot, old, {}).cells[("quest", 1)], 1) == \
+        "6.0 (-40.0%)"
+

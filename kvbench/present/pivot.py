@@ -22,7 +22,11 @@ reference cell, e.g. a run's projections (projected / measured - 1) beside the m
 run, and states each column's median and worst |change| under the table. `median_over`
 pools the runs of one cell that differ only in that parameter (rounds of a grid repeated
 in time) or in the suite unit that ran them (`median_over = "repetition"`: a case's
-repetitions, e.g. interleaved by a suite's `order = "round"`) into their median.
+repetitions, e.g. interleaved by a suite's `order = "round"`) into their median. `paired`
+then also gives each cell's change the way a paired design takes it: per value of
+median_over (a round) the run's change against the reference run of that round, their
+median and range; a round that ran slow or fast as a whole (a shared VM drifting between
+rounds) moves both runs of its pair, where the change of the two medians mixes rounds.
 """
 
 from __future__ import annotations
@@ -94,6 +98,9 @@ class Pivot:
     paper: tuple[PaperTable, ...] = ()
     reference_in: str = "column"  # or "row": each row's reference cell (module docstring)
     median_over: str | None = None  # a cell's runs differing in this parameter: median
+    # with median_over: also each cell's change paired, the median (and range) of its runs'
+    # changes against the reference run of the same median_over value (module docstring)
+    paired: bool = False
     scale: float = 1.0  # values shown times this (1000: seconds as ms; say so in the title)
 
 

@@ -165,8 +165,28 @@ class Table:
         for r in mains:
             groups[run_key(r, self.p.median_over, unit=False), r["metric"]].append(r)
         return [{**recs[0], "value": statistics.median(x["value"] for x in recs),
-                 "stats": _pooled_stats(recs), "_runs": [run_key(x) for x in recs]}
+                 "stats": _pooled_stats(recs), "_runs": [run_key(x) for x in recs],
+                 "_by": {self._pair(x): x["value"] for x in recs}}
                 for recs in groups.values()]
+
+    def _pair(self, r: dict[str, Any]) -> Any:
+        """What pairs a run with its reference's (`paired`): its median_over parameter, or
+        for "repetition" the suite's repetition index (method.suite_repetition; None for a
+        record run outside a suite, or before suites recorded it: no pair)."""
+        if self.p.median_over == "repetition":
+            return (r.get("method") or {}).get("suite_repetition")
+        return repr(value_of(r, self.p.median_over, self.aliases))
+
+    def _paired(self, r: dict[str, Any], ref: dict[str, Any]) -> str:
+        """"; paired -x% (lo to hi, n pairs)": the median and range of the changes of r's
+        runs against the reference's run of the same `_pair` ("" without a pair)."""
+        mine, theirs = r.get("_by") or {}, ref.get("_by") or {}
+        changes = sorted(v / theirs[k] - 1 for k, v in mine.items()
+                         if k is not None and theirs.get(k))
+        if not changes:
+            return ""
+        return (f"; paired {statistics.median(changes):+.1%} ({changes[0]:+.1%} to "
+                f"{changes[-1]:+.1%}, {len(changes)} pairs)")
 
     def _run_records(self, r: dict[str, Any]) -> list[dict[str, Any]]:
         return [x for key in r.get("_runs", [run_key(r)])
@@ -205,7 +225,8 @@ class Table:
             text += f" ({self._value(lo)}-{self._value(hi)})"
         ref = self.reference(r, row)
         if self.p.change and ref is not None and ref["value"]:
-            text += f" ({v / ref['value'] - 1:+.1%})"
+            paired = self._paired(r, ref) if self.p.paired else ""
+            text += f" ({v / ref['value'] - 1:+.1%}{paired})"
         for e in self.p.extras:
             x = self.extra(r, e)
             if x is not None:
