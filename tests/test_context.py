@@ -269,3 +269,36 @@ def test_cuda_times_of_one_phase_add_up_within_a_step(monkeypatch) -> None:
     fake.synchronize()
     c.step_end(1e-3)
     assert c.step_total("time", "attention", 1) == pytest.approx(20e-6, rel=1e-12)
+
+
+def test_deferred_accounts_run_in_order_each_at_its_step() -> None:
+    """after_step keeps an account with the step it was made in; flush (and settle, so
+    step_end) runs them in the order given, each at its own step, and leaves the current
+    step as it was; the elapsed seconds an account files land where the step ran, as a
+    wait of the phase (no host task for "attention", one for another phase)."""
+    c = Counters(kv_heads=1, elem_bytes=4, n_layers=1)
+    ran: list[tuple[str, int]] = []
+    c.step = 3
+    c.after_step(lambda: (ran.append(("a", c.step)), c.elapsed("attention", 0.25)))
+    c.step = 4
+    c.after_step(lambda: (ran.append(("b", c.step)), c.elapsed("bookkeeping.x", 0.5)))
+    c.step = 5
+    assert not ran and not c.graph.tasks
+    c.flush()
+    assert ran == [("a", 3), ("b", 4)] and c.step == 5
+    assert c.step_total("time", "attention", 3) == 0.25
+    assert c.step_total("time", "bookkeeping.x", 4) == 0.5
+    assert [(t.step, t.op, t.work) for t in c.graph.tasks] == [
+        (4, "bookkeeping.x", {"seconds": 0.5})]
+    c.flush()  # nothing left
+    assert len(ran) == 2
+    c.after_step(lambda: ran.append(("c", c.step)))
+    c.step_end(0.0)  # settles: the account runs first
+    assert ran[-1] == ("c", 5)
+
+
+def test_an_undeclared_quantity_is_named() -> None:
+    c = Counters(kv_heads=1, elem_bytes=4)
+    with pytest.raises(ValueError, match="counted quantity 'pagez' is undeclared: add a "
+                                         "Metric"):
+        c.unit("pagez")

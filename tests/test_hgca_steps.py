@@ -43,7 +43,7 @@ def test_each_decode_step_files_its_window_host_part_and_eviction(variant: str, 
         state = []
         for L in s.layers:
             s._join(L)
-            state.append((L.n, L.n_host, L.lens.clone()))
+            state.append((L.n, L.n_host, L.lens.clone(), L.ulens.clone()))
             if variant == "union-ema":  # the newest entry's MAW started at 0: alpha * weight
                 assert float(L.maw[:, :, (L.tail + L.n - 1) % W].max()) <= s.p.alpha
         before.append(state)
@@ -59,7 +59,7 @@ def test_each_decode_step_files_its_window_host_part_and_eviction(variant: str, 
 
     evictions = host_steps = 0
     for step in range(2, STEPS + 1):  # state before step t: what settle saw after t - 1
-        for layer, (n_res, n_host, lens) in enumerate(before[step - 2]):
+        for layer, (n_res, n_host, lens, ulens) in enumerate(before[step - 2]):
             nmax = int(lens.max()) if n_host else 0
             full = n_res + 1 == W
             evictions += full
@@ -70,8 +70,13 @@ def test_each_decode_step_files_its_window_host_part_and_eviction(variant: str, 
             assert at("tokens", "accel", layer, step) == B * (n_res + 1)
             assert at("bytes_moved", "d2h", layer, step) == q_bytes + block, (step, layer)
             assert at("bytes_moved", "h2d", layer, step) == back, (step, layer)
-            assert at("tokens", "host", layer, step) == pytest.approx(
-                B * float(lens.sum()) / lens.numel() if nmax else 0.0)
+            mean = float(lens.sum()) / lens.numel() if nmax else 0.0  # entries per row
+            assert at("tokens", "host", layer, step) == pytest.approx(B * mean)
+            # q.k and p.v of every query head over its row's entries; the KV heads' copies
+            # (their rows' unions) read once for their groups
+            assert at("flops", "host", layer, step) == pytest.approx(4.0 * B * HQ * mean * D)
+            assert at("bytes_read", "host", layer, step) == \
+                (2.0 * int(ulens.sum()) * D * 4 if nmax else 0.0)
             assert at("tokens", "host_resident", layer, step) == B * n_host
             per_row = lens.view(B, -1).sum(0).tolist() if n_host else []
             for h, got in enumerate(per_row):
@@ -93,6 +98,10 @@ def test_each_decode_step_files_its_window_host_part_and_eviction(variant: str, 
             (copy,) = [t for t in tasks if t.layer == layer and t.resource == "d2h"
                        and t.work["bytes_moved"] == B * HQ * D * 4]
             assert copy.id in att.after
+            # the task reads the copies and the query, writes the output
+            assert att.work["bytes_written"] == B * HQ * D * 4
+            assert att.work["bytes_read"] == at("bytes_read", "host", layer, STEPS) \
+                + B * HQ * D * 4
     for layer in range(4):
         mask = s.attended(layer)
         L = s.layers[layer]
@@ -123,3 +132,40 @@ def test_the_cpu_worker_runs_on_itself_alone() -> None:
     assert seen == (1, 1)
     assert lib().kvb_omp_threads(0) == mine and cpu.default_threads() >= 1
     s.worker.shutdown()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_exact_hgca_decodes_as_full_attention_while_its_ring_wraps(native: bool,
+                                                                    monkeypatch) -> None:
+    """At beta 0 every evicted entry is selected, so each decode step's logits are full
+    attention's, through steps whose resident window is one range and steps where the ring
+    has wrapped into two (the native kernel: the wrapped slots as one selection; torch: the
+    two ranges merged by lse)."""
+    from kvbench.kernels import cpu
+    from kvbench.strategies import NoParams
+    from kvbench.strategies.full import Full
+
+    if not native:
+        monkeypatch.setattr(cpu, "native_ok", lambda q: False)
+    prompt, steps = 6, 14
+    n = prompt + steps + 1
+    tokens = torch.randint(0, SPEC.vocab, (B, n), generator=torch.Generator().manual_seed(3))
+    logits, wrapped = [], 0
+    for make in (lambda ctx: Full(NoParams(), ctx),
+                 lambda ctx: Hgca(HgcaParams(gpu_tokens=W, block=BLOCK, beta=0.0,
+                                             cpu_threads=1), ctx)):
+        model = load(SPEC, "random", 4, torch.float32, CPU, seed=7).model
+        c = Counters(HKV, 4, False, 4)
+        ctx = RunContext(SPEC, 4, B, n, torch.float32, CPU, CPU, c, model)
+        s = make(ctx)
+        model.setup(s, c, n)
+        got = [model(tokens[:, :prompt], 0)]
+        for t in range(prompt, prompt + steps):
+            if isinstance(s, Hgca):
+                for L in s.layers:
+                    s._join(L)  # the worker's selections in before the step
+                wrapped += len(s.layers[0].resident()) == 2
+            got.append(model(tokens[:, t:t + 1], t))
+        logits.append(torch.stack(got))
+    assert wrapped >= 3  # steps over a wrapped ring, and others over one range
+    assert torch.allclose(logits[1], logits[0], atol=2e-5, rtol=1e-4)

@@ -418,3 +418,23 @@ def test_png_kv_without_a_steady_page_is_pnm_kv(prompt: int) -> None:
             c2.counters.step_total("bytes_moved", link, 1)
     assert c.counters.step_total("pages", "recalled", 1) == 0.0
     assert torch.equal(png.attended(1), pnm.attended(1))
+
+
+@pytest.mark.parametrize("mode", ["dp", "tp"])
+def test_attention_load_per_device_counted_without_a_read(mode: str) -> None:
+    """count_load files 2 x D x elem bytes per attended token on the device that holds its
+    row: dp, request r's on device r % 4; tp (shards 0,0,1,2,2,3 over 2 KV heads: each
+    group on 2 devices), each device a copy of its group's tokens. Counted as tensors,
+    summed at the step's end."""
+    c = ctx(max_len=64)
+    dkv = _pnm.DeviceKV(PnmParams(budget_tokens=16, page_size=4, sinks=1, window_pages=1,
+                                  dense_layers=1, devices=4, parallel=mode), c)
+    lens = torch.tensor([[5, 7], [11, 13]])  # [B, Hkv] tokens attended
+    dkv.count_load(lens)
+    counters = c.counters
+    counters.settle()
+    loads = [counters.step_total("device_load", f"pnm{d}", 0) / (2 * 8 * 4) for d in range(4)]
+    if mode == "dp":
+        assert loads == [5 + 7, 11 + 13, 0.0, 0.0]
+    else:  # group 0 (KV head 0) on devices 0, 1; group 1 on devices 2, 3
+        assert loads == [5 + 11, 5 + 11, 7 + 13, 7 + 13]
