@@ -169,3 +169,33 @@ def test_exact_hgca_decodes_as_full_attention_while_its_ring_wraps(native: bool,
         logits.append(torch.stack(got))
     assert wrapped >= 3  # steps over a wrapped ring, and others over one range
     assert torch.allclose(logits[1], logits[0], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("variant", ["authors", "union-ema"])
+def test_the_torch_maw_update_is_the_native_ones(variant: str, monkeypatch) -> None:
+    """Line 8 in torch ops (CUDA, or no native build) and in one native call (probes/maw.c)
+    leave the same moving averages after decode steps that evict and select."""
+    from kvbench.kernels import cpu
+
+    prompt, steps = 6, 10
+    n = prompt + steps + 1
+    tokens = torch.randint(0, SPEC.vocab, (B, n), generator=torch.Generator().manual_seed(5))
+    maws = []
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(cpu, "maw_ok", lambda *a: False)
+        model = load(SPEC, "random", 4, torch.float32, CPU, seed=7).model
+        c = Counters(HKV, 4, False, 4)
+        ctx = RunContext(SPEC, 4, B, n, torch.float32, CPU, CPU, c, model)
+        s = Hgca(HgcaParams(variant=variant, gpu_tokens=W, block=BLOCK, beta=0.5,
+                            alpha=0.3, cpu_threads=1), ctx)
+        model.setup(s, c, n)
+        model(tokens[:, :prompt], 0)
+        for t in range(prompt, prompt + steps):
+            model(tokens[:, t:t + 1], t)
+        for L in s.layers:
+            s._join(L)
+        maws.append([(L.tail, L.n, L.maw.clone()) for L in s.layers])
+    for (t0, n0, m0), (t1, n1, m1) in zip(*maws, strict=True):
+        assert (t0, n0) == (t1, n1)
+        assert torch.allclose(m0, m1, atol=1e-6), (m0 - m1).abs().max()
