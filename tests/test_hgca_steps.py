@@ -108,9 +108,18 @@ def test_each_decode_step_files_its_window_host_part_and_eviction(variant: str, 
         nh, nw = L.seen
         assert mask.dtype == torch.bool and tuple(mask.shape) == (B, HQ, nh + nw)
         assert bool(mask[:, :, nh:].all())
-        # the KV_ctx entries the step saw (the step's own eviction adds newer positions)
+        # the KV_ctx entries the step saw (the step's own eviction adds newer positions),
+        # row by row: a query head attends its row's entries, no other position
         seen = sum(int((L.cpos[r, :int(L.lens[r])] < nh).sum()) for r in range(L.lens.numel()))
         assert int(mask[:, :, :nh].sum()) == seen * (HQ // (L.lens.numel() // B))
+        per = L.lens.numel() // B  # rows a sequence
+        for r in range(L.lens.numel()):
+            want = torch.zeros(nh, dtype=torch.bool)
+            got = L.cpos[r, :int(L.lens[r])].long()
+            want[got[got < nh]] = True
+            b, j = divmod(r, per)
+            heads = range(j * HQ // per, (j + 1) * HQ // per)
+            assert all(torch.equal(mask[b, h, :nh], want) for h in heads), (layer, r)
 
 
 def test_the_cpu_worker_runs_on_itself_alone() -> None:

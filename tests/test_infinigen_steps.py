@@ -190,3 +190,13 @@ def test_the_oracle_cap_and_when_a_speculation_runs(monkeypatch: pytest.MonkeyPa
     s.layer_input(2, one)
     assert s.queued is not None and s.queued[0] == 3 and s.queued[3] == 10
     assert len(calls) == 1 and calls[0][0] == 3 and calls[0][1] is one and calls[0][2] == 10
+
+
+def test_the_speculations_top_k_is_noted_as_a_torch_selection() -> None:
+    """Sparse decode steps select in torch ops (the speculation's scores and top n'_max),
+    and every record's method.backend says so beside the attention's backend."""
+    from kvbench.kernels.attention import backend_use
+
+    backend_use(reset=True)
+    _run(InfiniGenParams(variant="oracle", budget_tokens=5, dense_layers=1, skew_tokens=8))
+    assert "torch-select" in backend_use(reset=True)["decode"].split("+")
