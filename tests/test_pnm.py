@@ -395,15 +395,17 @@ def test_budget_pages_is_the_selections_width() -> None:
         assert pages.shape[-1] == _pnm.budget_pages(p, n) == min(4, n_pages)
 
 
-@pytest.mark.parametrize("prompt", [1, 2])
-def test_png_kv_without_a_steady_page_is_pnm_kv(prompt: int) -> None:
-    """Before the context holds a full page png-kv is pnm-kv: the device attends the whole
-    budget set and only its output comes back (no lse), the bytes per link are pnm-kv's;
-    the tokens it attended are reported."""
+@pytest.mark.parametrize(("prompt", "steady"), [(1, 12), (2, 12), (40, 3)])
+def test_png_kv_without_a_steady_page_is_pnm_kv(prompt: int, steady: int) -> None:
+    """Before the context holds a full page, or with a steady set under one page (a pool of
+    no slot, past the budget here), png-kv is pnm-kv: the device attends the budget set and
+    only its output comes back (no lse), the bytes per link are pnm-kv's; the tokens it
+    attended are reported."""
     g = torch.Generator().manual_seed(4)
     params = dict(budget_tokens=24, page_size=4, sinks=1, window_pages=1, dense_layers=1)
     c, c2 = ctx(), ctx()
-    png = PngKV(PngParams(**params, steady_tokens=12), c)
+    png = PngKV(PngParams(**params, steady_tokens=steady), c)
+    assert (png.c == 0) == (steady < 4)
     pnm = PnmKV(PnmParams(**params), c2)
     k0, v0 = torch.randn(2, 2, prompt, 8, generator=g), torch.randn(2, 2, prompt, 8, generator=g)
     q0 = torch.randn(2, 6, prompt, 8, generator=g)
