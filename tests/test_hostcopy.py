@@ -271,3 +271,10 @@ def test_cuda_bf16_exact_setting_equals_full(name: str) -> None:
     got = _run(name, params, torch.device("cuda"), torch.bfloat16)
     ref = _run("full", NoParams(), torch.device("cuda"), torch.bfloat16)
     assert max(abs(a - b) for a, b in zip(got, ref, strict=True)) < 3e-2
+
+
+def test_to_host_off_cuda_hands_back_the_tensors_and_no_event() -> None:
+    """Off CUDA there is nothing to wait for: the tensors themselves, no event."""
+    q, ids = torch.randn(2, 3, 1, 4), torch.arange(6).view(2, 3)
+    (qh, idh), landed = hostcopy.to_host(CPU, q, ids)
+    assert qh is q and idh is ids and landed is None

@@ -85,6 +85,22 @@ def transfer(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     return dst.copy_(src, non_blocking=cuda)
 
 
+def to_host(host: torch.device, *xs: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], Any]:
+    """Small per-step tensors (a query, block ids) sent to the host without blocking, and
+    the CUDA event recorded after their copies on the current stream (None off CUDA): the
+    launching thread queues the next kernels at once, whoever reads the copies waits on the
+    event first (GPU audit finding 14). On CUDA a non_blocking copy to the host lands in
+    pinned memory that torch allocates; off CUDA the tensors come back as they are."""
+    import torch
+
+    out = tuple(x.to(host, non_blocking=True) for x in xs)
+    if not any(x.is_cuda for x in xs):
+        return out, None
+    landed = torch.cuda.Event()
+    landed.record(torch.cuda.current_stream())
+    return out, landed
+
+
 def tokens_first(x: torch.Tensor) -> torch.Tensor:
     """k/v [B, Hkv, T, D] as a contiguous [T, B, Hkv, D] (a copy on x's device)."""
     return x.permute(2, 0, 1, 3).contiguous()

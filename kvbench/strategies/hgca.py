@@ -88,6 +88,7 @@ from kvbench.strategies._hgca_kv import (
     ingest_maw,
 )
 from kvbench.strategies._hgca_manager import HgcaManager
+from kvbench.strategies._hostcopy import to_host
 
 if TYPE_CHECKING:
     import torch
@@ -184,15 +185,9 @@ class Hgca(HgcaManager):
         copy is queued without blocking before the window's attention (pinned; GPU audit
         finding 14), so the accelerator runs the window while the host waits for q
         (`_host`); the stage graph's "host" fork beside the accelerator window."""
-        import torch
-
         with self.ctx.counters.fork("host"):
             self.ctx.counters.moved("d2h", q.numel() * q.element_size())
-        qh = q.to(dtype=L.hk.dtype).to(self.ctx.host, non_blocking=True)
-        if not q.is_cuda:
-            return qh, None
-        landed = torch.cuda.Event()
-        landed.record(torch.cuda.current_stream())
+        (qh,), landed = to_host(self.ctx.host, q.to(dtype=L.hk.dtype))
         return qh, landed
 
     @staticmethod

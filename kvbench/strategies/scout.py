@@ -58,7 +58,7 @@ from kvbench.kernels import cpu
 from kvbench.runtime.breakdown import Metric
 from kvbench.strategies import STRATEGIES, Strategy, position_mask
 from kvbench.strategies import _scout_recall as recall_file
-from kvbench.strategies._hostcopy import heads_first
+from kvbench.strategies._hostcopy import heads_first, to_host
 from kvbench.strategies._pages import (
     PAGES,
     attend_selected,
@@ -170,7 +170,6 @@ class Scout(ScoutBlocks, Strategy):
         (pinned, then an event on CUDA), as the paper's GPU sends its CPU the blocks to
         attend; the worker waits for them, lists their tokens and returns None where no row
         holds one (`_host`). Every host block is whole: the partial one is the window's."""
-        import torch
 
         p, c = self.p, self.ctx.counters
         self._slide(layer, n_tot)
@@ -185,12 +184,8 @@ class Scout(ScoutBlocks, Strategy):
         self.used[layer].scatter_(2, pages.reshape(b, hkv, -1), float(self.step))
         res = self.res[layer].repeat_interleave(h // hkv, dim=1)
         on = res.gather(2, pages) | (pages >= self.win[layer])
-        qh, blocks = (t.to(self.ctx.host, non_blocking=True)
-                      for t in (q, pages.masked_fill(on, n_pages)))  # n_pages: none
-        landed = None
-        if q.is_cuda:
-            landed = torch.cuda.Event()
-            landed.record(torch.cuda.current_stream())
+        (qh, blocks), landed = to_host(self.ctx.host, q,
+                                       pages.masked_fill(on, n_pages))  # n_pages: none
         c.moved("d2h", 1.0 * qh.numel() * self.ctx.elem_bytes
                 + 1.0 * blocks.numel() * blocks.element_size())
         job = self.worker.submit(self._host, layer, qh, blocks, n_tot - 1, landed,
