@@ -11,7 +11,7 @@ from pathlib import Path
 from kvbench.errors import KvbenchError
 from kvbench.memory import llc_bytes
 
-ABI_VERSION = 17  # kvb_abi_version() of probes/native.c: bump both when an interface changes
+ABI_VERSION = 18  # kvb_abi_version() of probes/native.c: bump both when an interface changes
 
 
 class CopyJob(ctypes.Structure):
@@ -113,8 +113,11 @@ def lib() -> ctypes.CDLL:
     so.kvb_llama_post.argtypes = [vp, vp, vp, vp, f32, vp, vp, i64, i64, i64, i64,
                                   ctypes.c_int]
     so.kvb_llama_step.restype = ctypes.c_int  # probes/step.c
-    so.kvb_llama_step.argtypes = [vp, i64, vp, vp, vp, f32, vp, vp, i64, vp, vp, vp, vp, f32,
-                                  i64, i64, i64, i64, i64, i64, i64, vp, vp, ctypes.c_int]
+    so.kvb_llama_step.argtypes = [vp, i64, vp, vp, vp, i64, vp, i64, vp, f32, vp, vp, i64, vp,
+                                  vp, vp, vp, f32, i64, i64, i64, i64, i64, i64, i64, vp, vp,
+                                  ctypes.c_int]
+    so.kvb_argmax.restype = ctypes.c_int  # probes/greedy.c
+    so.kvb_argmax.argtypes = [vp, i64, i64, vp, ctypes.c_int, ctypes.c_int]
     so.kvb_maw.restype = None  # probes/maw.c
     so.kvb_maw.argtypes = [vp, vp, vp, vp, i64, i64, i64, i64, i64, i64p, ctypes.c_float,
                            ctypes.c_float, i64, ctypes.c_int]

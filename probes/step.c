@@ -25,7 +25,11 @@
  * StreamingLLM: its ring's slot and the slots filled; ArkVale: the current page's next
  * slot after the pool's; softmax does not depend on the slots' order).
  *
- * x [B, H] (updated in place, the residual stream), logits [B, V]; the caches [B, Hkv,
+ * The step starts from the tokens' rows of the embedding table emb [rows, H] (tok: B ids,
+ * `tstride` apart; Llama's embedding is a plain lookup), copied into x before the region:
+ * as a torch op, with its Python, the lookup took 60 us of the KV-bound step.
+ *
+ * x [B, H] (the residual stream, a buffer of the caller's), logits [B, V]; the caches [B, Hkv,
  * slots, D] with element strides ks/vs (batch, head, slot), the last dimension
  * contiguous; digests [B, Hkv, P, D] likewise (ds); ArkVale's pool is a cache of pages of
  * contiguous rows, its host backup bk/bv [P, B, Hkv, page, D] contiguous and slot_page
@@ -38,6 +42,7 @@
 #define _GNU_SOURCE
 #pragma GCC optimize("O3")
 #include <stdlib.h>
+#include <string.h>
 
 #include "attn.h"
 #include "decode.h"
@@ -66,16 +71,22 @@ typedef struct {
 } kvb_pages_t;
 
 /* Returns 0, -1 when a buffer could not be had (or a pool's slots were inconsistent), -2
- * when B is outside 1..MAX_B or a selection would not fit its rows. `pages` NULL: no
- * digests are updated, no layer selects; `recall` NULL: no pool recalls. */
+ * when B is outside 1..MAX_B, a token outside the embedding's rows or a selection would not
+ * fit its rows. `pages` NULL: no digests are updated, no layer selects; `recall` NULL: no
+ * pool recalls. */
 int kvb_llama_step(const kvb_layer_t *layers, int64_t L, const kvb_pages_t *pages,
-                   const kvb_recall_t *recall, float *x, float eps, const float *norm,
+                   const kvb_recall_t *recall, const int64_t *tok, int64_t tstride,
+                   const float *emb, int64_t rows_emb, float *x, float eps, const float *norm,
                    const float *head, int64_t V, float *logits, const float *cos,
                    const float *sin, const int64_t *perm, float scale, int64_t pos, int64_t B,
                    int64_t H, int64_t Hq, int64_t Hkv, int64_t D, int64_t F, double *attn_s,
                    double *sel_s, int threads) {
     const int64_t N = (Hq + 2 * Hkv) * D, A = Hq * D;
     if (B < 1 || B > MAX_B) return -2;
+    for (int64_t b = 0; b < B; b++)
+        if (tok[b * tstride] < 0 || tok[b * tstride] >= rows_emb) return -2;
+    for (int64_t b = 0; b < B; b++)
+        memcpy(x + b * H, emb + tok[b * tstride] * H, sizeof(float) * H);
     for (int64_t l = 0; pages && l < L; l++)
         if (pages->k < (layers[l].n + pages->page - 1) / pages->page &&
             pages->k * pages->page > pages->ld)

@@ -9,7 +9,9 @@ region: on the bundled model at batch 1 about 1.5 ms of a 15 ms step went to the
 between the calls, and the weights' memory stream stalled at every one. Here the whole
 step, every layer's norms, projections, RoPE, the new token's k/v written into the cache,
 the strategy's attention, the MLP, then the final norm and the logits head, runs in one
-region whose threads meet at barriers.
+region whose threads meet at barriers; the call starts from the tokens' rows of the
+embedding table (`Decoder.embed_table`, a plain lookup), copied in C: torch's lookup, with
+its Python, took 60 us of a KV-bound step (2-core AMD EPYC VM, 2026-11-27).
 
 A strategy offers it through `Strategy.native_cache` (per layer a `NativeCache`: its cache,
 where the new token goes and how much of it is attended, for Quest its min/max digests and
@@ -72,11 +74,6 @@ class NativeCache:
     bv: torch.Tensor | None = None
     moved: ctypes.Array[ctypes.c_int64] | None = None
     ok: bool = True
-
-    def where(self) -> tuple[int, int, int]:
-        """(n, slot, span) with the defaults resolved."""
-        return (self.n, self.n if self.slot is None else self.slot,
-                self.n + 1 if self.span is None else self.span)
 
 
 @dataclass(frozen=True)
@@ -182,10 +179,15 @@ class Step:
     decoder keeps it while that strategy is its own)."""
 
     def __init__(self, model: LlamaDecoder, layers: ctypes.Array[Layer], head: torch.Tensor,
-                 q: torch.Tensor, ld: int) -> None:
-        self.model, self.layers, self.head = model, layers, head
+                 emb: torch.Tensor, q: torch.Tensor, ld: int, slots: list[int]) -> None:
+        import torch
+
+        self.model, self.layers, self.head, self.emb = model, layers, head, emb
         self.q = q  # [B, Hq, 1, D]: the shape the strategy's `decoded` counts with
+        self.x = torch.empty(q.shape[0], emb.shape[1])  # the residual stream [B, hidden]
         self.ld = ld  # a selection row's length (0: no layer selects)
+        # each layer's struct and its caches' slots (the buffers are fixed while we live)
+        self.each = list(zip(layers, slots, strict=True))
         self.seconds = (ctypes.c_double * len(layers))()  # each layer's attention
         self.select = (ctypes.c_double * len(layers))()  # and its selection (-1: none)
 
@@ -200,14 +202,15 @@ class Step:
         if _owner(s, "decode") is not _owner(s, "native_cache") or \
                 _owner(s, "layer_input") is not Strategy:
             return None  # a subclass with a decode or layer_input of its own sees every layer
-        head = model.tied()
+        head, emb = model.tied(), model.embed_table()
         head = model.lm_head.weight if head is None else head
         if not (model.native_layers and _usable(head) and head.is_contiguous()
+                and emb is not None and _usable(emb) and emb.is_contiguous()
                 and _usable(norm.weight) and all(
                     n.eps == norm.eps for x in model.layers
                     for n in (x.input_layernorm, x.post_attention_layernorm))):
             return None
-        out, ld = (Layer * len(model.layers))(), 0
+        out, ld, slots = (Layer * len(model.layers))(), 0, []
         for i, layer in enumerate(model.layers):
             c = s.native_cache(i)
             if c is None or not all(_usable(t) for t in (c.k, c.v, c.lo, c.hi, c.bk, c.bv)) \
@@ -215,21 +218,28 @@ class Step:
                 return None
             out[i] = _layer(layer, c)
             ld = ld if c.idx is None else c.idx.shape[-1]
+            slots.append(min(c.k.shape[2], c.v.shape[2]))
         a = model.layers[0].self_attn
-        return cls(model, out, head, torch.empty(c.k.shape[0], a.hq, 1, a.nq // a.hq), ld)
+        return cls(model, out, head, emb, torch.empty(c.k.shape[0], a.hq, 1, a.nq // a.hq),
+                   ld, slots)
 
     def ready(self, tokens: torch.Tensor, start: int) -> bool:
-        """Whether tokens [B, 1] are the caches' batch and every layer's cache can run now
-        at position `start` (its slot and span kept for the call); KvbenchError for a slot
-        or span outside a cache's slots (the native call would write or read past them)."""
+        """Whether tokens [B, 1] (int64 on the CPU) are the caches' batch and every layer's
+        cache can run now at position `start` (its slot and span kept for the call);
+        KvbenchError for a slot or span outside a cache's slots (the native call would write
+        or read past them)."""
+        import torch
+
         s = self.model.strategy
-        caches = [s.native_cache(i) for i in range(len(self.layers))]
-        if tokens.shape[0] != self.q.shape[0] or \
-                not all(c.ok and c.n == start for c in caches):
+        if tokens.shape[0] != self.q.shape[0] or tokens.dtype != torch.int64 or \
+                tokens.device.type != "cpu":
             return False
-        for layer, c in zip(self.layers, caches, strict=True):
-            _, slot, span = c.where()
-            slots = min(c.k.shape[2], c.v.shape[2])
+        for i, (layer, slots) in enumerate(self.each):
+            c = s.native_cache(i)
+            if not c.ok or c.n != start:
+                return False  # the call does not run: the slots set so far are not read
+            slot = start if c.slot is None else c.slot
+            span = start + 1 if c.span is None else c.span
             if not (0 <= slot < slots and slot < span <= slots):
                 raise KvbenchError(f"{s.name}: native step slot {slot} and span {span} "
                                    f"outside its caches' {slots} slots")
@@ -241,8 +251,7 @@ class Step:
         `decoded` and the stage graph per layer follow once the step's clock has stopped
         (`_account`)."""
         m = self.model
-        x = m.embed(tokens, start)[:, 0].contiguous()
-        logits = self._run(x, start, m.strategy.native_rule(start + 1))
+        logits = self._run(tokens, start, m.strategy.native_rule(start + 1))
         note_backend("native-step", self.q)  # every layer's attention, in the call
         m.counters.after_step(self._account)
         return logits
@@ -264,10 +273,11 @@ class Step:
         c.dense(spec, "head", rows)
 
     @kernel
-    def _run(self, x: torch.Tensor, start: int, rule: Pages | Recall | None) -> torch.Tensor:
+    def _run(self, tokens: torch.Tensor, start: int, rule: Pages | Recall | None
+             ) -> torch.Tensor:
         import torch
 
-        m = self.model
+        m, x = self.model, self.x
         a, norm = m.layers[0].self_attn, m.norm
         d = a.nq // a.hq
         logits = x.new_empty(x.shape[0], self.head.shape[0])
@@ -278,7 +288,8 @@ class Step:
             int(rule.per_layer))
         rc = _lib().kvb_llama_step(
             self.layers, len(self.layers), None if pages is None else ctypes.byref(pages),
-            None if recall is None else ctypes.byref(recall), x.data_ptr(), norm.eps,
+            None if recall is None else ctypes.byref(recall), tokens.data_ptr(),
+            tokens.stride(0), self.emb.data_ptr(), self.emb.shape[0], x.data_ptr(), norm.eps,
             norm.weight.data_ptr(), self.head.data_ptr(), self.head.shape[0], logits.data_ptr(),
             *rope_at(m._rope, start), d ** -0.5, start, x.shape[0], x.shape[1], a.hq, a.hkv, d,
             m.layers[0].mlp.down_proj.weight.shape[1], self.seconds, self.select,

@@ -20,7 +20,8 @@ decode step at batch 1 went from 938 to 426 torch ops and 18.1 to 16.2 ms (media
 interleaved runs each, 2-core AMD EPYC Zen 5 VM, 2026-11-27). Where the strategy's decode is
 one kvbench.kernels.step runs (full attention, Quest, StreamingLLM, ArkVale:
 `Strategy.native_cache`), a decode step is one native call for every layer and the head
-(`native_step`): 4 torch ops a step; the strategy then does its bookkeeping
+(`native_step`, the tokens' embedding rows looked up inside it): 2 torch ops a step, the
+token's slice of the sequence and the logits buffer; the strategy then does its bookkeeping
 (`Strategy.decoded`).
 """
 
@@ -183,6 +184,11 @@ class Decoder(nn.Module):
     def embed(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
         raise NotImplementedError
 
+    def embed_table(self) -> torch.Tensor | None:
+        """The table [vocab, hidden] whose rows `embed` returns when it is a plain lookup
+        (the native step copies them itself), else None."""
+        return None
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
@@ -233,10 +239,10 @@ class Decoder(nn.Module):
         if tokens.shape[0] != self._batch:
             self.pack(tokens.shape[0])
         self.counters.flush()  # the last native step's accounts, if no step end ran them
+        step = self.native_step(tokens, start)
+        if step is not None:  # one native call, no torch op to keep out of autograd
+            return step(tokens, start)
         with torch.inference_mode():
-            step = self.native_step(tokens, start)
-            if step is not None:
-                return step(tokens, start)
             x = self.embed(tokens, start)
             for i, layer in enumerate(self.layers):
                 self.counters.layer = i
@@ -367,6 +373,9 @@ class LlamaDecoder(Decoder):
 
     def embed(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
         return self.embed_tokens(tokens)
+
+    def embed_table(self) -> torch.Tensor | None:
+        return self.embed_tokens.weight
 
     def tied(self) -> torch.Tensor | None:
         return self.embed_tokens.weight if self.lm_head is None else None

@@ -30,6 +30,7 @@ from typing import Any
 
 from kvbench import paths
 from kvbench.errors import KvbenchError, require
+from kvbench.kernels.cpu import greedy
 from kvbench.models import ModelSpec, get_spec
 from kvbench.schema import ParamValue, Record, measured, not_measured
 from kvbench.strategies import Strategy
@@ -240,7 +241,7 @@ def decode_run(model: Any, strategy: Strategy, rows: Any, gen_len: int, mode: st
         if mode == "eval":
             nll.extend(F.cross_entropy(logits, seq[:, pos], reduction="none").tolist())
         else:
-            seq[:, pos] = logits.argmax(-1)
+            seq[:, pos] = greedy(logits)
 
     firsts, steps = [], []
     for turn in range(turns):
