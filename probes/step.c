@@ -87,8 +87,8 @@ int kvb_llama_step(const kvb_layer_t *layers, int64_t L, const kvb_pages_t *page
         if (tok[b * tstride] < 0 || tok[b * tstride] >= rows_emb) return -2;
     for (int64_t b = 0; b < B; b++)
         memcpy(x + b * H, emb + tok[b * tstride] * H, sizeof(float) * H);
-    for (int64_t l = 0; pages && l < L; l++)
-        if (pages->k < (layers[l].n + pages->page - 1) / pages->page &&
+    for (int64_t l = 0; pages && l < L; l++) /* a layer that selects: its rows hold k pages */
+        if (layers[l].idx && pages->k < (layers[l].n + pages->page - 1) / pages->page &&
             pages->k * pages->page > pages->ld)
             return -2;
     float *buf = malloc(sizeof(float) * B * (H + N + 2 * A + Hq + H + 3 * F));

@@ -52,3 +52,61 @@ def test_what_it_does_not_take_goes_to_torch() -> None:
     x = _rows("ties", 3, 40, 1)
     for t in (x.to(torch.bfloat16), x[:, ::2], x[0]):
         assert torch.equal(cpu.greedy(t), t.argmax(-1))
+
+
+class _Spy:
+    """The native library with its kvb_argmax calls counted (or failing, `rc`)."""
+
+    def __init__(self, lib: object, rc: int | None = None) -> None:
+        self.lib, self.rc, self.calls = lib, rc, 0
+
+    def __getattr__(self, name: str) -> object:
+        if name != "kvb_argmax":
+            return getattr(self.lib, name)
+
+        def call(*args: object) -> int:
+            self.calls += 1
+            return self.lib.kvb_argmax(*args) if self.rc is None else self.rc
+
+        return call
+
+
+@needs_native
+def test_greedy_runs_natively_where_it_can(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU float32 row-major logits, a vocabulary of one entry too, take the one native
+    call; what it does not take never reaches it."""
+    spy = _Spy(cpu._lib())
+    monkeypatch.setattr(cpu, "_lib", lambda: spy)
+    for n in (1, 5, 49152):
+        x = _rows("ties", 2, n, n)
+        assert torch.equal(cpu.greedy(x), x.argmax(-1))
+    assert spy.calls == 3
+    x = _rows("random", 3, 40, 2)
+    for t in (x.to(torch.bfloat16), x[:, ::2], x[0]):
+        cpu.greedy(t)
+    assert spy.calls == 3
+
+
+@needs_native
+def test_an_empty_vocabulary_fails_as_torch_does() -> None:
+    x = torch.empty(2, 0)
+    with pytest.raises(type(_torch_error(x))):
+        cpu.greedy(x)
+
+
+def _torch_error(x: torch.Tensor) -> Exception:
+    try:
+        x.argmax(-1)
+    except Exception as e:  # whatever torch raises, greedy must raise too
+        return e
+    raise AssertionError("torch's argmax took an empty row")
+
+
+@needs_native
+def test_a_native_failure_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvbench.errors import KvbenchError
+
+    failing = _Spy(cpu._lib(), rc=-1)
+    monkeypatch.setattr(cpu, "_lib", lambda: failing)
+    with pytest.raises(KvbenchError, match=r"^native argmax: out of memory$"):
+        cpu.greedy(torch.randn(2, 8))

@@ -114,6 +114,17 @@ def test_native_quest_step_equals_the_layer_path(rule: tuple[str, str, int, int]
 
 
 @needs_native
+def test_native_quest_step_with_every_layer_dense() -> None:
+    """Quest with as many dense layers as the model has (`--layers 2` and the authors'
+    two): no layer selects, however far past the budget the context; the step runs them
+    as the layer path does (it failed with -2 before: its check of the selection rows'
+    width counted layers without one)."""
+    spec = ModelSpec("t", "llama", 2, 9, 3, 576, 1536, 50, 64, rope_theta=1e4)
+    _same(spec, 2, 2, 2, prompt=40, steps=3, seed=5, strategy="quest", budget_tokens=8,
+          page_size=4, dense_layers=2)
+
+
+@needs_native
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("prompt", "budget"), [(20, 10), (5, 12)])
 def test_native_streaming_step_equals_the_layer_path(threads: int, prompt: int,
@@ -157,7 +168,7 @@ def _same(spec: ModelSpec, layers: int, batch: int, threads: int, prompt: int, s
         assert sorted(ref.strategy.last) == sorted(got.strategy.last) == list(range(layers))
         for i in range(layers):
             a, b = ref.strategy.last[i], got.strategy.last[i]
-            assert (a is None) == (b is None) == (i < 1)
+            assert (a is None) == (b is None) == (i < ref.strategy.p.dense_layers)
             if a is not None:
                 assert torch.equal(b[1], a[1])
     for name in ("slot_page", "pool_k", "pool_v", "host_k", "host_v"):  # ArkVale's pool
@@ -220,6 +231,7 @@ def test_where_the_decoder_takes_it() -> None:
             return super().decode(layer, q, k, v)
 
     assert not taken(_model(spec, 2, 2, 16, 0, strategy=Own))
+    assert taken(_model(spec, 1, 2, 16, 0))  # a model of one layer
     model = _model(spec, 2, 2, 16, 0)
     model(tokens[:, :5], 0)
     assert model.native_step(tokens[:, :5], 5) is None  # not decode rows
@@ -251,6 +263,119 @@ def test_a_slot_outside_the_cache_is_refused() -> None:
     model(tokens[:, :20], 0)
     with pytest.raises(KvbenchError, match="slot 8 and span 8 outside its caches' 8 slots"):
         model(tokens[:, 20:], 20)
+
+
+@needs_native
+@pytest.mark.parametrize("change", ["embedding", "head", "head dtype", "norm", "layers"])
+def test_a_model_the_call_cannot_read_goes_layer_by_layer(change: str) -> None:
+    """An embedding or head the call cannot read row by row (strided, not float32), a final
+    norm that is not float32, a model off the native layers: no step is built."""
+    from kvbench.kernels.step import Step
+
+    spec = ModelSpec("t", "llama", 2, 4, 2, 40, 36, 50, 64, rope_theta=1e4)
+    model = _model(spec, 2, 2, 16, 0, tied=False)
+    model(torch.randint(0, 50, (2, 5)), 0)
+    assert Step.build(model) is not None
+    with torch.no_grad():
+        if change == "embedding":
+            model.embed_tokens.weight = torch.nn.Parameter(torch.randn(50, 80)[:, ::2])
+        elif change == "head":
+            model.lm_head.weight = torch.nn.Parameter(torch.randn(50, 80)[:, ::2])
+        elif change == "head dtype":
+            model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.double())
+        elif change == "norm":
+            model.norm.weight = torch.nn.Parameter(model.norm.weight.double())
+        else:
+            model.native_layers = False
+    assert Step.build(model) is None
+
+
+@needs_native
+@pytest.mark.parametrize("change", ["as is", "none", "k dtype"])
+def test_caches_the_call_cannot_read_build_no_step(change: str) -> None:
+    """A strategy whose native_cache gives None for a layer, or a cache that is not float32:
+    no step is built (the call would read it as float32)."""
+    import dataclasses
+
+    from kvbench.kernels.step import Step
+
+    class Odd(Full):
+        decode = Full.decode  # beside its own native_cache: the step is built
+
+        def native_cache(self, layer: int) -> Any:
+            c = super().native_cache(layer)
+            if layer == 0 or change == "as is":
+                return c
+            return None if change == "none" else dataclasses.replace(c, k=c.k.double())
+
+    spec = ModelSpec("t", "llama", 2, 4, 2, 40, 36, 50, 64, rope_theta=1e4)
+    model = _model(spec, 2, 2, 16, 0, strategy=Odd)
+    model(torch.randint(0, 50, (2, 5)), 0)
+    assert (Step.build(model) is not None) == (change == "as is")
+
+
+@needs_native
+@pytest.mark.parametrize(("slot", "span", "ok"), [
+    (0, 1, True), (5, 6, True), (15, 16, True),  # the first and last slots
+    (-1, 6, False), (16, 16, False), (3, 17, False), (5, 5, False), (5, 4, False)])
+def test_where_a_native_step_writes_and_reads_is_checked(slot: int, span: int,
+                                                         ok: bool) -> None:
+    """The new token's slot must lie in the caches' 16 slots and the attended span cover it
+    and stay inside them; anything else is one line, before the call."""
+    import dataclasses
+
+    from kvbench.errors import KvbenchError
+
+    class At(Full):
+        decode = Full.decode  # beside its own native_cache: the step is built
+
+        def native_cache(self, layer: int) -> Any:
+            return dataclasses.replace(super().native_cache(layer), slot=slot, span=span)
+
+    spec = ModelSpec("t", "llama", 2, 4, 2, 40, 36, 50, 64, rope_theta=1e4)
+    model = _model(spec, 2, 2, 16, 0, strategy=At)
+    tokens = torch.randint(0, 50, (2, 6))
+    model(tokens[:, :5], 0)
+    if ok:
+        assert model.native_step(tokens[:, 5:], 5) is not None
+    else:
+        with pytest.raises(KvbenchError, match="outside its caches' 16 slots"):
+            model.native_step(tokens[:, 5:], 5)
+
+
+@needs_native
+@pytest.mark.parametrize("change", ["no hi", "no lens", "idx int64", "lens strided"])
+def test_a_selection_the_call_cannot_read_is_refused(change: str) -> None:
+    """A Quest whose native_cache gives digests without both halves, a selection without
+    its lengths, or buffers that are not contiguous int32: one line when the step is
+    built, not a native read of the wrong width."""
+    import dataclasses
+
+    from kvbench.errors import KvbenchError
+    from kvbench.strategies.quest import Quest
+
+    class Bad(Quest):
+        decode = Quest.decode  # beside its own native_cache: the step is built
+
+        def native_cache(self, layer: int) -> Any:
+            c = super().native_cache(layer)
+            if c.idx is None:
+                return c
+            swap = {"no hi": {"hi": None}, "no lens": {"lens": None},
+                    "idx int64": {"idx": c.idx.long()},
+                    "lens strided": {"lens": torch.zeros(c.lens.shape[0], 2 * c.lens.shape[1],
+                                                         dtype=torch.int32)[:, ::2]}}[change]
+            return dataclasses.replace(c, **swap)
+
+    spec = ModelSpec("t", "llama", 2, 4, 2, 40, 36, 50, 64, rope_theta=1e4)
+    model = _model(spec, 2, 2, 64, 0, strategy=Bad, budget_tokens=8, page_size=4,
+                   dense_layers=1)
+    tokens = torch.randint(0, 50, (2, 41))
+    model(tokens[:, :40], 0)
+    what = "gives digests without both lo and hi" if change.startswith("no") else \
+        r"selection \(idx, lens\) is not contiguous int32"
+    with pytest.raises(KvbenchError, match=f"^native step: a layer's .*{what}"):
+        model(tokens[:, 40:], 40)
 
 
 @needs_native
@@ -291,6 +416,31 @@ def test_a_pool_without_its_digests_or_backup_is_refused(drop: str) -> None:
     tokens = torch.randint(0, 50, (2, 41))
     model(tokens[:, :40], 0)
     with pytest.raises(KvbenchError, match="a pool without its digests, host backup"):
+        model(tokens[:, 40:], 40)
+
+
+@needs_native
+def test_a_pool_the_call_cannot_read_is_refused() -> None:
+    """An ArkVale whose slot_page is not int64: one line when the step is built."""
+    import dataclasses
+
+    from kvbench.errors import KvbenchError
+    from kvbench.strategies.arkvale import ArkVale
+
+    class Narrow(ArkVale):
+        decode = ArkVale.decode
+
+        def native_cache(self, layer: int) -> Any:
+            c = super().native_cache(layer)
+            return c if c.slot_page is None else \
+                dataclasses.replace(c, slot_page=c.slot_page.int())
+
+    spec = ModelSpec("t", "llama", 2, 4, 2, 40, 36, 50, 64, rope_theta=1e4)
+    model = _model(spec, 2, 2, 64, 0, strategy=Narrow, budget_tokens=16, page_size=4,
+                   pages=2, sinks=1, window_pages=1, dense_layers=1)
+    tokens = torch.randint(0, 50, (2, 41))
+    model(tokens[:, :40], 0)
+    with pytest.raises(KvbenchError, match="pool needs contiguous int64 slot_page"):
         model(tokens[:, 40:], 40)
 
 

@@ -163,12 +163,16 @@ def _layer(layer: object, c: NativeCache) -> Layer:
     if c.lo is not None:
         out.lo, out.hi, out.ds = c.lo.data_ptr(), c.hi.data_ptr(), tuple(c.lo.stride()[:3])
     if c.idx is not None:
-        assert c.idx.dtype == c.lens.dtype == torch.int32 and c.idx.is_contiguous() \
-            and c.lens.is_contiguous()
+        if not (c.idx.dtype == c.lens.dtype == torch.int32 and c.idx.is_contiguous()
+                and c.lens.is_contiguous()):
+            raise KvbenchError("native step: a layer's selection (idx, lens) is not "
+                               "contiguous int32")
         out.idx, out.lens = c.idx.data_ptr(), c.lens.data_ptr()
     if c.slot_page is not None:
-        assert c.slot_page.dtype == torch.int64 and c.slot_page.is_contiguous() and \
-            c.k.stride()[2:] == c.v.stride()[2:] == (c.k.shape[3], 1)
+        if not (c.slot_page.dtype == torch.int64 and c.slot_page.is_contiguous() and
+                c.k.stride()[2:] == c.v.stride()[2:] == (c.k.shape[3], 1)):
+            raise KvbenchError("native step: a layer's pool needs contiguous int64 "
+                               "slot_page and pages of contiguous rows")
         out.slot_page, out.moved = c.slot_page.data_ptr(), ctypes.addressof(c.moved)
         out.bk, out.bv = c.bk.data_ptr(), c.bv.data_ptr()
     return out
