@@ -266,7 +266,8 @@ def test_a_slot_outside_the_cache_is_refused() -> None:
 
 
 @needs_native
-@pytest.mark.parametrize("change", ["embedding", "head", "head dtype", "norm", "layers"])
+@pytest.mark.parametrize("change", ["embedding", "embedding dtype", "head", "head dtype",
+                                    "norm", "layers"])
 def test_a_model_the_call_cannot_read_goes_layer_by_layer(change: str) -> None:
     """An embedding or head the call cannot read row by row (strided, not float32), a final
     norm that is not float32, a model off the native layers: no step is built."""
@@ -279,6 +280,8 @@ def test_a_model_the_call_cannot_read_goes_layer_by_layer(change: str) -> None:
     with torch.no_grad():
         if change == "embedding":
             model.embed_tokens.weight = torch.nn.Parameter(torch.randn(50, 80)[:, ::2])
+        elif change == "embedding dtype":
+            model.embed_tokens.weight = torch.nn.Parameter(model.embed_tokens.weight.double())
         elif change == "head":
             model.lm_head.weight = torch.nn.Parameter(torch.randn(50, 80)[:, ::2])
         elif change == "head dtype":
@@ -372,9 +375,9 @@ def test_a_selection_the_call_cannot_read_is_refused(change: str) -> None:
                    dense_layers=1)
     tokens = torch.randint(0, 50, (2, 41))
     model(tokens[:, :40], 0)
-    what = "gives digests without both lo and hi" if change.startswith("no") else \
-        r"selection \(idx, lens\) is not contiguous int32"
-    with pytest.raises(KvbenchError, match=f"^native step: a layer's .*{what}"):
+    what = "NativeCache gives digests without both lo and hi" if change.startswith("no") \
+        else r"selection \(idx, lens\) is not contiguous int32"
+    with pytest.raises(KvbenchError, match=f"^native step: a layer's {what}"):
         model(tokens[:, 40:], 40)
 
 

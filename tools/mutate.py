@@ -192,6 +192,13 @@ MODULES: dict[str, Spec] = {
     "png_kv": Spec("kvbench/strategies/png_kv.py", ("tests/test_pnm.py",), OTHER,
                    functions=_in("kvbench.strategies.png_kv", "PngKV.steady_select",
                                  "PngKV.decode"), group="strategies"),
+    # the native decode step's Python: what it hands the call, when it takes a step
+    "step": Spec("kvbench/kernels/step.py", ("tests/test_kernels_step.py",), OTHER,
+                 functions=_in("kvbench.kernels.step", "_layer", "Step.build", "Step.ready",
+                               "Step.__call__", "Step._account", "Step._run"),
+                 group="kernels"),
+    "greedy": Spec("kvbench/kernels/cpu.py", ("tests/test_kernels_greedy.py",), OTHER,
+                   functions=_in("kvbench.kernels.cpu", "greedy"), group="kernels"),
 }
 # the order of a full pass: core first, the strategies last
 ORDER = list(MODULES)
@@ -275,9 +282,11 @@ def run(names: list[str], jobs: int) -> None:
         _export(name, spec, ws, time.monotonic() - t0, redo)
 
 
+# -6: SIGABRT, a test process that died as with -11 (glibc's heap checks: a mutant that
+# makes a native call write past its buffer)
 STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests",
           36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout",
-          -11: "segfault", -9: "segfault", None: "not checked"}
+          -11: "segfault", -9: "segfault", -6: "segfault", None: "not checked"}
 
 
 def _verdicts(ws: Path, spec: Spec) -> dict[str, str]:
