@@ -4,10 +4,10 @@
  *
  * torch 2.13's CPU argmax over [4, 49152] float32 took 60 us on 2 threads and 112 on one
  * (2-core AMD EPYC Zen 5 VM, 2026-11-27), about 90 us inside the KV-bound decode step:
- * kvbench's own work, timed as the step's. Here two passes over a row on the calling
- * threads (the row was just written by the logits head, in their caches): the maximum,
- * with a NaN check, then the first index that holds it, sixteen lanes an instruction where
- * the CPU has AVX-512 (a portable loop elsewhere).
+ * kvbench's own work, timed as the step's. Here two passes over each share of a row on the
+ * caller's threads (the row was just written by the logits head, in their caches): the
+ * maximum, with a NaN check, then the first index that holds it, sixteen lanes an
+ * instruction where the CPU has AVX-512 (a portable loop elsewhere).
  */
 #define _GNU_SOURCE
 #pragma GCC optimize("O3")
@@ -100,11 +100,12 @@ static int64_t span_argmax(const float *x, int64_t i0, int64_t i1, int wide, int
 }
 
 /* out[r] = the argmax of row r of x [rows, n] (rows contiguous, n >= 1) on `threads`
- * threads (0, or -1 when out of memory), each over a contiguous share of the row (the shares the logits head's threads
- * wrote: gemv.c splits its rows so, and a share is then read from its writer's cache), the
- * shares' answers merged in order (a NaN first, else the larger maximum, the earlier share
- * on a tie); `isa` 2 takes the AVX-512 loops where the CPU has them, 0 the portable ones
- * (kvb_isa_choice). */
+ * threads, each over a contiguous share of the row (about the ranges the logits head's
+ * threads wrote: gemv.c splits its rows into contiguous ranges, so most of a share is read
+ * from its writer's cache), the shares' answers merged in order (a NaN first, else the
+ * larger maximum, the earlier share on a tie); `isa` 2 takes the AVX-512 loops where the
+ * CPU has them, 0 the portable ones (kvb_isa_choice). Returns 0, or -1 when out of
+ * memory. */
 int kvb_argmax(const float *x, int64_t rows, int64_t n, int64_t *out, int isa, int threads) {
 #ifdef KVB_X86
     const int wide = kvb_isa_choice(isa) == 2;
