@@ -68,6 +68,23 @@ def _decode(model: Any, tokens: Any, prompt: int, native: bool) -> list[Any]:
     return out
 
 
+def _swapping(base: type, swap: Any) -> type:
+    """A subclass of strategy `base` whose native_cache replaces fields of a layer's
+    NativeCache by swap(cache) (None: the cache as is); its decode stays beside it, so the
+    native step is built."""
+    import dataclasses
+
+    class Swapped(base):
+        decode = base.decode
+
+        def native_cache(self, layer: int) -> Any:
+            c = super().native_cache(layer)
+            new = swap(c)
+            return c if new is None else dataclasses.replace(c, **new)
+
+    return Swapped
+
+
 @needs_native
 @pytest.mark.parametrize("shape", LLAMA_SHAPES)
 @pytest.mark.parametrize("batch", [1, 3, native_layer.MAX_ROWS])
@@ -325,16 +342,9 @@ def test_where_a_native_step_writes_and_reads_is_checked(slot: int, span: int,
                                                          ok: bool) -> None:
     """The new token's slot must lie in the caches' 16 slots and the attended span cover it
     and stay inside them; anything else is one line, before the call."""
-    import dataclasses
-
     from kvbench.errors import KvbenchError
 
-    class At(Full):
-        decode = Full.decode  # beside its own native_cache: the step is built
-
-        def native_cache(self, layer: int) -> Any:
-            return dataclasses.replace(super().native_cache(layer), slot=slot, span=span)
-
+    At = _swapping(Full, lambda c: {"slot": slot, "span": span})
     spec = ModelSpec("t", "llama", 2, 4, 2, 40, 36, 50, 64, rope_theta=1e4)
     model = _model(spec, 2, 2, 16, 0, strategy=At)
     tokens = torch.randint(0, 50, (2, 6))
@@ -352,24 +362,18 @@ def test_a_selection_the_call_cannot_read_is_refused(change: str) -> None:
     """A Quest whose native_cache gives digests without both halves, a selection without
     its lengths, or buffers that are not contiguous int32: one line when the step is
     built, not a native read of the wrong width."""
-    import dataclasses
-
     from kvbench.errors import KvbenchError
     from kvbench.strategies.quest import Quest
 
-    class Bad(Quest):
-        decode = Quest.decode  # beside its own native_cache: the step is built
+    def swap(c: Any) -> dict[str, Any] | None:
+        if c.idx is None:
+            return None
+        strided = torch.zeros(c.lens.shape[0], 2 * c.lens.shape[1], dtype=torch.int32)
+        return {"no hi": {"hi": None}, "no lens": {"lens": None},
+                "idx int64": {"idx": c.idx.long()},
+                "lens strided": {"lens": strided[:, ::2]}}[change]
 
-        def native_cache(self, layer: int) -> Any:
-            c = super().native_cache(layer)
-            if c.idx is None:
-                return c
-            swap = {"no hi": {"hi": None}, "no lens": {"lens": None},
-                    "idx int64": {"idx": c.idx.long()},
-                    "lens strided": {"lens": torch.zeros(c.lens.shape[0], 2 * c.lens.shape[1],
-                                                         dtype=torch.int32)[:, ::2]}}[change]
-            return dataclasses.replace(c, **swap)
-
+    Bad = _swapping(Quest, swap)
     spec = ModelSpec("t", "llama", 2, 4, 2, 40, 36, 50, 64, rope_theta=1e4)
     model = _model(spec, 2, 2, 64, 0, strategy=Bad, budget_tokens=8, page_size=4,
                    dense_layers=1)
@@ -397,53 +401,26 @@ def test_a_token_outside_the_embedding_is_refused() -> None:
 
 
 @needs_native
-@pytest.mark.parametrize("drop", ["lo", "bk", "moved"])
-def test_a_pool_without_its_digests_or_backup_is_refused(drop: str) -> None:
-    """An ArkVale whose native_cache leaves out what its recall reads gets a one-line error
-    when the step is built, not a native read through a null pointer."""
-    import dataclasses
-
+@pytest.mark.parametrize(("change", "message"), [
+    ("lo", "a pool without its digests, host backup"),
+    ("bk", "a pool without its digests, host backup"),
+    ("moved", "a pool without its digests, host backup"),
+    ("slot_page int32", "pool needs contiguous int64 slot_page")])
+def test_a_pool_the_call_cannot_read_is_refused(change: str, message: str) -> None:
+    """An ArkVale whose native_cache leaves out what its recall reads, or gives its
+    slot_page as int32, gets a one-line error when the step is built, not a native read
+    through a null pointer or of the wrong width."""
     from kvbench.errors import KvbenchError
     from kvbench.strategies.arkvale import ArkVale
 
-    class Partial(ArkVale):
-        decode = ArkVale.decode  # beside its own native_cache: the step is built
-
-        def native_cache(self, layer: int) -> Any:
-            c = super().native_cache(layer)
-            return c if c.slot_page is None else dataclasses.replace(c, **{drop: None})
-
+    Partial = _swapping(ArkVale, lambda c: None if c.slot_page is None else (
+        {change: None} if change != "slot_page int32" else {"slot_page": c.slot_page.int()}))
     spec = ModelSpec("t", "llama", 2, 4, 2, 40, 36, 50, 64, rope_theta=1e4)
     model = _model(spec, 2, 2, 64, 0, strategy=Partial, budget_tokens=16, page_size=4,
                    pages=2, sinks=1, window_pages=1, dense_layers=1)
     tokens = torch.randint(0, 50, (2, 41))
     model(tokens[:, :40], 0)
-    with pytest.raises(KvbenchError, match="a pool without its digests, host backup"):
-        model(tokens[:, 40:], 40)
-
-
-@needs_native
-def test_a_pool_the_call_cannot_read_is_refused() -> None:
-    """An ArkVale whose slot_page is not int64: one line when the step is built."""
-    import dataclasses
-
-    from kvbench.errors import KvbenchError
-    from kvbench.strategies.arkvale import ArkVale
-
-    class Narrow(ArkVale):
-        decode = ArkVale.decode
-
-        def native_cache(self, layer: int) -> Any:
-            c = super().native_cache(layer)
-            return c if c.slot_page is None else \
-                dataclasses.replace(c, slot_page=c.slot_page.int())
-
-    spec = ModelSpec("t", "llama", 2, 4, 2, 40, 36, 50, 64, rope_theta=1e4)
-    model = _model(spec, 2, 2, 64, 0, strategy=Narrow, budget_tokens=16, page_size=4,
-                   pages=2, sinks=1, window_pages=1, dense_layers=1)
-    tokens = torch.randint(0, 50, (2, 41))
-    model(tokens[:, :40], 0)
-    with pytest.raises(KvbenchError, match="pool needs contiguous int64 slot_page"):
+    with pytest.raises(KvbenchError, match=message):
         model(tokens[:, 40:], 40)
 
 
