@@ -82,7 +82,21 @@ def _quest_reference(q, k, v, n, budget, page, per_query: bool):
 
 
 @pytest.mark.parametrize("per", ["query", "kv"])
-def test_quest_decode_matches_reference(per: str, device: torch.device) -> None:
+@pytest.mark.parametrize("native", [True, False])
+def test_quest_decode_matches_reference(per: str, native: bool, device: torch.device,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Quest's kernel variant against the reference, its selection in one native call
+    (CPU float32) or in torch ops (CUDA, or no native build: forced here); the backend
+    the decode notes says which ran."""
+    from kvbench.kernels import cpu
+    from kvbench.kernels.attention import backend_use
+
+    if not native:
+        monkeypatch.setattr(cpu, "page_select_ok", lambda *a: False)
+    elif device.type != "cpu" or not cpu.page_select_ok(
+            torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8)):
+        pytest.skip("the native selection takes CPU float32 with the library built")
+    backend_use(reset=True)
     g = torch.Generator().manual_seed(1)
     n0, page, budget = 70, 8, 32
     s = Quest(QuestParams(variant="kernel", budget_tokens=budget, page_size=page,
@@ -97,12 +111,41 @@ def test_quest_decode_matches_reference(per: str, device: torch.device) -> None:
         k, v = torch.cat([k, kn], 2), torch.cat([v, vn], 2)
         ref = _quest_reference(q, k, v, k.shape[2], budget, page, per == "query")
         assert torch.allclose(out[:, :, 0].double(), ref, atol=1e-5)
+    assert ("native-select" in backend_use(reset=True).get("decode", "").split("+")) == native
     # layer 0 is dense (--dense-layers 1): it attends every token
     s.prefill(0, torch.randn(2, 6, n0, 8, generator=g).to(device), k[:, :, :n0].to(device),
               v[:, :, :n0].to(device))
     s.ctx.counters.layer = 0
     s.decode(0, q.to(device), k[:, :, -1:].to(device), v[:, :, -1:].to(device))
     assert s.ctx.counters.step_total("tokens", "accel", 0) > 0
+
+
+@pytest.mark.parametrize(("per", "sinks", "window"), [("query", 1, 2), ("kv", 2, 1)])
+def test_quest_torch_selection_equals_the_native_one(per: str, sinks: int, window: int,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch selection (CUDA's, or without the native build) keeps the same pages and
+    attends the same tokens as the native call, sinks and window forced in."""
+    from kvbench.kernels import cpu
+
+    if cpu._lib() is None:
+        pytest.skip("native library not built")
+    runs = []
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(cpu, "page_select_ok", lambda *a: False)
+        g = torch.Generator().manual_seed(4)
+        s = Quest(QuestParams(variant="kernel", budget_tokens=40, page_size=4, dense_layers=0,
+                              topk_per=per, sinks=sinks, window_pages=window), ctx(96))
+        s.prefill(0, torch.randn(2, 6, 70, 8, generator=g), torch.randn(2, 2, 70, 8, generator=g),
+                  torch.randn(2, 2, 70, 8, generator=g))
+        outs = [s.decode(0, torch.randn(2, 6, 1, 8, generator=g),
+                         torch.randn(2, 2, 1, 8, generator=g),
+                         torch.randn(2, 2, 1, 8, generator=g)) for _ in range(3)]
+        runs.append((outs, s.last[0]))
+    (a, (pa, la)), (b, (pb, lb)) = runs
+    assert torch.equal(la, lb) and torch.equal(pa, pb)
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-6)
 
 
 class _Model:

@@ -16,6 +16,7 @@ from kvbench.strategies._pages import (
     check_layers,
     check_pages,
     digest,
+    kept_pages,
     page_scores,
     page_tokens,
     select_pages,
@@ -87,6 +88,18 @@ def test_select_pages_keeps_sinks_window_and_the_top() -> None:
     assert select_pages(scores, 3, 9, 0, 1).tolist() == [[[0, 1, 2]]]
     assert select_pages(scores, 2, 1, 0, 5).tolist() == [[[0]]]  # window past the start
     assert scores[0, 0, 0] == 0.0  # the caller's scores untouched
+
+
+def test_kept_pages_is_the_selections_width() -> None:
+    """kept_pages is select_pages' K' (the pages every row of a selection holds: Quest's
+    kernel path, the PNM device's mask): the budget's pages, or every page of a shorter
+    context."""
+    scores = torch.randn(2, 3, 10)
+    for n in (1, 8, 9, 31, 33, 80):
+        n_pages = -(-n // 8)
+        pages = select_pages(scores, n_pages, 4, 1, 1)
+        assert pages.shape[-1] == kept_pages(32, 8, n) == min(4, n_pages)
+        assert kept_pages(39, 8, n) == min(4, n_pages)  # whole pages of the budget
 
 
 def test_page_tokens_positions_and_lengths() -> None:

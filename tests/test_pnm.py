@@ -14,7 +14,7 @@ from conftest import ancestors, assert_usage_error, cli
 from kvbench.cli import main
 from kvbench.models import ModelSpec
 from kvbench.runtime.context import Counters, RunContext
-from kvbench.strategies import _pages, _pnm
+from kvbench.strategies import _pnm
 from kvbench.strategies.png_kv import PngKV, PngParams
 from kvbench.strategies.pnm_kv import PnmKV, PnmParams
 
@@ -382,17 +382,6 @@ def test_mask_tokens_lists_marked_pages_positions_in_order() -> None:
     assert wide[..., :4].tolist() == pos.tolist() and not wide[..., 4:].any()
     pos, lens = _pnm.mask_tokens(mask[:, :1], 2, 7, 2)
     assert lens.tolist() == [[4]] and pos[0, 0].tolist() == [0, 1, 4, 5]
-
-
-def test_budget_pages_is_the_selections_width() -> None:
-    """budget_pages is select_pages' K' (the pages every row of the device's mask marks):
-    the budget's pages, or every page of a shorter context."""
-    p = PnmParams(budget_tokens=32, page_size=8, sinks=1, window_pages=1)
-    scores = torch.randn(2, 3, 10)
-    for n in (1, 8, 9, 31, 33, 80):
-        n_pages = -(-n // 8)
-        pages = _pages.select_pages(scores, n_pages, 4, 1, 1)
-        assert pages.shape[-1] == _pnm.budget_pages(p, n) == min(4, n_pages)
 
 
 @pytest.mark.parametrize(("prompt", "steady"), [(1, 12), (2, 12), (40, 3)])

@@ -185,7 +185,7 @@ MODULES: dict[str, Spec] = {
             f"ScoutBlocks.{m}" for m in ("_blocks", "_evict", "_slide", "_recall"))),
         group="strategies"),
     "pnm": Spec("kvbench/strategies/_pnm.py", ("tests/test_pnm.py",), OTHER,
-                functions=_in("kvbench.strategies._pnm", "group_devices", "budget_pages",
+                functions=_in("kvbench.strategies._pnm", "group_devices",
                               "mask_tokens", "DeviceKV.select", "DeviceKV._count_selection",
                               "DeviceKV.count_load"),
                 group="strategies"),

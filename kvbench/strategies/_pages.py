@@ -154,6 +154,12 @@ def page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, per: str,
     return torch.baddbmm(torch.bmm(qn, lo_t), qp, hi_t).view(b, -1, p)
 
 
+def kept_pages(budget_tokens: int, page_size: int, n: int) -> int:
+    """select_pages' K' over n cached tokens for a budget of whole pages: the budget's pages,
+    or every page of a shorter context (known on the host, no device value read)."""
+    return min(budget_tokens // page_size, -(-n // page_size))
+
+
 def select_pages(scores: torch.Tensor, n_pages: int, k: int, sinks: int,
                  window: int) -> torch.Tensor:
     """Page ids [B, H, K'] to attend: sinks + window + top of the rest, K' = min(k, n_pages).

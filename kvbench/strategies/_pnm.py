@@ -289,16 +289,10 @@ class DeviceKV:
         self.ctx.counters.moved("d2h", float(q.numel() * self.ctx.elem_bytes))
 
 
-def budget_pages(p: PnmParams, n: int) -> int:
-    """Pages the device's selection marks in every row over n tokens (`select_pages`' K'):
-    the most any mask it derives marks, known without reading the device."""
-    return min(p.budget_tokens // p.page_size, -(-n // p.page_size))
-
-
 def mask_tokens(mask: torch.Tensor, page: int, n: int, most: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token positions [B, H, M * S] of the pages marked in mask [B, H, n_pages], M =
-    min(most, n_pages) with `most` at least the pages any row marks (`budget_pages`: the
+    min(most, n_pages) with `most` at least the pages any row marks (`_pages.kept_pages`: the
     width is known on the host, so no device value is read), and valid lengths [B, H],
     valid positions first (`_pages.page_tokens` for a variable number of pages per row)."""
     import torch

@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING
 
 from kvbench.errors import require
 from kvbench.strategies import STRATEGIES
-from kvbench.strategies._pages import PAGES, attend_selected
-from kvbench.strategies._pnm import PnmParams, budget_pages, mask_tokens, resolve_node
+from kvbench.strategies._pages import PAGES, attend_selected, kept_pages
+from kvbench.strategies._pnm import PnmParams, mask_tokens, resolve_node
 from kvbench.strategies.pnm_kv import PnmKV
 
 if TYPE_CHECKING:
@@ -164,7 +164,7 @@ class PngKV(PnmKV):
         from kvbench.kernels.attention import merge
 
         n, mask, ranked = self._budget(layer, q, k, v)
-        size, most = self.p.page_size, budget_pages(self.p, n)
+        size, most = self.p.page_size, kept_pages(self.p.budget_tokens, self.p.page_size, n)
         if mask is None or self.c == 0 or n < size:  # no full page can be steady yet
             sel = None if mask is None else mask_tokens(mask, size, n, most)
             self.last[layer] = sel

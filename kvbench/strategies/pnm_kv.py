@@ -25,12 +25,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvbench.strategies import STRATEGIES, Strategy, position_mask
-from kvbench.strategies._pages import attend_selected, check_layers
+from kvbench.strategies._pages import attend_selected, check_layers, kept_pages
 from kvbench.strategies._pnm import (
     PNM_METRICS,
     DeviceKV,
     PnmParams,
-    budget_pages,
     check_device_fit,
     mask_tokens,
     resolve_node,
@@ -144,9 +143,10 @@ class PnmKV(Strategy):
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
         """One token: the device selects the budget pages and attends them."""
+        p = self.p
         n, mask, _ = self._budget(layer, q, k, v)
-        sel = None if mask is None else mask_tokens(mask, self.p.page_size, n,
-                                                    budget_pages(self.p, n))
+        sel = None if mask is None else mask_tokens(mask, p.page_size, n,
+                                                    kept_pages(p.budget_tokens, p.page_size, n))
         self.last[layer] = sel
         out, _ = self._device_attention(layer, q, sel, n)
         self.dev.activations_back(q.shape[0], lse=False)

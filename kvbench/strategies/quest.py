@@ -69,6 +69,7 @@ from kvbench.strategies._pages import (
     check_layers,
     check_pages,
     count_selected,
+    kept_pages,
     page_scores,
     page_tokens,
     select_pages,
@@ -118,7 +119,7 @@ class QuestParams:
         n_pages = -(-n // self.page_size)
         if self.variant == "authors":
             return min(max(FLOOR, min(n, self.budget_tokens) // self.page_size), n_pages)
-        return min(self.budget_tokens // self.page_size, n_pages)
+        return kept_pages(self.budget_tokens, self.page_size, n)
 
     def rule(self) -> tuple[str, int, int]:
         """(top-k per 'query' or 'kv' head, sink pages, window pages) of the selection."""
