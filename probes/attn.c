@@ -23,7 +23,7 @@
  * reports or forces the choice).
  *
  * Rows of at most 256 bytes over a KV of at least kvb_attn_prefetch_from bytes (half the
- * LLC, set by kvbench.native) are fetched to L2 ahead of use, a few lines per key inside the
+ * LLC, set by kvbench.native) are fetched ahead of use, a few lines per key inside the
  * loops: a block's V rows while its scores run, the next block's K rows while its P.V runs.
  * Decode otherwise alternates compute on one block with misses on the next. Measured for
  * dense rows on the 2-core Zen 3 CI VM, timed call by call against the kernel without it
@@ -38,6 +38,14 @@
  * 64 float32 over 8000 (8 layers' KV, cold) took 690-860 us as 64 random pages of 16 and
  * 490-530 us as one run, against 470-540 and 315-380 us with the L2 path (interleaved,
  * 2-core AMD EPYC VM, 2026-11-27).
+ * The fetches go to L1 (prefetcht0) in blocks of 32 keys (a block's K or V rows: 8 KiB at
+ * 256-byte rows, so the block in use and the rows fetched for the next phase fit L1 beside
+ * each other). On the 2-core Zen 5 VM against the L2 path in blocks of 64: a cold dense
+ * layer of 4 x 3 x 8000 float32 rows 16% faster (calls alternated, three sittings:
+ * 15.7-16.4%), a full-attention decode step 5.7-6.1% faster (the variants in turn, step by
+ * step in one run, paired), where L1 in blocks of 64 gave 3.2-3.9% and L2 in blocks of 32
+ * 1.5-2.0%; ArkVale's step 4.7%, StreamingLLM's 3.0%, Quest's -0.3 to +3.7%
+ * (results/kv-bound-speed/kernel-l1-ab-2026-11-27.txt).
  *
  * dtype 0 is float32, 1 is bfloat16 (converted by shifting to/from the float32 high half).
  * q/out are contiguous [B, Hq, Lq, D], lse [B, Hq, Lq] float32; k/v have element strides

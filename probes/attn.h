@@ -5,7 +5,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define BLK 64 /* keys per block */
+#define BLK 32 /* keys per block: a block's K or V rows (8 KiB at 256 bytes a row) fit L1 */
 
 /* Rows to prefetch while a loop walks its own: row j (< n) of `row`, `bytes` long, is
  * fetched as the loop reaches its j-th key, spreading the fetches over the loop. */
@@ -14,11 +14,12 @@ typedef struct {
     int64_t n, bytes;
 } pf_t;
 
-/* Row j of pf, every 64-byte line of it, into L2 (attn.c says when a call prefetches). */
+/* Row j of pf, every 64-byte line of it, into L1 (attn.c says when a call prefetches and
+ * why L1). */
 static inline void kvb_fetch_row(const pf_t *pf, int64_t j) {
     if (pf && j < pf->n)
         for (int64_t c = 0; c < pf->bytes; c += 64)
-            __builtin_prefetch((const char *)pf->row[j] + c, 0, 2); /* prefetcht1 on x86 */
+            __builtin_prefetch((const char *)pf->row[j] + c, 0, 3); /* prefetcht0 on x86 */
 }
 
 /* The vectorisable inner loops, one set per instruction set and dtype. s/p rows hold BLK

@@ -64,7 +64,7 @@ def isa(force: str | None = None) -> str | None:
 
 
 def prefetch_from(nbytes: int | None = None) -> int | None:
-    """The KV size in bytes from which dense calls prefetch rows to L2 (probes/attn.c; half
+    """The KV size in bytes from which dense calls prefetch rows ahead (probes/attn.c; half
     the LLC by default); `nbytes` sets it. None when the kernel is not built."""
     so = _lib()
     if so is None:
