@@ -285,3 +285,43 @@ def test_cuda_run_probes_each_memory_and_counts_device_to_host_copies(
         with Counting() as c:
             fn()
         assert c.syncs == n
+
+
+def test_a_probe_slower_than_the_steps_is_taken_again(
+        tiny: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A probe that bounds steps reading past the caches below their own rate caught a stall:
+    the run probes again until the bound holds (3 probes at most) and keeps each quantity's
+    highest reading; steps within the caches (the tiny model's, at the real cache size) may
+    beat a memory bound, and are probed once."""
+    calls: list[float] = []
+    quantities = ("host", "accel", "h2d", "d2h")
+
+    def fake(readings: list[float]) -> None:
+        it = iter(readings)
+
+        def probe(cuda: bool, threads: int) -> bound.Bandwidth:
+            calls.append(g := next(it))
+            return bound.Bandwidth({k: g for k in quantities}, True, "probe",
+                                   {k: "handed to the test" for k in quantities})
+        calls.clear()
+        monkeypatch.setattr(bound, "probe", probe)
+
+    monkeypatch.setattr("kvbench.memory.llc_bytes", lambda: 1)  # every step past the cache
+    fake([0.001, 1000.0, 5.0])  # GB/s: far below any step, then one that bounds them
+    recs = run(tmp_path, name="stalled")
+    assert calls == [0.001, 1000.0]
+    m = recs["step_bound_s"]["method"]
+    assert m["gbps"] == {k: 1000.0 for k in quantities}
+    assert "the highest of 2 probes (the first, 0.001 GB/s" in m["how"]["host"]
+    assert recs["step_efficiency"]["value"] < 1
+
+    fake([0.001, 0.003, 0.002, 1000.0])  # never sane: three probes, the highest kept
+    recs = run(tmp_path, name="stuck")
+    assert calls == [0.001, 0.003, 0.002]
+    assert recs["step_bound_s"]["method"]["gbps"]["host"] == 0.003
+
+    monkeypatch.setattr("kvbench.memory.llc_bytes", lambda: 1 << 40)  # all within the cache
+    fake([0.001, 1000.0])
+    recs = run(tmp_path, name="cached")
+    assert calls == [0.001]
+    assert recs["step_efficiency"]["value"] > 1  # left as measured: a cached step beat it

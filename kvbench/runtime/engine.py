@@ -175,7 +175,8 @@ def run(cls: type[Strategy], sparams: Any, cfg: RunConfig, hooks: Hooks = Hooks(
     recs += opcount.records(cls.name, params, counted, model.counters.step, cls.host_reads)
     if bw is None:
         try:
-            bw = bound.probe(cuda, torch.get_num_threads())
+            bw = bound.probe_bounding(cuda, torch.get_num_threads(), outcome.steps,
+                                      model.counters.graph)
         except KvbenchError as e:
             bw = f"bandwidth probe: {e}"
     recs += bound.records(cls.name, params, outcome.steps, model.counters.graph, bw)
