@@ -6,6 +6,7 @@ all with numbers worked out by hand (tests/test_step_bound.py runs them through 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -135,3 +136,112 @@ def test_probe_bounding_by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
     assert bound.probe_bounding(False, 1, [1.0], graph).gbps == {"host": 9.0}
     fake([{"host": 1.0}])
     assert bound.probe_bounding(False, 1, [], graph).gbps == {"host": 1.0}  # no steps
+
+
+class FakeLib:
+    """The native library's read loop and memcpy, recording their arguments: 1 ns a byte
+    read (1 GB/s), 0.5 ns a byte copied (2 GB/s)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[int, ...]]] = []
+
+    def kvb_read_threads(self, ptr: int, n: int, iters: int, threads: int) -> int:
+        self.calls.append(("read", (n, iters, threads)))
+        return n
+
+    def kvb_memcpy_threads(self, dst: int, src: int, n: int, iters: int, threads: int) -> int:
+        self.calls.append(("memcpy", (dst - src, n, iters, threads)))
+        return n // 2
+
+
+def test_cpu_probe_by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe on a CPU-only run: the read loop over `buffer_bytes`, a memcpy of half of it
+    for both links (bytes counted once), the accelerator role the host's, each under
+    PROBE_POLICY, and `how` naming sizes, threads and repetitions."""
+    from kvbench import native, timing
+
+    so = FakeLib()
+    policies: list[object] = []
+
+    def time_native(fn: Any, policy: object) -> Any:
+        policies.append(policy)
+        return timing.Timing((fn(),) * 3, "fake", 0)
+
+    monkeypatch.setattr(native, "lib", lambda: so)
+    monkeypatch.setattr(timing, "time_native", time_native)
+    monkeypatch.setattr(bound, "buffer_bytes", lambda: 8 << 20)
+    bw = bound.probe(False, 3)
+    assert so.calls == [("read", (8 << 20, 1, 3)), ("memcpy", (4 << 20, 4 << 20, 1, 3))]
+    assert policies == [bound.PROBE_POLICY] * 2
+    assert bw.gbps == pytest.approx({"host": 1.0, "accel": 1.0, "h2d": 2.0, "d2h": 2.0})
+    assert (bw.shared, bw.source) == (True, "probe")
+    assert bw.how == {
+        "host": "native read loop over 8 MiB on 3 threads, median of 3",
+        "accel": "the host's (no GPU: the accelerator role is the CPU)",
+        "h2d": "native memcpy of 4 MiB on 3 threads (bytes once), median of 3",
+        "d2h": "as h2d"}
+
+
+@pytest.mark.parametrize(("llc_mib", "want_mib"), [(1, 64), (20, 80), (100, 256)])
+def test_probe_buffer_is_four_llcs_within_64_and_256_mib(
+        monkeypatch: pytest.MonkeyPatch, llc_mib: int, want_mib: int) -> None:
+    monkeypatch.setattr("kvbench.memory.llc_bytes", lambda: llc_mib << 20)
+    assert bound.buffer_bytes() == want_mib << 20
+
+
+def test_describe_names_each_term_and_the_source() -> None:
+    from kvbench.units import format_bytes, format_seconds
+
+    recs = list(bound.records("x", {}, [6.0], Graph({1: [
+        Task("host", {"bytes_read": 3e9}), Task("h2d.recall", {"bytes_moved": 1e9}),
+        Task("cxl", {"bytes_moved": 5e8})]}), bandwidth(host=1.5, h2d=2.0)))
+    assert bound.describe(recs) == (
+        f"bytes bound per decode step: cxl {format_bytes(5e8)} at (not bounded), h2d.recall "
+        f"{format_bytes(1e9)} at 2 GB/s, host {format_bytes(3e9)} at 1.5 GB/s (probe, one "
+        f"memory) = {format_seconds(2.5)}; step efficiency 0.42 of it")
+    split = list(bound.records("x", {}, [6.0], Graph({1: [Task("host", {"bytes_read": 3e9})]}),
+                               bandwidth(False, host=1.5)))
+    assert bound.describe(split).endswith(f"(probe) = {format_seconds(2.0)}; step "
+                                          "efficiency 0.33 of it")
+    assert bound.describe([r for r in recs if r.metric != "step_efficiency"]) == ""
+    assert bound.describe(list(bound.records("x", {}, [1.0], GRAPH, "no probe"))) == ""
+
+
+def test_stored_calibration(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """`--bandwidth calibration` reads this machine's stored calibration; its errors speak of
+    that option; a calibration lacking a quantity names its file."""
+    from kvbench.envinfo import collect_env
+    from kvbench.errors import KvbenchError
+    from kvbench.hwmodel import calibrate
+
+    def rec(name: str, metric: str, value: float | None, **params: Any) -> dict:
+        return {"name": name, "metric": metric, "value": value, "status": "ok",
+                "params": params, "time": "t"}
+
+    records = [rec("attention", "host_read_gbps", 12.0, bytes=256 << 20),
+               rec("attention", "host_read_gbps", None, bytes=512 << 20),  # no value: skipped
+               rec("attention", "host_read_gbps", 99.0),  # no size: the smallest
+               *(rec("bandwidth", "bandwidth", 8.0, src=s, dst=d, memory="pageable",
+                     size=1 << 28) for s, d in (("host:0", "host:0"),))]
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path))
+    monkeypatch.setattr(calibrate, "stored", lambda: records)
+    bw = bound.stored(False)
+    assert bw == bound.from_calibration(records, False, "x")
+    assert bw.gbps == {"host": 12.0, "accel": 12.0, "h2d": 8.0, "d2h": 8.0}
+    where = tmp_path / "calibration" / calibrate.machine_key(collect_env()) / "probes.jsonl"
+    with pytest.raises(KvbenchError) as e:
+        bound.stored(True)
+    assert str(e.value) == (f"--bandwidth calibration: the calibration in {where} has no "
+                            "host:0 -> gpu:0 pinned bandwidth curve: rerun `kvbench calibrate`")
+    monkeypatch.setenv("KVBENCH_CACHE", "off")
+    with pytest.raises(KvbenchError, match=r"^--bandwidth calibration: KVBENCH_CACHE=off$"):
+        bound.stored(False)
+
+    def none() -> list[dict]:
+        raise KvbenchError("--hardware this: no calibration of this machine (host h): run "
+                           "`kvbench calibrate` (or pass --probes FILE)")
+    monkeypatch.setattr(calibrate, "stored", none)
+    with pytest.raises(KvbenchError) as e:
+        bound.stored(False)
+    assert str(e.value) == ("--bandwidth calibration: no calibration of this machine (host "
+                            "h): run `kvbench calibrate`")
