@@ -245,3 +245,56 @@ def test_stored_calibration(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> N
         bound.stored(False)
     assert str(e.value) == ("--bandwidth calibration: no calibration of this machine (host "
                             "h): run `kvbench calibrate`")
+
+
+def test_calibration_on_a_gpu_machine() -> None:
+    """With CUDA the links are the pinned torch curves to and from gpu:0 (another engine's,
+    or pageable ones, do not count) and the accelerator's memory the roofline's; each `how`
+    names its probe, size and time."""
+    def rec(name: str, metric: str, value: float, time: str | None = "t", **params: Any
+            ) -> dict:
+        return {"name": name, "metric": metric, "value": value, "status": "ok",
+                "params": params, **({"time": time} if time else {})}
+
+    curve = {"memory": "pinned", "size": 1 << 28}
+    records = [rec("attention", "host_read_gbps", 12.0, bytes=256 << 20),
+               rec("bandwidth", "bandwidth", 25.0, src="host:0", dst="gpu:0", **curve),
+               rec("bandwidth", "bandwidth", 99.0, src="host:0", dst="gpu:0", engine="cupy",
+                   **curve),
+               rec("bandwidth", "bandwidth", 98.0, src="host:0", dst="gpu:0",
+                   memory="pageable", size=1 << 29),
+               rec("bandwidth", "bandwidth", 97.0, src="gpu:0", dst="gpu:0", **curve),
+               rec("bandwidth", "bandwidth", 24.0, None, src="gpu:0", dst="host:0",
+                   engine="torch", **curve),
+               rec("roofline", "memory_gbps", 3000.0, bytes=1 << 30, device="cuda:0"),
+               rec("roofline", "memory_gbps", 9000.0, bytes=1 << 31, device="cuda:1")]
+    bw = bound.from_calibration(records, True, "p.jsonl")
+    assert bw.gbps == {"host": 12.0, "h2d": 25.0, "d2h": 24.0, "accel": 3000.0}
+    assert (bw.shared, bw.source) == (False, "calibration")
+    assert bw.how == {
+        "host": f"calibration: attention host_read_gbps at bytes {256 << 20} (t)",
+        "h2d": f"calibration: bandwidth bandwidth at size {1 << 28} (t)",
+        "d2h": f"calibration: bandwidth bandwidth at size {1 << 28} (time unknown)",
+        "accel": f"calibration: roofline memory_gbps at bytes {1 << 30} (t)"}
+    from kvbench.errors import KvbenchError
+
+    with pytest.raises(KvbenchError, match="has no roofline memory_gbps on cuda:0: rerun"):
+        bound.from_calibration(records[:-2], True, "p.jsonl")
+    with pytest.raises(KvbenchError, match="has no attention host_read_gbps: rerun"):
+        bound.from_calibration(records[1:], True, "p.jsonl")
+    cpu = bound.from_calibration(
+        [records[0], rec("bandwidth", "bandwidth", 8.0, src="host:0", dst="host:0",
+                         memory="pageable", size=1)], False, "p.jsonl")
+    assert cpu.how["accel"] == "the host's (no GPU: the accelerator role is the CPU)"
+
+
+def test_describe_of_the_pnm_role_and_of_a_step_without_bytes() -> None:
+    from kvbench.units import format_bytes, format_seconds
+
+    recs = list(bound.records("x", {}, [1.0], Graph({1: [Task("pnm", {"bytes_read": 2e9})]}),
+                              bandwidth(host=4.0)))
+    assert bound.describe(recs).startswith(f"bytes bound per decode step: pnm "
+                                           f"{format_bytes(2e9)} at 4 GB/s (probe, one memory)")
+    empty = list(bound.records("x", {}, [1.0], Graph({}), bandwidth(host=4.0)))
+    assert bound.describe(empty) == (f"bytes bound per decode step:  (probe, one memory) = "
+                                     f"{format_seconds(0)}; step efficiency 0.00 of it")
