@@ -68,11 +68,15 @@ def test_records_of_a_hand_built_graph() -> None:
     assert recs[("step_bytes", "h2d")].samples == [4e9, 0.0]
     assert recs[("step_bytes", "total")].samples == [11.5e9, 6e9 + 8.0]
     assert recs[("step_bytes", "total")].unit == "B"
-    assert "counted, not timed" in recs[("step_bytes", "total")].method["per"]
+    assert recs[("step_bytes", "total")].method == {"per": (
+        "decode step: bytes its counters read from this memory or move over this link "
+        "(counted, not timed); total: every memory and link")}
     b = recs[("step_bound_s", None)]
     assert (b.kind, b.name, b.unit, b.direction) == ("run", "x", "s", "none")
     assert b.params == params and b.samples == [3.0, 3.0] and b.value == 3.0
     m = b.method
+    assert m["per"] == ("decode step: bytes read per memory and moved per link (the run's "
+                        "counters) / measured GB/s; summed per memory, the largest memory's")
     assert m["statistic"] == "median" and m["bandwidth_source"] == "probe"
     assert m["gbps"] == bw.gbps and m["how"] == bw.how and m["one_memory"] is False
     assert m["bytes_per_step"] == {"accel": 6e9, "h2d": 2e9, "host": 5e8, "pnm": 2.5e8,
@@ -81,13 +85,13 @@ def test_records_of_a_hand_built_graph() -> None:
     # 0: medians of the steps
     assert m["seconds_per_step"] == pytest.approx({"accel": 3.0, "host": 0.75, "h2d": 0.5})
     assert m["unbounded"] == {"pnm_reduce": 4.0}
-    assert "not in the bound" in m["unbounded_note"]
+    assert m["unbounded_note"] == "no measured bandwidth: these bytes are not in the bound"
     e = recs[("step_efficiency", None)]
     assert (e.unit, e.direction, e.params) == ("ratio", "higher", params)
     assert e.samples == pytest.approx([1.5, 0.75])
     assert e.method["statistic"] == "median" and e.method["bandwidth_source"] == "probe"
     assert e.method["step_bound_s"] == 3.0 and e.method["gbps"] == bw.gbps
-    assert "measured time" in e.method["per"]
+    assert e.method["per"] == "decode step: its step_bound_s / its measured time (tbt)"
 
 
 def test_records_without_a_bandwidth_say_why() -> None:
@@ -249,8 +253,8 @@ def test_stored_calibration(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> N
 
 def test_calibration_on_a_gpu_machine() -> None:
     """With CUDA the links are the pinned torch curves to and from gpu:0 (another engine's,
-    or pageable ones, do not count) and the accelerator's memory the roofline's; each `how`
-    names its probe, size and time."""
+    pageable ones or one that does not say, do not count) and the accelerator's memory the
+    roofline's; each `how` names its probe, size and time."""
     def rec(name: str, metric: str, value: float, time: str | None = "t", **params: Any
             ) -> dict:
         return {"name": name, "metric": metric, "value": value, "status": "ok",
@@ -264,6 +268,7 @@ def test_calibration_on_a_gpu_machine() -> None:
                rec("bandwidth", "bandwidth", 98.0, src="host:0", dst="gpu:0",
                    memory="pageable", size=1 << 29),
                rec("bandwidth", "bandwidth", 97.0, src="gpu:0", dst="gpu:0", **curve),
+               rec("bandwidth", "bandwidth", 96.0, src="host:0", dst="gpu:0", size=1 << 30),
                rec("bandwidth", "bandwidth", 24.0, None, src="gpu:0", dst="host:0",
                    engine="torch", **curve),
                rec("roofline", "memory_gbps", 3000.0, bytes=1 << 30, device="cuda:0"),
