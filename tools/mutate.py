@@ -106,6 +106,10 @@ MODULES: dict[str, Spec] = {
         "attention"), OTHER, group="runtime"),
     "energy": Spec("kvbench/runtime/energy.py", ("tests/test_energy.py",), OTHER,
                    group="runtime"),
+    # the bytes bound and step_efficiency (issue 26 part 1), the probe taken again included
+    "bound": Spec("kvbench/runtime/bound.py", ("tests/test_step_bound_arith.py",
+                                               "tests/test_step_bound.py"), OTHER,
+                  group="runtime"),
     "pages": Spec("kvbench/strategies/_pages.py", ("tests/test_pages_arith.py",), OTHER,
                   group="strategies"),
     # the strategies' selection: what each keeps or picks to attend
