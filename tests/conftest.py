@@ -115,6 +115,29 @@ def trace_row(i: int, res: str, op: str, after: list[int], **work: float) -> lis
     return [i, 0, res, op, *(work.get(w, 0.0) for w in WORK), after, False]
 
 
+class Probes:
+    """kvbench.runtime.bound.probe stood in for: each call returns the next of `readings`
+    (GB/s per quantity) and records (cuda, threads, reading) in `calls`."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, how: str = "handed to the test"
+                 ) -> None:
+        self.monkeypatch, self.how = monkeypatch, how
+        self.calls: list[tuple[bool, int, dict[str, float]]] = []
+
+    def __call__(self, readings: list[dict[str, float]]) -> None:
+        """Readings for the probes from now on (the calls so far forgotten)."""
+        from kvbench.runtime import bound
+
+        it = iter(readings)
+
+        def probe(cuda: bool, threads: int) -> bound.Bandwidth:
+            g = next(it)
+            self.calls.append((cuda, threads, g))
+            return bound.Bandwidth(g, True, "probe", {k: self.how for k in g})
+        self.calls.clear()
+        self.monkeypatch.setattr(bound, "probe", probe)
+
+
 def ancestors(tasks: list, i: int) -> set[int]:
     """Ids of every task that task i waits for, transitively, in a stage graph
     (kvbench.runtime.trace: each task's `after`)."""

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_usage_error
+from conftest import Probes, assert_usage_error
 from conftest import cli as run_cli
 
 from kvbench.cli import main
@@ -293,23 +293,19 @@ def test_a_probe_slower_than_the_steps_is_taken_again(
     the run probes again until the bound holds (3 probes at most) and keeps each quantity's
     highest reading; steps within the caches (the tiny model's, at the real cache size) may
     beat a memory bound, and are probed once."""
-    calls: list[float] = []
     quantities = ("host", "accel", "h2d", "d2h")
+    probes = Probes(monkeypatch)
 
     def fake(readings: list[float]) -> None:
-        it = iter(readings)
+        probes([{k: g for k in quantities} for g in readings])
 
-        def probe(cuda: bool, threads: int) -> bound.Bandwidth:
-            calls.append(g := next(it))
-            return bound.Bandwidth({k: g for k in quantities}, True, "probe",
-                                   {k: "handed to the test" for k in quantities})
-        calls.clear()
-        monkeypatch.setattr(bound, "probe", probe)
+    def calls() -> list[float]:
+        return [g["host"] for _, _, g in probes.calls]
 
     monkeypatch.setattr("kvbench.memory.llc_bytes", lambda: 1)  # every step past the cache
     fake([0.001, 1000.0, 5.0])  # GB/s: far below any step, then one that bounds them
     recs = run(tmp_path, name="stalled")
-    assert calls == [0.001, 1000.0]
+    assert calls() == [0.001, 1000.0]
     m = recs["step_bound_s"]["method"]
     assert m["gbps"] == {k: 1000.0 for k in quantities}
     assert "the highest of 2 probes (the first, 0.001 GB/s" in m["how"]["host"]
@@ -317,11 +313,11 @@ def test_a_probe_slower_than_the_steps_is_taken_again(
 
     fake([0.001, 0.003, 0.002, 1000.0])  # never sane: three probes, the highest kept
     recs = run(tmp_path, name="stuck")
-    assert calls == [0.001, 0.003, 0.002]
+    assert calls() == [0.001, 0.003, 0.002]
     assert recs["step_bound_s"]["method"]["gbps"]["host"] == 0.003
 
     monkeypatch.setattr("kvbench.memory.llc_bytes", lambda: 1 << 40)  # all within the cache
     fake([0.001, 1000.0])
     recs = run(tmp_path, name="cached")
-    assert calls == [0.001]
+    assert calls() == [0.001]
     assert recs["step_efficiency"]["value"] > 1  # left as measured: a cached step beat it

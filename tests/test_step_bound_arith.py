@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from conftest import Probes
 
 from kvbench.runtime import bound
 
@@ -108,29 +109,25 @@ def test_probe_bounding_by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
     """Steps of 1 s reading 3 GB past a 1 GB cache: a probe of 1 GB/s bounds them at 3 s
     (efficiency 3), so the run probes again; 2 GB/s still gives 1.5; 4 GB/s bounds them."""
     graph = Graph({1: [Task("host", {"bytes_read": 3e9})]})
-    calls: list[tuple[bool, int]] = []
+    fake = Probes(monkeypatch, "read loop")
 
-    def fake(readings: list[dict[str, float]]) -> None:
-        it = iter(readings)
-
-        def probe(cuda: bool, threads: int) -> bound.Bandwidth:
-            calls.append((cuda, threads))
-            return bound.Bandwidth(next(it), True, "probe", {"host": "read loop"})
-        calls.clear()
-        monkeypatch.setattr(bound, "probe", probe)
+    def calls() -> list[tuple[bool, int]]:
+        return [(cuda, threads) for cuda, threads, _ in fake.calls]
 
     monkeypatch.setattr("kvbench.memory.llc_bytes", lambda: 10**9)
     fake([{"host": 1.0, "h2d": 7.0}, {"host": 2.0}, {"host": 4.0, "h2d": 5.0}])
     bw = bound.probe_bounding(False, 3, [1.0], graph)
-    assert calls == [(False, 3)] * 3
+    assert calls() == [(False, 3)] * 3
     assert bw.gbps == {"host": 4.0, "h2d": 7.0}  # each quantity's highest; h2d kept first
     assert (bw.shared, bw.source) == (True, "probe")
     assert bw.how == {"host": "read loop; the highest of 3 probes (the first, 1 GB/s, "
-                              "bounded the steps below their own rate)"}
+                              "bounded the steps below their own rate)",
+                      "h2d": "read loop; the highest of 3 probes (the first, 7 GB/s, "
+                             "bounded the steps below their own rate)"}
 
     fake([{"host": 3.0}, {"host": 9.0}])  # exactly the steps' rate: the bound holds
     assert bound.probe_bounding(True, 1, [1.0], graph).gbps == {"host": 3.0}
-    assert calls == [(True, 1)]
+    assert calls() == [(True, 1)]
 
     monkeypatch.setattr("kvbench.memory.llc_bytes", lambda: 1.5e9)  # 3 GB: twice the cache
     fake([{"host": 1.0}, {"host": 9.0}])
