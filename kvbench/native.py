@@ -11,7 +11,7 @@ from pathlib import Path
 from kvbench.errors import KvbenchError
 from kvbench.memory import llc_bytes
 
-ABI_VERSION = 18  # kvb_abi_version() of probes/native.c: bump both when an interface changes
+ABI_VERSION = 19  # kvb_abi_version() of probes/native.c: bump both when an interface changes
 
 
 class CopyJob(ctypes.Structure):
@@ -126,4 +126,6 @@ def lib() -> ctypes.CDLL:
     so.kvb_page_select.restype = ctypes.c_int
     so.kvb_page_select.argtypes = [vp, i64, i64, i64, i64, vp, vp, i64p, i64, i64, i64, i64,
                                    ctypes.c_int, i64, i64, vp, vp, ctypes.c_int]
+    so.kvb_topk_rows.restype = ctypes.c_int  # probes/topk.c
+    so.kvb_topk_rows.argtypes = [vp, i64, i64, i64, i64, vp, vp, ctypes.c_int]
     return so

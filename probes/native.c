@@ -11,7 +11,7 @@
 
 #include "native.h"
 
-int kvb_abi_version(void) { return 18; }
+int kvb_abi_version(void) { return 19; }
 
 /* The calling thread's OpenMP team size for regions without a num_threads clause (torch's
  * CPU ops): n >= 1 sets it, and libgomp keeps it per thread, so a helper thread can take 1

@@ -85,11 +85,14 @@ class InfiniGenCache(Strategy):
     @classmethod
     def placement(cls, params: InfiniGenParams, ctx: RunContext) -> dict[str, int]:
         """`kv_placement`, plus on the host the gather staging (two k/v pairs [B * Hq *
-        n'_max, D]), the ids [B, Hq, n'_max] int64 and the count; "pinned": every host
-        buffer on CUDA (HostKV)."""
+        n'_max, D]), the ids [B, Hq, n'_max] int64 and the count, on the accelerator a
+        dense layer's whole k/v; "pinned": every host buffer on CUDA (HostKV)."""
         out = super().placement(params, ctx)
-        rows = ctx.batch * ctx.spec.n_heads * cls.most(params, ctx.max_len)
-        out["host"] += 4 * rows * ctx.spec.head_dim * ctx.elem_bytes + 8 * rows + 4
+        s = ctx.spec
+        rows = ctx.batch * s.n_heads * cls.most(params, ctx.max_len)
+        out["host"] += 4 * rows * s.head_dim * ctx.elem_bytes + 8 * rows + 4
+        # a dense layer's whole k/v (`whole`)
+        out["accel"] += 2 * ctx.max_len * ctx.batch * s.n_kv_heads * s.head_dim * ctx.elem_bytes
         out["pinned"] = out["host"] if ctx.accel.type == "cuda" else 0
         return out
 
@@ -137,6 +140,13 @@ class InfiniGenCache(Strategy):
         self.length = [0] * ctx.n_layers
         # layer -> prefetched (k, v) [B, Hq, n', D] on the accelerator, and its CUDA event
         self.fetched: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # where a dense layer's whole cache lands, k and v [max_len, B, Hkv, D], and on a
+        # CPU-only run a prefetch's tokens (two k/v pairs as `stage`): allocated once, as a
+        # step's fresh 10-50 MB buffers on 2 MiB pages stalled in the kernel's compaction
+        # (InfiniGen steps of 45-120 ms for 60, 2-core AMD EPYC VM, 2026-11-27)
+        self.whole = [torch.empty(shape, dtype=ctx.dtype, device=ctx.accel) for _ in range(2)]
+        self.landing = None if pin else [
+            tuple(torch.empty(rows, d, dtype=ctx.dtype) for _ in range(2)) for _ in range(2)]
         self.ready: dict[int, torch.cuda.Event] = {}
         self.stream = torch.cuda.Stream(ctx.accel) if pin else None
         # layer -> token ids [B, Hq, n'] speculated for it (None once a dense step ran)
@@ -202,13 +212,13 @@ class InfiniGenCache(Strategy):
         n = self.length[layer]
         keys = k
         if n > k.shape[2]:
-            keys = heads_first(self._read(self.host_k[layer], n, q.device))
+            keys = self._read(layer, n, values=False)[0]
             self.ctx.counters.moved("h2d", 1.0 * keys.numel() * self.ctx.elem_bytes)
         self.part[layer][:, :, :n] = self._partial(layer, keys).to(keys.dtype)
 
-    def _read(self, host: torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
-        """The first n tokens of a token-major host buffer on `device`, [n, B, Hkv, D]."""
-        import torch
-
-        out = torch.empty((n, *host.shape[1:]), dtype=host.dtype, device=device)
-        return transfer(out, host[:n])
+    def _read(self, layer: int, n: int, values: bool = True) -> list[torch.Tensor]:
+        """The layer's first n tokens' k (and v), from the host into `whole`, [B, Hkv, n, D]
+        views (token-major below)."""
+        host = (self.host_k, self.host_v) if values else (self.host_k,)
+        return [heads_first(transfer(dst[:n], src[layer][:n]))
+                for dst, src in zip(self.whole, host, strict=False)]
