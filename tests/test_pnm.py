@@ -63,7 +63,14 @@ def _steps(s, g, k, v, n_steps: int, c: RunContext):
         yield q, k, v, out
 
 
-def test_pnm_kv_decode_matches_reference(device: torch.device) -> None:
+@pytest.mark.parametrize("native", [True, False])
+def test_pnm_kv_decode_matches_reference(device: torch.device, native: bool,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its selection on the CPU's native call (Quest's) and in torch ops alike."""
+    from kvbench.kernels import cpu
+
+    if not native:
+        monkeypatch.setattr(cpu, "page_select_ok", lambda *a: False)
     g = torch.Generator().manual_seed(0)
     page, budget = 4, 20  # 5 pages: 1 sink, 2 window, 2 by score
     c = ctx(device=device)
@@ -367,6 +374,47 @@ def test_the_devices_selection_work_counted(mode: str) -> None:
         assert loads == [digests / 2 / 2 * 2] * 4
         assert counters.step_total("reductions", "pnm", 0) == 2 * 2
         assert counters.step_total("bytes_moved", "pnm_reduce", 0) == 4.0 * 4 * 8
+
+
+@pytest.mark.parametrize("mode", ["dp", "tp"])
+def test_native_selection_lists_and_counts_what_the_mask_does(
+        mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """select_tokens in one native call (CPU float32) against `select` + `mask_tokens`:
+    the same positions and lengths, the same work counted, budgets below and covering the
+    context."""
+    from kvbench.kernels import cpu
+
+    assert cpu.native_built()
+    g = torch.Generator().manual_seed(5)
+    k, v = torch.randn(2, 2, 61, 8, generator=g), torch.randn(2, 2, 61, 8, generator=g)
+    q = torch.randn(2, 6, 1, 8, generator=g)
+    for budget in (16, 28, 64, 512):
+        got = []
+        for native in (True, False):
+            c = ctx(max_len=64)
+            dkv = _pnm.DeviceKV(PnmParams(budget_tokens=budget, page_size=4, sinks=1,
+                                          window_pages=2, dense_layers=1, devices=4,
+                                          parallel=mode), c)
+            dkv.write(1, k, v)
+            calls = []
+            with monkeypatch.context() as m:
+                if not native:
+                    m.setattr(cpu, "page_select_ok", lambda *a: False)
+                m.setattr(cpu, "page_select", lambda *a, f=cpu.page_select, seen=calls:
+                          seen.append(1) or f(*a))
+                pos, lens = dkv.select_tokens(1, q, 61)
+            assert len(calls) == native
+            work = {key: c.counters.step_total(*key, 0) for key in (
+                ("bytes_read", "pnm"), ("flops", "pnm"), ("topk_sorts", "pnm"),
+                ("topk_candidates", "pnm"), ("reductions", "pnm"),
+                ("bytes_moved", "pnm_reduce"), *(("device_load", f"pnm{d}")
+                                                  for d in range(4)))}
+            valid = [[pos[b, h, :lens[b, h]].tolist() for h in range(2)] for b in range(2)]
+            got.append((lens.tolist(), valid, work))
+        assert got[0] == got[1], budget
+        most = 61 if budget >= 64 else budget  # 16 pages: the budget covers them at 64
+        assert all(x <= most for row in got[0][0] for x in row)
+        assert budget < 64 or got[0][0] == [[61, 61], [61, 61]]
 
 
 def test_mask_tokens_lists_marked_pages_positions_in_order() -> None:

@@ -233,24 +233,52 @@ class DeviceKV:
 
         from kvbench.strategies._pages import page_scores, select_pages
 
-        p, c = self.p, self.ctx.counters
+        p = self.p
         n_pages, k_pages = -(-n // p.page_size), p.budget_tokens // p.page_size
         dig = self.dig[layer]
         qd = q.to(dig.lo.device)
         scores = page_scores(qd, dig.lo[:, :, :n_pages], dig.hi[:, :, :n_pages], "kv")
-        c.add("bytes_read", "pnm", dig.nbytes(n))
-        c.add("flops", "pnm", 4.0 * q.shape[0] * self.hq * n_pages * self.d)
         pages = select_pages(scores, n_pages, k_pages, p.sinks, p.window_pages)
         mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(2, pages, True)
         ranked = scores.clone()
         ranked[:, :, :p.sinks] = float("inf")
         ranked[:, :, max(n_pages - p.window_pages, 0):] = float("inf")
-        self._count_selection(q.shape[0], n_pages, dig.nbytes(n) / q.shape[0])
+        self._count_selection(layer, q, n)
         return mask, ranked
 
-    def _count_selection(self, b: int, n_pages: int, dig_row: float) -> None:
-        """Top-K sorts, their candidates and TP's score reductions (module docstring)."""
-        c = self.ctx.counters
+    def select_tokens(self, layer: int, q: torch.Tensor, n: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The budget set's token positions [B, Hkv, K' * S] (ascending, the first lens
+        valid) and lens [B, Hkv]: `select`'s mask through `mask_tokens`, or on the CPU
+        Quest's native selection in one call (kvbench.kernels.cpu.page_select, the same
+        rule: group-summed scores, sinks, window, top of the rest; backend
+        "native-select")."""
+        from kvbench.kernels import cpu
+        from kvbench.kernels.attention import note_backend
+        from kvbench.strategies._pages import kept_pages
+
+        p = self.p
+        n_pages, k_pages = -(-n // p.page_size), p.budget_tokens // p.page_size
+        dig = self.dig[layer]
+        lo, hi = dig.lo[:, :, :n_pages], dig.hi[:, :, :n_pages]
+        qd = q.to(lo.device)
+        if k_pages < 1 or not cpu.page_select_ok(qd, lo, hi):
+            mask, _ = self.select(layer, q, n)
+            return mask_tokens(mask, p.page_size, n, kept_pages(p.budget_tokens,
+                                                                p.page_size, n))
+        note_backend("native-select", qd)
+        self._count_selection(layer, q, n)
+        return cpu.page_select(qd, lo, hi, n_pages, k_pages, p.sinks, p.window_pages, "kv",
+                               p.page_size, n)
+
+    def _count_selection(self, layer: int, q: torch.Tensor, n: int) -> None:
+        """The scores' digest bytes and FLOPs, the top-K sorts, their candidates and TP's
+        score reductions (module docstring) of the layer's selection for q [B, Hq, 1, D]
+        over n tokens."""
+        c, b, n_pages = self.ctx.counters, q.shape[0], -(-n // self.p.page_size)
+        dig_row = self.dig[layer].nbytes(n) / b
+        c.add("bytes_read", "pnm", b * dig_row)
+        c.add("flops", "pnm", 4.0 * b * self.hq * n_pages * self.d)
         if self.p.parallel == "dp":
             sorts, extra = b * self.hkv, 0
             for r in range(b):

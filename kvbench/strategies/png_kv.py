@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 from kvbench.errors import require
 from kvbench.strategies import STRATEGIES
 from kvbench.strategies._pages import PAGES, attend_selected, kept_pages
-from kvbench.strategies._pnm import PnmParams, mask_tokens, resolve_node
+from kvbench.strategies._pnm import DeviceKV, PnmParams, mask_tokens, resolve_node
 from kvbench.strategies.pnm_kv import PnmKV
 
 if TYPE_CHECKING:
@@ -163,7 +163,8 @@ class PngKV(PnmKV):
 
         from kvbench.kernels.attention import merge
 
-        n, mask, ranked = self._budget(layer, q, k, v)
+        n, got = self._budget(layer, q, k, v, DeviceKV.select)
+        mask, ranked = got or (None, None)
         size, most = self.p.page_size, kept_pages(self.p.budget_tokens, self.p.page_size, n)
         if mask is None or self.c == 0 or n < size:  # no full page can be steady yet
             sel = None if mask is None else mask_tokens(mask, size, n, most)

@@ -11,8 +11,9 @@ memory on `--device-node` and host threads (kvbench.strategies._pnm), its work f
 Selection, as ArkVale (the paper's baseline) and Quest do it: pages of S tokens, the
 `--sinks` first and `--window-pages` last pages (the current partial page included) always
 selected, the top of the rest by the group-summed score within `--budget-tokens`, one set
-per KV head. The paper states neither T_Budget nor the page size: ArkVale's defaults (4096,
-32) are used and recorded. The first `--dense-layers` layers attend every token, still on
+per KV head (on the CPU in one native call, Quest's: kvbench.kernels.cpu.page_select). The
+paper states neither T_Budget nor the page size: ArkVale's defaults (4096, 32) are used and
+recorded. The first `--dense-layers` layers attend every token, still on
 the device. Prefill and multi-turn appends attend densely on the accelerator (the paper
 reports decode only) and write their KV to the device.
 
@@ -22,16 +23,16 @@ one ranking per KV head where section 3.2 reads as one per request): docs/fideli
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from kvbench.strategies import STRATEGIES, Strategy, position_mask
-from kvbench.strategies._pages import attend_selected, check_layers, kept_pages
+from kvbench.strategies._pages import attend_selected, check_layers
 from kvbench.strategies._pnm import (
     PNM_METRICS,
     DeviceKV,
     PnmParams,
     check_device_fit,
-    mask_tokens,
     resolve_node,
 )
 
@@ -105,19 +106,19 @@ class PnmKV(Strategy):
 
     prefill = append  # the first prompt: an append onto the empty cache
 
-    def _budget(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-                ) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
-        """Write the token, then the device's selection: (n, budget mask [B, Hkv, pages],
-        ranking scores); mask None for a dense layer."""
+    def _budget(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                select: Callable[[DeviceKV, int, torch.Tensor, int], Any]) -> tuple[int, Any]:
+        """Write the token, then the device's selection `select(dev, layer, q, n)`
+        (`DeviceKV.select` or `DeviceKV.select_tokens`): (n, what it returns), None for a
+        dense layer."""
         dev = self.dev
         n = dev.write(layer, k, v)
         dev.query_in(q)
         if layer < self.p.dense_layers:
             self.last[layer] = None
-            return n, None, None
+            return n, None
         with self.ctx.counters.timed("bookkeeping.pnm_select"):
-            mask, ranked = dev.select(layer, q, n)
-        return n, mask, ranked
+            return n, select(dev, layer, q, n)
 
     def _device_attention(self, layer: int, q: torch.Tensor,
                           sel: tuple[torch.Tensor, torch.Tensor] | None, n: int
@@ -143,10 +144,7 @@ class PnmKV(Strategy):
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
         """One token: the device selects the budget pages and attends them."""
-        p = self.p
-        n, mask, _ = self._budget(layer, q, k, v)
-        sel = None if mask is None else mask_tokens(mask, p.page_size, n,
-                                                    kept_pages(p.budget_tokens, p.page_size, n))
+        n, sel = self._budget(layer, q, k, v, DeviceKV.select_tokens)
         self.last[layer] = sel
         out, _ = self._device_attention(layer, q, sel, n)
         self.dev.activations_back(q.shape[0], lse=False)
