@@ -72,12 +72,34 @@ def test_strided_rows_and_a_single_row() -> None:
         assert torch.equal(got, want)
 
 
+@needs_native
+def test_rows_that_are_not_evenly_laid_out() -> None:
+    """Two rows of a wider tensor (rows 300 apart, 250 read), one row whose first stride
+    is 1 (a transposed column) and three rows that are one (an expanded row, stride 0)."""
+    wide = _rows("random", (2, 300), 4)
+    for x in (wide[:, :250], torch.randn(7, 1).t(), wide[:1, :50].expand(3, 50)):
+        for got, want in zip(cpu.topk(x, 3), _expected(x, 3), strict=True):
+            assert torch.equal(got, want)
+
+
 def test_what_it_does_not_take() -> None:
     x = _rows("random", (2, 40), 1)
     assert not cpu.topk_ok(x.to(torch.bfloat16), 3)
     assert not cpu.topk_ok(x[:, ::2], 3)  # strided last dimension
     assert not cpu.topk_ok(x, 0)
     assert not cpu.topk_ok(x, 41)
+
+
+@needs_native
+@pytest.mark.parametrize(("n", "ok"), [((1 << 31) - 1, True), (1 << 31, False)])
+def test_rows_of_2_31_elements_or_more_go_to_torch(n: int, ok: bool) -> None:
+    """The native call indexes a row with int32: a stand-in row of n elements (no memory
+    behind it) is taken below 2^31 only."""
+    from types import SimpleNamespace
+
+    row = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32, shape=(n,),
+                          stride=lambda dim: 1)
+    assert cpu.topk_ok(row, 1024) is ok
 
 
 @needs_native

@@ -383,6 +383,7 @@ def test_native_selection_lists_and_counts_what_the_mask_does(
     the same positions and lengths, the same work counted, budgets below and covering the
     context."""
     from kvbench.kernels import cpu
+    from kvbench.kernels.attention import backend_use
 
     assert cpu.native_built()
     g = torch.Generator().manual_seed(5)
@@ -397,6 +398,7 @@ def test_native_selection_lists_and_counts_what_the_mask_does(
                                           parallel=mode), c)
             dkv.write(1, k, v)
             calls = []
+            backend_use(reset=True)
             with monkeypatch.context() as m:
                 if not native:
                     m.setattr(cpu, "page_select_ok", lambda *a: False)
@@ -404,6 +406,7 @@ def test_native_selection_lists_and_counts_what_the_mask_does(
                           seen.append(1) or f(*a))
                 pos, lens = dkv.select_tokens(1, q, 61)
             assert len(calls) == native
+            assert backend_use() == {"decode": "native-select" if native else "torch-select"}
             work = {key: c.counters.step_total(*key, 0) for key in (
                 ("bytes_read", "pnm"), ("flops", "pnm"), ("topk_sorts", "pnm"),
                 ("topk_candidates", "pnm"), ("reductions", "pnm"),

@@ -138,7 +138,7 @@ MODULES: dict[str, Spec] = {
         "tests/test_fidelity_infinigen.py", "tests/test_infinigen_steps.py",
         "tests/test_page_strategies.py"), OTHER,
         functions=_in("kvbench.strategies._infinigen_cache", "InfiniGenCache.cap",
-                      "InfiniGenCache._partial"), group="strategies"),
+                      "InfiniGenCache._partial", "InfiniGenCache._read"), group="strategies"),
     "arkvale": Spec("kvbench/strategies/arkvale.py", ("tests/test_fidelity_arkvale.py",
                                                      "tests/test_arkvale_steps.py",
                                                      "tests/test_page_strategies.py",
@@ -190,8 +190,8 @@ MODULES: dict[str, Spec] = {
         group="strategies"),
     "pnm": Spec("kvbench/strategies/_pnm.py", ("tests/test_pnm.py",), OTHER,
                 functions=_in("kvbench.strategies._pnm", "group_devices",
-                              "mask_tokens", "DeviceKV.select", "DeviceKV._count_selection",
-                              "DeviceKV.count_load"),
+                              "mask_tokens", "DeviceKV.select", "DeviceKV.select_tokens",
+                              "DeviceKV._count_selection", "DeviceKV.count_load"),
                 group="strategies"),
     "png_kv": Spec("kvbench/strategies/png_kv.py", ("tests/test_pnm.py",), OTHER,
                    functions=_in("kvbench.strategies.png_kv", "PngKV.steady_select",
@@ -203,6 +203,8 @@ MODULES: dict[str, Spec] = {
                  group="kernels"),
     "greedy": Spec("kvbench/kernels/cpu.py", ("tests/test_kernels_greedy.py",), OTHER,
                    functions=_in("kvbench.kernels.cpu", "greedy"), group="kernels"),
+    "topk": Spec("kvbench/kernels/cpu.py", ("tests/test_kernels_topk.py",), OTHER,
+                 functions=_in("kvbench.kernels.cpu", "topk_ok", "topk"), group="kernels"),
 }
 # the order of a full pass: core first, the strategies last
 ORDER = list(MODULES)

@@ -293,11 +293,12 @@ def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
     n = x.shape[-1]
     rows = x.reshape(-1, n)  # a view where x's rows are evenly spaced
+    if rows.stride(0) < n:  # rows that overlap (an expanded view): copied apart
+        rows = rows.contiguous()
     vals = torch.empty(*x.shape[:-1], k, dtype=torch.float32)
     idx = torch.empty(*x.shape[:-1], k, dtype=torch.int64)
-    ld = rows.stride(0) if rows.shape[0] > 1 else n
-    if _lib().kvb_topk_rows(rows.data_ptr(), rows.shape[0], n, ld, k, vals.data_ptr(),
-                            idx.data_ptr(), torch.get_num_threads()) != 0:
+    if _lib().kvb_topk_rows(rows.data_ptr(), rows.shape[0], n, rows.stride(0), k,
+                            vals.data_ptr(), idx.data_ptr(), torch.get_num_threads()) != 0:
         raise KvbenchError("native top-k: out of memory")
     return vals, idx
 
