@@ -192,11 +192,22 @@ def test_the_oracle_cap_and_when_a_speculation_runs(monkeypatch: pytest.MonkeyPa
     assert len(calls) == 1 and calls[0][0] == 3 and calls[0][1] is one and calls[0][2] == 10
 
 
-def test_the_speculations_top_k_is_noted_as_a_torch_selection() -> None:
-    """Sparse decode steps select in torch ops (the speculation's scores and top n'_max),
-    and every record's method.backend says so beside the attention's backend."""
+@pytest.mark.parametrize("native", [True, False])
+def test_the_speculations_top_k_is_noted_as_a_torch_selection(
+        native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sparse decode steps select in torch ops (the speculation's scores) and their top
+    n'_max in one native call on the CPU ("native-topk"; torch's where the library is not
+    there), and every record's method.backend says so beside the attention's backend; the
+    two top-k paths decode the same tokens."""
+    from kvbench.kernels import cpu
     from kvbench.kernels.attention import backend_use
 
+    if not native:
+        monkeypatch.setattr(cpu, "topk_ok", lambda *a: False)
     backend_use(reset=True)
-    _run(InfiniGenParams(variant="oracle", budget_tokens=5, dense_layers=1, skew_tokens=8))
-    assert "torch-select" in backend_use(reset=True)["decode"].split("+")
+    params = InfiniGenParams(variant="oracle", budget_tokens=5, dense_layers=1, skew_tokens=8)
+    _, _, out = _run(params)
+    used = backend_use(reset=True)["decode"].split("+")
+    assert "torch-select" in used and ("native-topk" in used) == native
+    monkeypatch.undo()
+    assert torch.equal(_run(params)[2].tokens, out.tokens)
