@@ -13,9 +13,9 @@ Selection, as ArkVale (the paper's baseline) and Quest do it: pages of S tokens,
 selected, the top of the rest by the group-summed score within `--budget-tokens`, one set
 per KV head (on the CPU in one native call, Quest's: kvbench.kernels.cpu.page_select). The
 paper states neither T_Budget nor the page size: ArkVale's defaults (4096, 32) are used and
-recorded. The first `--dense-layers` layers attend every token, still on
-the device. Prefill and multi-turn appends attend densely on the accelerator (the paper
-reports decode only) and write their KV to the device.
+recorded. The first `--dense-layers` layers attend every token, still on the device.
+Prefill and multi-turn appends attend densely on the accelerator (the paper reports decode
+only) and write their KV to the device.
 
 Exact setting: a budget covering the context (every page selected). Fidelity (no public code;
 one ranking per KV head where section 3.2 reads as one per request): docs/fidelity/pnm-kv.md.
