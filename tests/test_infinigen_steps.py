@@ -193,7 +193,7 @@ def test_the_oracle_cap_and_when_a_speculation_runs(monkeypatch: pytest.MonkeyPa
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_the_speculations_top_k_is_noted_as_a_torch_selection(
+def test_the_speculations_selection_and_top_k_are_noted(
         native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Sparse decode steps select in torch ops (the speculation's scores) and their top
     n'_max in one native call on the CPU ("native-topk"; torch's where the library is not
