@@ -5,6 +5,8 @@ critical path: the MAW update (line 8), the eviction of the oldest block (lines 
 side CUDA stream's D2H on a GPU), the host worker's selection into KV_ctx (lines 23-25) and
 its re-evaluation after an append (lines 19-21). kvbench.strategies.hgca runs the hybrid
 attention (Algorithm 2) over them; its module docstring says what each counter records.
+The prefix cache (kvbench.prefix) moves a request's KV out of and into these stores
+(`export_kv`, `import_kv`).
 
 Lines 8-13 run off the critical path on CUDA: the MAW update and the eviction copy on the
 side stream, the selection on the worker. On a CPU-only machine the accelerator role is
@@ -19,12 +21,14 @@ layer joins its worker jobs at its next step.
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from kvbench.strategies import Strategy, column_scores, decode_weights
-from kvbench.strategies._hgca_kv import HgcaParams, LayerKV, topk_keep, union_keep
+from kvbench.strategies._hgca_kv import HgcaParams, LayerKV, host_dtype, topk_keep, union_keep
 from kvbench.strategies._hostcopy import transfer
 
 if TYPE_CHECKING:
@@ -205,3 +209,45 @@ class HgcaManager(Strategy):
 
         torch.cuda.current_stream().wait_event(L.side)
         L.side = None
+
+    # -- prefix cache (kvbench.prefix) ----------------------------------------------------------
+
+    def export_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer KV_cpu (every evicted entry, oldest first) then the ring's resident
+        entries, k/v [B, Hkv, n, D] on the accelerator in the model dtype."""
+        import torch
+
+        out = []
+        for L in self.layers:
+            self._join(L)
+            self._await_side(L)
+            parts = [(L.hk[:, :, :L.n_host], L.hv[:, :, :L.n_host])] + [
+                (k, v) for k, v, _ in L.resident()]
+            out.append(tuple(torch.cat([p[i].to(self.ctx.accel, self.ctx.dtype)
+                                        for p in parts], dim=2) for i in (0, 1)))
+        return out
+
+    def import_kv(self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Place n loaded tokens as a prefill of n places them (the ring keeps the latest
+        whole blocks under W, the rest goes to KV_cpu) with every host entry in KV_ctx and
+        a zero MAW: a saved request carries KV only (CXL KV-storage paper section 2). The
+        append that follows attends all of KV_cpu and re-selects KV_ctx from its queries
+        (Alg. 1 lines 19-21), and gives the window its MAW (line 8)."""
+        import torch
+
+        hd = host_dtype(self.ctx.dtype)
+        for L, (k, v) in zip(self.layers, kv, strict=True):
+            n = k.shape[2]
+            evict = math.ceil((n - self.w + 1) / self.p.block) * self.p.block if n >= self.w \
+                else 0
+            r = n - evict
+            L.gk[:, :, :r] = k[:, :, evict:]
+            L.gv[:, :, :r] = v[:, :, evict:]
+            L.maw[:, :, :r] = 0
+            L.n, L.tail = r, 0
+            if evict:
+                self.ctx.counters.moved("d2h", 2 * k[:, :, :evict].numel() * k.element_size())
+                hk, hv = (x[:, :, :evict].to("cpu", hd) for x in (k, v))
+                every = torch.ones(k.shape[0], L.lens.numel() // k.shape[0], evict,
+                                   dtype=torch.bool)
+                L.keep(hk, hv, every, L.add_host(hk, hv))

@@ -71,7 +71,7 @@ beyond/attention_methods.py (hybrid_decode, hybrid_append), the paper's Algorith
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -301,50 +301,6 @@ class Hgca(HgcaManager):
         return out
 
     append = prefill  # a later turn's prompt: the same path onto a non-empty layer
-
-    # -- prefix cache (kvbench.prefix) ----------------------------------------------------------
-
-    def export_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer KV_cpu (every evicted entry, oldest first) then the ring's resident
-        entries, k/v [B, Hkv, n, D] on the accelerator in the model dtype."""
-        import torch
-
-        out = []
-        for L in self.layers:
-            self._join(L)
-            self._await_side(L)
-            parts = [(L.hk[:, :, :L.n_host], L.hv[:, :, :L.n_host])] + [
-                (k, v) for k, v, _ in L.resident()]
-            out.append(tuple(torch.cat([p[i].to(self.ctx.accel, self.ctx.dtype)
-                                        for p in parts], dim=2) for i in (0, 1)))
-        return out
-
-    def import_kv(self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Place n loaded tokens as a prefill of n places them (the ring keeps the latest
-        whole blocks under W, the rest goes to KV_cpu) with every host entry in KV_ctx and
-        a zero MAW: a saved request carries KV only (CXL KV-storage paper section 2). The
-        append that follows attends all of KV_cpu and re-selects KV_ctx from its queries
-        (Alg. 1 lines 19-21), and gives the window its MAW (line 8)."""
-        import torch
-
-        from kvbench.strategies._hgca_kv import host_dtype
-
-        hd = host_dtype(self.ctx.dtype)
-        for L, (k, v) in zip(self.layers, kv, strict=True):
-            n = k.shape[2]
-            evict = math.ceil((n - self.w + 1) / self.p.block) * self.p.block if n >= self.w \
-                else 0
-            r = n - evict
-            L.gk[:, :, :r] = k[:, :, evict:]
-            L.gv[:, :, :r] = v[:, :, evict:]
-            L.maw[:, :, :r] = 0
-            L.n, L.tail = r, 0
-            if evict:
-                self.ctx.counters.moved("d2h", 2 * k[:, :, :evict].numel() * k.element_size())
-                hk, hv = (x[:, :, :evict].to("cpu", hd) for x in (k, v))
-                every = torch.ones(k.shape[0], L.lens.numel() // k.shape[0], evict,
-                                   dtype=torch.bool)
-                L.keep(hk, hv, every, L.add_host(hk, hv))
 
     def attended(self, layer: int) -> torch.Tensor:
         """The last decode step's positions, bool [B, Hq, n]: the resident window (the
