@@ -64,7 +64,7 @@ def test_records_of_a_hand_built_graph() -> None:
     bw = bandwidth(False, accel=2.0, host=1.0, h2d=4.0)
     params = {"batch": 1}
     recs = {(r.metric, r.params.get("where")): r
-            for r in bound.records("x", params, [2.0, 4.0], GRAPH, bw)}
+            for r in bound.records("x", params, [2.0, 4.0], bound.per_step(GRAPH, 2), bw)}
     assert recs[("step_bytes", "accel")].samples == [6e9, 6e9]
     assert recs[("step_bytes", "h2d")].samples == [4e9, 0.0]
     assert recs[("step_bytes", "total")].samples == [11.5e9, 6e9 + 8.0]
@@ -96,7 +96,8 @@ def test_records_of_a_hand_built_graph() -> None:
 
 
 def test_records_without_a_bandwidth_say_why() -> None:
-    recs = list(bound.records("x", {"batch": 2}, [1.0], GRAPH, "bandwidth probe: none"))
+    recs = list(bound.records("x", {"batch": 2}, [1.0], bound.per_step(GRAPH, 1),
+                              "bandwidth probe: none"))
     waived = [r for r in recs if r.metric != "step_bytes"]
     assert [(r.kind, r.name, r.metric, r.status, r.reason, r.params) for r in waived] == [
         ("run", "x", m, "waived", "bandwidth probe: none", {"batch": 2})
@@ -116,7 +117,7 @@ def test_probe_bounding_by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr("kvbench.memory.llc_bytes", lambda: 10**9)
     fake([{"host": 1.0, "h2d": 7.0}, {"host": 2.0}, {"host": 4.0, "h2d": 5.0}])
-    bw = bound.probe_bounding(False, 3, [1.0], graph)
+    bw = bound.probe_bounding(False, 3, [1.0], bound.per_step(graph, 1))
     assert calls() == [(False, 3)] * 3
     assert bw.gbps == {"host": 4.0, "h2d": 7.0}  # each quantity's highest; h2d kept first
     assert (bw.shared, bw.source) == (True, "probe")
@@ -126,17 +127,17 @@ def test_probe_bounding_by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
                              "bounded the steps below their own rate)"}
 
     fake([{"host": 3.0}, {"host": 9.0}])  # exactly the steps' rate: the bound holds
-    assert bound.probe_bounding(True, 1, [1.0], graph).gbps == {"host": 3.0}
+    assert bound.probe_bounding(True, 1, [1.0], bound.per_step(graph, 1)).gbps == {"host": 3.0}
     assert calls() == [(True, 1)]
 
     monkeypatch.setattr("kvbench.memory.llc_bytes", lambda: 1.5e9)  # 3 GB: twice the cache
     fake([{"host": 1.0}, {"host": 9.0}])
-    assert bound.probe_bounding(False, 1, [1.0], graph).gbps == {"host": 1.0}
+    assert bound.probe_bounding(False, 1, [1.0], bound.per_step(graph, 1)).gbps == {"host": 1.0}
     monkeypatch.setattr("kvbench.memory.llc_bytes", lambda: 1.2e9)  # past twice the cache
     fake([{"host": 1.0}, {"host": 9.0}])
-    assert bound.probe_bounding(False, 1, [1.0], graph).gbps == {"host": 9.0}
+    assert bound.probe_bounding(False, 1, [1.0], bound.per_step(graph, 1)).gbps == {"host": 9.0}
     fake([{"host": 1.0}])
-    assert bound.probe_bounding(False, 1, [], graph).gbps == {"host": 1.0}  # no steps
+    assert bound.probe_bounding(False, 1, [], []).gbps == {"host": 1.0}  # no steps
 
 
 class FakeLib:
@@ -193,19 +194,19 @@ def test_probe_buffer_is_four_llcs_within_64_and_256_mib(
 def test_describe_names_each_term_and_the_source() -> None:
     from kvbench.units import format_bytes, format_seconds
 
-    recs = list(bound.records("x", {}, [6.0], Graph({1: [
+    recs = list(bound.records("x", {}, [6.0], bound.per_step(Graph({1: [
         Task("host", {"bytes_read": 3e9}), Task("h2d.recall", {"bytes_moved": 1e9}),
-        Task("cxl", {"bytes_moved": 5e8})]}), bandwidth(host=1.5, h2d=2.0)))
+        Task("cxl", {"bytes_moved": 5e8})]}), 1), bandwidth(host=1.5, h2d=2.0)))
     assert bound.describe(recs) == (
         f"bytes bound per decode step: cxl {format_bytes(5e8)} at (not bounded), h2d.recall "
         f"{format_bytes(1e9)} at 2 GB/s, host {format_bytes(3e9)} at 1.5 GB/s (probe, one "
         f"memory) = {format_seconds(2.5)}; step efficiency 0.42 of it")
-    split = list(bound.records("x", {}, [6.0], Graph({1: [Task("host", {"bytes_read": 3e9})]}),
-                               bandwidth(False, host=1.5)))
+    split = list(bound.records("x", {}, [6.0], [{"host": 3e9}], bandwidth(False, host=1.5)))
     assert bound.describe(split).endswith(f"(probe) = {format_seconds(2.0)}; step "
                                           "efficiency 0.33 of it")
     assert bound.describe([r for r in recs if r.metric != "step_efficiency"]) == ""
-    assert bound.describe(list(bound.records("x", {}, [1.0], GRAPH, "no probe"))) == ""
+    unprobed = bound.records("x", {}, [1.0], bound.per_step(GRAPH, 1), "no probe")
+    assert bound.describe(list(unprobed)) == ""
 
 
 def test_stored_calibration(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
@@ -293,10 +294,9 @@ def test_calibration_on_a_gpu_machine() -> None:
 def test_describe_of_the_pnm_role_and_of_a_step_without_bytes() -> None:
     from kvbench.units import format_bytes, format_seconds
 
-    recs = list(bound.records("x", {}, [1.0], Graph({1: [Task("pnm", {"bytes_read": 2e9})]}),
-                              bandwidth(host=4.0)))
+    recs = list(bound.records("x", {}, [1.0], [{"pnm": 2e9}], bandwidth(host=4.0)))
     assert bound.describe(recs).startswith(f"bytes bound per decode step: pnm "
                                            f"{format_bytes(2e9)} at 4 GB/s (probe, one memory)")
-    empty = list(bound.records("x", {}, [1.0], Graph({}), bandwidth(host=4.0)))
+    empty = list(bound.records("x", {}, [1.0], [{}], bandwidth(host=4.0)))
     assert bound.describe(empty) == (f"bytes bound per decode step:  (probe, one memory) = "
                                      f"{format_seconds(0)}; step efficiency 0.00 of it")

@@ -102,8 +102,8 @@ def per_step(graph: Any, n: int) -> list[dict[str, float]]:
     return [step_bytes(by_step.get(s, [])) for s in range(1, n + 1)]
 
 
-def probe_bounding(cuda: bool, threads: int, steps: list[float], graph: Any,
-                   tries: int = 3) -> Bandwidth:
+def probe_bounding(cuda: bool, threads: int, steps: list[float],
+                   per: list[dict[str, float]], tries: int = 3) -> Bandwidth:
     """`probe`, taken again (`tries` probes at most) while decode steps that read past every
     cache (a median step over twice the last-level cache) ran faster than the bound it
     gives: a probe slower than the steps' own reads caught the machine in a stall (on the
@@ -113,7 +113,6 @@ def probe_bounding(cuda: bool, threads: int, steps: list[float], graph: Any,
     from kvbench.memory import llc_bytes
 
     bw = probe(cuda, threads)
-    per = per_step(graph, len(steps))
     if not steps or statistics.median(sum(b.values()) for b in per) <= 2 * llc_bytes():
         return bw
     first = dict(bw.gbps)
@@ -129,13 +128,12 @@ def probe_bounding(cuda: bool, threads: int, steps: list[float], graph: Any,
     return bw
 
 
-def records(name: str, params: dict[str, ParamValue], steps: list[float], graph: Any,
-            bw: Bandwidth | str) -> Iterator[Record]:
+def records(name: str, params: dict[str, ParamValue], steps: list[float],
+            per: list[dict[str, float]], bw: Bandwidth | str) -> Iterator[Record]:
     """`step_bytes` per memory and link (counted: what the step reads and moves, which
     no bandwidth's noise touches; compare strategies by these), `step_bound_s` and
-    `step_efficiency` of the decode steps (seconds `steps`, steps 1..len(steps) of `graph`);
+    `step_efficiency` of the decode steps (seconds `steps`, their bytes `per`: `per_step`);
     `bw` a reason string when no bandwidth was measured."""
-    per = per_step(graph, len(steps))
     keys = sorted({k for b in per for k in b})
     for k in [*keys, "total"]:
         yield measured("run", name, "step_bytes", "B", "lower",

@@ -173,13 +173,13 @@ def run(cls: type[Strategy], sparams: Any, cfg: RunConfig, hooks: Hooks = Hooks(
     counted = "interrupted: no step after the timed ones" if stopped else \
         opcount.count_step(model, strategy, outcome.tokens, sync)
     recs += opcount.records(cls.name, params, counted, model.counters.step, cls.host_reads)
+    per = bound.per_step(model.counters.graph, len(outcome.steps))
     if bw is None:
         try:
-            bw = bound.probe_bounding(cuda, torch.get_num_threads(), outcome.steps,
-                                      model.counters.graph)
+            bw = bound.probe_bounding(cuda, torch.get_num_threads(), outcome.steps, per)
         except KvbenchError as e:
             bw = f"bandwidth probe: {e}"
-    recs += bound.records(cls.name, params, outcome.steps, model.counters.graph, bw)
+    recs += bound.records(cls.name, params, outcome.steps, per, bw)
     recs += [measured("run", cls.name, "kv_alloc_bytes", "B", "lower", [fit[f"{w}_bytes"]],
                       {**params, "where": w}, {"statistic": "exact", "per": "run", "source":
                       "Strategy.placement: the KV and state the strategy allocates per "
