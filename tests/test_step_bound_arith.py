@@ -106,6 +106,18 @@ def test_records_without_a_bandwidth_say_why() -> None:
         "accel", "host", "h2d", "pnm", "total"}  # step 1 only
 
 
+def test_steps_and_their_bytes_must_pair(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caller works out the steps' bytes (`per_step`); a list of another length than
+    the steps' is refused, never zipped short."""
+    two = [{"host": 3e9}, {"host": 3e9}]
+    with pytest.raises(ValueError):
+        list(bound.records("x", {}, [1.0], two, bandwidth(host=1.0)))
+    monkeypatch.setattr("kvbench.memory.llc_bytes", lambda: 10**9)
+    Probes(monkeypatch, "read loop")([{"host": 1.0}, {"host": 9.0}])
+    with pytest.raises(ValueError):
+        bound.probe_bounding(False, 1, [1.0], two)
+
+
 def test_probe_bounding_by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
     """Steps of 1 s reading 3 GB past a 1 GB cache: a probe of 1 GB/s bounds them at 3 s
     (efficiency 3), so the run probes again; 2 GB/s still gives 1.5; 4 GB/s bounds them."""
