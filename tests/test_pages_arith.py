@@ -20,6 +20,7 @@ from kvbench.strategies._pages import (
     page_scores,
     page_tokens,
     select_pages,
+    select_positions,
 )
 
 
@@ -88,6 +89,28 @@ def test_select_pages_keeps_sinks_window_and_the_top() -> None:
     assert select_pages(scores, 3, 9, 0, 1).tolist() == [[[0, 1, 2]]]
     assert select_pages(scores, 2, 1, 0, 5).tolist() == [[[0]]]  # window past the start
     assert scores[0, 0, 0] == 0.0  # the caller's scores untouched
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_select_positions_by_hand(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pages of 2, n = 7 (page 3 holds token 6 only), one KV group of two query heads,
+    k = 3 pages: sink page 0, window page 3 and the top of the rest by the group's summed
+    bound q+ . hi + q- . lo, page 2 (2 x (1 + 9)) over page 1 (2 x (5 - 1)); the same
+    positions natively and in torch ops, each path named."""
+    from kvbench.kernels import cpu
+    from kvbench.kernels.attention import backend_use
+
+    if native:
+        assert cpu.native_built()
+    else:
+        monkeypatch.setattr(cpu, "page_select_ok", lambda *a: False)
+    q = torch.tensor([1.0, -1.0]).expand(1, 2, 1, 2).contiguous()  # [B, Hq, 1, D]
+    hi = torch.tensor([[0.0, 0.0], [5.0, 0.0], [1.0, 0.0], [3.0, 0.0]])[None, None]
+    lo = torch.tensor([[0.0, 0.0], [0.0, 1.0], [0.0, -9.0], [0.0, 0.0]])[None, None]
+    backend_use(reset=True)
+    pos, lens = select_positions(q, lo, hi, 4, 3, 1, 1, "kv", 2, 7)
+    assert backend_use() == {"decode": "native-select" if native else "torch-select"}
+    assert pos.tolist() == [[[0, 1, 4, 5, 6, 0]]] and lens.tolist() == [[5]]
 
 
 def test_kept_pages_is_the_selections_width() -> None:

@@ -178,6 +178,24 @@ def select_pages(scores: torch.Tensor, n_pages: int, k: int, sinks: int,
     return s.topk(k, dim=-1).indices.sort(dim=-1).values
 
 
+def select_positions(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, n_pages: int,
+                     k: int, sinks: int, window: int, per: str, page: int, n: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quest's selection (Quest sections 3.2-3.3) as token positions [B, H, k * page] and
+    valid lengths [B, H] (`page_tokens`' layout) for q [B, Hq, 1, D] over the min/max
+    digests lo/hi [B, Hkv, n_pages, D] of n tokens: one native call where
+    `cpu.page_select_ok` (backend "native-select"), else `page_scores`, `select_pages` and
+    `page_tokens` (three calls, "torch-select")."""
+    from kvbench.kernels import cpu
+    from kvbench.kernels.attention import note_backend
+
+    if cpu.page_select_ok(q, lo, hi):
+        note_backend("native-select", q)
+        return cpu.page_select(q, lo, hi, n_pages, k, sinks, window, per, page, n)
+    pages = select_pages(page_scores(q, lo, hi, per), n_pages, k, sinks, window)
+    return page_tokens(pages, page, n)
+
+
 def page_tokens(pages: torch.Tensor, page: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token positions [B, H, K * S] of page ids [B, H, K] and valid lengths [B, H].
 

@@ -248,28 +248,19 @@ class DeviceKV:
 
     def select_tokens(self, layer: int, q: torch.Tensor, n: int
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The budget set's token positions [B, Hkv, K' * S] (ascending, the first lens
-        valid) and lens [B, Hkv]: `select`'s mask through `mask_tokens`, or on the CPU
-        Quest's native selection in one call (kvbench.kernels.cpu.page_select, the same
-        rule: group-summed scores, sinks, window, top of the rest; backend
-        "native-select")."""
-        from kvbench.kernels import cpu
-        from kvbench.kernels.attention import note_backend
-        from kvbench.strategies._pages import kept_pages
+        """The budget set's token positions [B, Hkv, K * S] (ascending, the first lens
+        valid) and lens [B, Hkv]: `select`'s rule (group-summed scores, sinks, window, top
+        of the rest) as Quest's selection lists it (`_pages.select_positions`: one native
+        call on the CPU), without the ranking only PnG-KV's Steady-Select reads."""
+        from kvbench.strategies._pages import select_positions
 
         p = self.p
         n_pages, k_pages = -(-n // p.page_size), p.budget_tokens // p.page_size
         dig = self.dig[layer]
-        lo, hi = dig.lo[:, :, :n_pages], dig.hi[:, :, :n_pages]
-        qd = q.to(lo.device)
-        if k_pages < 1 or not cpu.page_select_ok(qd, lo, hi):
-            mask, _ = self.select(layer, q, n)
-            return mask_tokens(mask, p.page_size, n, kept_pages(p.budget_tokens,
-                                                                p.page_size, n))
-        note_backend("native-select", qd)
         self._count_selection(layer, q, n)
-        return cpu.page_select(qd, lo, hi, n_pages, k_pages, p.sinks, p.window_pages, "kv",
-                               p.page_size, n)
+        return select_positions(q.to(dig.lo.device), dig.lo[:, :, :n_pages],
+                                dig.hi[:, :, :n_pages], n_pages, k_pages, p.sinks,
+                                p.window_pages, "kv", p.page_size, n)
 
     def _count_selection(self, layer: int, q: torch.Tensor, n: int) -> None:
         """The scores' digest bytes and FLOPs, the top-K sorts, their candidates and TP's

@@ -70,9 +70,7 @@ from kvbench.strategies._pages import (
     check_pages,
     count_selected,
     kept_pages,
-    page_scores,
-    page_tokens,
-    select_pages,
+    select_positions,
 )
 
 if TYPE_CHECKING:
@@ -216,8 +214,7 @@ class Quest(Strategy):
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
         """One token: score pages with its query, attend the top ones (module docstring)."""
-        from kvbench.kernels import cpu
-        from kvbench.kernels.attention import dense_attention, note_backend
+        from kvbench.kernels.attention import dense_attention
 
         p = self.p
         n = self._write(layer, k, v)
@@ -233,14 +230,8 @@ class Quest(Strategy):
         per, sinks, window = p.rule()
         lo, hi = dig.lo.narrow(2, 0, n_pages), dig.hi.narrow(2, 0, n_pages)
         with counters.timed("bookkeeping.select"):
-            if cpu.page_select_ok(q, lo, hi):  # one native call, as the three below
-                pos, lens = cpu.page_select(q, lo, hi, n_pages, k_pages, sinks, window, per,
-                                            p.page_size, n)
-                note_backend("native-select", q)
-            else:
-                pages = select_pages(page_scores(q, lo, hi, per), n_pages, k_pages, sinks,
-                                     window)
-                pos, lens = page_tokens(pages, p.page_size, n)
+            pos, lens = select_positions(q, lo, hi, n_pages, k_pages, sinks, window, per,
+                                         p.page_size, n)
         counters.add("bytes_read", "accel", dig.nbytes(n))
         self.last[layer] = pos, lens
         return attend_selected(q, kc, vc, pos, lens, counters)[0]
