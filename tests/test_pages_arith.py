@@ -111,6 +111,8 @@ def test_select_positions_by_hand(native: bool, monkeypatch: pytest.MonkeyPatch)
     pos, lens = select_positions(q, lo, hi, 4, 3, 1, 1, "kv", 2, 7)
     assert backend_use() == {"decode": "native-select" if native else "torch-select"}
     assert pos.tolist() == [[[0, 1, 4, 5, 6, 0]]] and lens.tolist() == [[5]]
+    heads, lens = select_positions(q, lo, hi, 4, 3, 1, 1, "query", 2, 7)  # a row a head
+    assert heads.tolist() == [[pos[0, 0].tolist()] * 2] and lens.tolist() == [[5, 5]]
 
 
 def test_kept_pages_is_the_selections_width() -> None:
