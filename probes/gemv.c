@@ -13,6 +13,9 @@
  */
 #define _GNU_SOURCE
 #pragma GCC optimize("O3")
+#include <stdlib.h>
+#include <string.h>
+
 #include "decode.h"
 #include "native.h"
 #include "sum8.h"
@@ -45,13 +48,14 @@ static void rows_gen(const gemv_t *g, int64_t n0, int64_t n1) {
  * 32 KiB within noise of it, an L1 prefetch or none 21-23 GB/s). One row at a time beat
  * R rows at a time (R interleaved streams) by the same margin. */
 #define PREFETCH 16384
-#define ROW(NB, U)                                                                        \
-    static AVX2 void row##NB(const gemv_t *g, int64_t n) {                                \
+/* ROW's x operand: row b's floats k..k+7 at x + b * XS + k * XK: the rows as they are (ldx apart, XK 1), or interleaved (XS 8, XK NB: each 8 floats of
+ * every row side by side, `interleave`). */
+#define ROW(NAME, NB, U, XS, XK)                                                          \
+    static AVX2 void NAME(const gemv_t *g, const float *x, int64_t n) {                   \
         __m256 a[U][NB];                                                                  \
         for (int u = 0; u < U; u++)                                                       \
             for (int b = 0; b < NB; b++) a[u][b] = _mm256_setzero_ps();                   \
-        const float *w = g->w + n * g->K, *x = g->x;                                      \
-        const int64_t ldx = g->ldx;                                                       \
+        const float *w = g->w + n * g->K;                                                 \
         int64_t k = 0;                                                                    \
         for (; k + 8 * U <= g->K; k += 8 * U) {                                           \
             for (int u = 0; u < U; u += 2)                                                \
@@ -59,14 +63,15 @@ static void rows_gen(const gemv_t *g, int64_t n0, int64_t n1) {
             for (int u = 0; u < U; u++) {                                                 \
                 const __m256 wv = _mm256_loadu_ps(w + k + 8 * u);                         \
                 for (int b = 0; b < NB; b++)                                              \
-                    a[u][b] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + b * ldx + k + 8 * u), \
-                                              a[u][b]);                                   \
+                    a[u][b] = _mm256_fmadd_ps(                                            \
+                        wv, _mm256_loadu_ps(x + b * (XS) + (k + 8 * u) * (XK)), a[u][b]); \
             }                                                                             \
         }                                                                                 \
         for (; k < g->K; k += 8) { /* K a multiple of 8 here */                           \
             const __m256 wv = _mm256_loadu_ps(w + k);                                     \
             for (int b = 0; b < NB; b++)                                                  \
-                a[0][b] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + b * ldx + k), a[0][b]);  \
+                a[0][b] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + b * (XS) + k * (XK)),    \
+                                          a[0][b]);                                       \
         }                                                                                 \
         for (int b = 0; b < NB; b++) {                                                    \
             __m256 s = a[0][b];                                                           \
@@ -75,28 +80,46 @@ static void rows_gen(const gemv_t *g, int64_t n0, int64_t n1) {
             g->y[b * g->N + n] = g->acc ? g->y[b * g->N + n] + r : r;                     \
         }                                                                                 \
     }
-ROW(1, 4)
-ROW(2, 4)
-ROW(3, 4)
-ROW(4, 2)
-ROW(5, 2)
-ROW(6, 2)
-ROW(7, 1)
-ROW(8, 1)
+#define ROWS2(NB, U) ROW(row##NB, NB, U, g->ldx, 1) ROW(rowi##NB, NB, U, 8, NB)
+ROWS2(1, 4)
+ROWS2(2, 4)
+ROWS2(3, 4)
+ROWS2(4, 2)
+ROWS2(5, 2)
+ROWS2(6, 2)
+ROWS2(7, 1)
+ROWS2(8, 1)
 
-typedef void (*row_fn)(const gemv_t *, int64_t);
+typedef void (*row_fn)(const gemv_t *, const float *, int64_t);
 static const row_fn ROWS[MAX_B + 1] = {0, row1, row2, row3, row4, row5, row6, row7, row8};
+static const row_fn ROWSI[MAX_B + 1] = {0, rowi1, rowi2, rowi3, rowi4, rowi5, rowi6, rowi7,
+                                        rowi8};
 
-static AVX2 void rows_avx2(const gemv_t *g, int64_t n0, int64_t n1) {
-    const row_fn f = ROWS[g->B];
-    for (int64_t n = n0; n < n1; n++) f(g, n);
+/* Rows of x larger than L1D (B x K floats, bytes; 48 KiB on the Zen 5 VM) are interleaved
+ * first, each thread its copy: read as they are from L2, B rows apart, they held the W stream
+ * back. Old against new in one process, five alternated rounds (2-core AMD EPYC Zen 5 VM,
+ * 2026-11-28): Llama-2-7B's matrices (K 4096 and 11008) at B = 8 1.37-1.83x (17-24 -> 31-33
+ * GB/s), at B = 4 1.04-1.07x, B = 2 unchanged; SmolLM2's down projection at B = 8 (K 1536,
+ * 48 KiB: not interleaved now) 0.81x interleaved, its other matrices' rows stay in L1. */
+#define XI_BYTES 49152
+
+/* x's B rows (ldx apart) into xi, interleaved: xi[(k / 8) * B * 8 + b * 8 + k % 8] = x[b, k]. */
+static void interleave(const float *x, int64_t B, int64_t K, int64_t ldx, float *xi) {
+    for (int64_t k = 0; k < K; k += 8)
+        for (int64_t b = 0; b < B; b++)
+            memcpy(xi + k * B + b * 8, x + b * ldx + k, sizeof(float) * 8);
 }
 
-/* One W row against one x row sixteen floats an instruction (K a multiple of 16): batch 1's
- * matmuls, the weights of the bundled model and its head streamed 46-47 -> 51-52 GB/s
- * against the read loop's 53-55 (2-core Zen 5 VM, same process). At batch 4 AVX-512 was no
- * faster and at batch 8 slower (28-34 against 35-46 GB/s: B rows' sixteen-lane
- * reductions), so more rows keep AVX2's. */
+static AVX2 void rows_avx2(const gemv_t *g, int64_t n0, int64_t n1) {
+    const int64_t bytes = (int64_t)sizeof(float) * g->B * g->K;
+    float *xi = bytes > XI_BYTES && g->B > 1 ? aligned_alloc(64, (size_t)(bytes + 63) / 64 * 64)
+                                              : NULL;
+    const row_fn f = xi ? ROWSI[g->B] : ROWS[g->B];
+    if (xi) interleave(g->x, g->B, g->K, g->ldx, xi);
+    for (int64_t n = n0; n < n1; n++) f(g, xi ? xi : g->x, n);
+    free(xi);
+}
+
 #define A512 __attribute__((target("avx512f,avx2,fma")))
 #define U512 4
 static A512 void rows_avx512(const gemv_t *g, int64_t n0, int64_t n1) {

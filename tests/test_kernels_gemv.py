@@ -18,14 +18,15 @@ needs_native = pytest.mark.skipif(cpu._lib() is None, reason="native library not
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8])
 @pytest.mark.parametrize(("n", "k"), [(7, 16), (13, 20), (29, 40), (31, 48), (200, 64), (33, 80),
-                                      (1031, 576)])
+                                      (1031, 576), (37, 2056), (37, 3080)])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_gemv_matches_the_reference(isa: str, rows: int, n: int, k: int,
                                     threads: int) -> None:
     """Every row count 1..8 (each has its own register block), N not a multiple of the
     thread split, K a multiple of the vector width but not of the unrolled step (40, 48,
     80: the vector tails; 40 takes AVX2 under avx512) and not of the width at all (20: the
-    portable loop)."""
+    portable loop); x's rows past 48 KiB (K 2056 at 6-8 rows, 3080 at 4-8: AVX2 interleaves
+    them first, 3080 with a tail past the unrolled step)."""
     g = torch.Generator().manual_seed(rows * 1000 + n + k)
     w = torch.randn(n, k, generator=g)
     x = torch.randn(2, rows, k, generator=g)[1]  # a view into a larger buffer
