@@ -3,11 +3,11 @@
  * A decode step multiplies B (1-8) activation rows by every weight matrix W [N, K] of the
  * model, row-major as nn.Linear stores it: the step is a stream of W through the cores,
  * and its speed is how close that stream runs to the memory's read bandwidth. Each W row
- * is read once, in order, and dotted with all B rows of x (they stay in L1: B x K floats),
- * with W prefetched into L2 far ahead (ROW below). Threads split N into contiguous ranges,
- * so each reads one sequential stream. AVX2/FMA where the CPU has it (AVX-512 for one row,
- * where the CPU has that), chosen at run time as attn.c does, else a portable loop GCC
- * vectorises.
+ * is read once, in order, and dotted with all B rows of x (in L1: B x K floats; past L1D
+ * they are interleaved first, XI_BYTES below), with W prefetched into L2 far ahead (ROW
+ * below). Threads split N into contiguous ranges, so each reads one sequential stream.
+ * AVX2/FMA where the CPU has it (AVX-512 for one row, where the CPU has that), chosen at
+ * run time as attn.c does, else a portable loop GCC vectorises.
  *
  * Measured against MKL/oneDNN on the 2-core AMD EPYC VM (kvbench.models.linear's doc).
  */
@@ -41,7 +41,7 @@ static void rows_gen(const gemv_t *g, int64_t n0, int64_t n1) {
 
 /* One W row against NB rows of x (a compile-time constant: accumulators in registers), K
  * unrolled U vectors deep so that U x NB independent accumulators hide the FMA latency and
- * each W load feeds NB FMAs (x stays in L1, read as memory operands). W streams in order;
+ * each W load feeds NB FMAs (x in L1, read as memory operands). W streams in order;
  * every 64-byte line is prefetched into L2 PREFETCH bytes ahead. Without that prefetch the
  * cores, busy with B FMAs per weight, kept too few lines in flight: B = 4 ran at 15-16 GB/s
  * against 29 with it and the read loop's 37 (2-core AMD EPYC VM, 16 KiB ahead; 2-8 KiB and
