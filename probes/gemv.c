@@ -48,8 +48,9 @@ static void rows_gen(const gemv_t *g, int64_t n0, int64_t n1) {
  * 32 KiB within noise of it, an L1 prefetch or none 21-23 GB/s). One row at a time beat
  * R rows at a time (R interleaved streams) by the same margin. */
 #define PREFETCH 16384
-/* ROW's x operand: row b's floats k..k+7 at x + b * XS + k * XK: the rows as they are (ldx apart, XK 1), or interleaved (XS 8, XK NB: each 8 floats of
- * every row side by side, `interleave`). */
+/* ROW's x operand: row b's floats k..k+7 at x + b * XS + k * XK: the rows as they are
+ * (ldx apart, XK 1), or interleaved (XS 8, XK NB: each 8 floats of every row side by side,
+ * `interleave`). */
 #define ROW(NAME, NB, U, XS, XK)                                                          \
     static AVX2 void NAME(const gemv_t *g, const float *x, int64_t n) {                   \
         __m256 a[U][NB];                                                                  \
@@ -81,7 +82,7 @@ static void rows_gen(const gemv_t *g, int64_t n0, int64_t n1) {
         }                                                                                 \
     }
 #define ROWS2(NB, U) ROW(row##NB, NB, U, g->ldx, 1) ROW(rowi##NB, NB, U, 8, NB)
-ROWS2(1, 4)
+ROW(row1, 1, 4, g->ldx, 1) /* one row is its own interleaving */
 ROWS2(2, 4)
 ROWS2(3, 4)
 ROWS2(4, 2)
@@ -92,8 +93,7 @@ ROWS2(8, 1)
 
 typedef void (*row_fn)(const gemv_t *, const float *, int64_t);
 static const row_fn ROWS[MAX_B + 1] = {0, row1, row2, row3, row4, row5, row6, row7, row8};
-static const row_fn ROWSI[MAX_B + 1] = {0, rowi1, rowi2, rowi3, rowi4, rowi5, rowi6, rowi7,
-                                        rowi8};
+static const row_fn ROWSI[MAX_B + 1] = {0, 0, rowi2, rowi3, rowi4, rowi5, rowi6, rowi7, rowi8};
 
 /* Rows of x larger than L1D (B x K floats, bytes; 48 KiB on the Zen 5 VM) are interleaved
  * first, each thread its copy: read as they are from L2, B rows apart, they held the W stream
@@ -120,6 +120,11 @@ static AVX2 void rows_avx2(const gemv_t *g, int64_t n0, int64_t n1) {
     free(xi);
 }
 
+/* One W row against one x row sixteen floats an instruction (K a multiple of 16): batch 1's
+ * matmuls, the weights of the bundled model and its head streamed 46-47 -> 51-52 GB/s
+ * against the read loop's 53-55 (2-core Zen 5 VM, same process). At batch 4 AVX-512 was no
+ * faster and at batch 8 slower (28-34 against 35-46 GB/s: B rows' sixteen-lane
+ * reductions), so more rows keep AVX2's. */
 #define A512 __attribute__((target("avx512f,avx2,fma")))
 #define U512 4
 static A512 void rows_avx512(const gemv_t *g, int64_t n0, int64_t n1) {
