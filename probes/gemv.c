@@ -116,7 +116,8 @@ static AVX2 void rows_avx2(const gemv_t *g, int64_t n0, int64_t n1) {
                                               : NULL;
     const row_fn f = xi ? ROWSI[g->B] : ROWS[g->B];
     if (xi) interleave(g->x, g->B, g->K, g->ldx, xi);
-    for (int64_t n = n0; n < n1; n++) f(g, xi ? xi : g->x, n);
+    const float *x = xi ? xi : g->x;
+    for (int64_t n = n0; n < n1; n++) f(g, x, n);
     free(xi);
 }
 
