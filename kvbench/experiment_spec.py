@@ -134,6 +134,11 @@ def _projection(raw: dict[str, Any], i: int, path: Path, produced: set[Path]) ->
              if k in SWEPT}
     for b in sweep.get("bookkeeping", ()):
         require(b in ("measured", "none"), f"{where}: bookkeeping '{b}': measured or none")
+    keep = raw.get("source_where", {})
+    require(isinstance(keep, dict) and all(isinstance(v, str | int | float | bool)
+                                           for v in keep.values()),
+            f"{where}: source_where: a table of parameters and values, e.g. "
+            "{ budget_tokens = 256 }")
     require(sweep.get("batch") != ("max",) or raw.get("budget_ratio", 0) > 0,
             f"{where}: batch \"max\" needs budget_ratio")
     hw = tuple(raw["hardware"] if isinstance(raw["hardware"], list) else [raw["hardware"]])

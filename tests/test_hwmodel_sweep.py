@@ -92,6 +92,35 @@ def test_png_kv_takes_the_source_run_nearest_its_steady_ratio(tmp_path: Path) ->
     assert sorted(ratios(0)) == [0.2, 0.5]
 
 
+def test_source_where_keeps_the_runs_whose_parameters_hold_its_values(tmp_path: Path) -> None:
+    """Each target length projected from the run at its budget share: `source_where` keeps
+    the runs whose parameters equal its values; a run without the parameter is left out,
+    and a filter no run passes is refused."""
+    lines = [json.loads(x) for x in SOURCE.read_text().splitlines()]
+    runs = [x for x in lines if x.get("kind") == "run" and x["name"] == "offload"]
+    src = tmp_path / "src.jsonl"
+    with src.open("w") as f:
+        for x in lines:
+            if x.get("kind") != "run":
+                f.write(json.dumps(x) + "\n")
+        for budget in (256, 2048, None):
+            for x in runs:
+                params = {**x["params"], **({"budget_tokens": budget} if budget else {})}
+                f.write(json.dumps({**x, "params": params}) + "\n")
+
+    def budgets(where: dict[str, object]) -> list[object]:
+        got = records(proj(source=src, source_where=where, sweep={
+            **proj().sweep, "gpus": (1,), "batch": (1,)}), "src.jsonl")
+        return [r.params.get("budget_tokens") for r in got if r.metric == "decode_tokens_per_s"]
+
+    assert budgets({"budget_tokens": 256}) == [256]
+    assert budgets({"budget_tokens": 2048}) == [2048]
+    assert sorted(budgets({}), key=str) == [2048, 256, None]
+    with pytest.raises(KvbenchError, match=r"src\.jsonl: no run of 'offload' to project "
+                       r"where \{'budget_tokens': 512\}"):
+        budgets({"budget_tokens": 512})
+
+
 def test_an_unknown_strategy_of_the_source_is_refused() -> None:
     with pytest.raises(KvbenchError, match=r"source\.jsonl: no run of 'quest' to project"):
         records(proj(strategies=("offload", "quest")), "source.jsonl")
@@ -135,6 +164,9 @@ def test_project_only_writes_the_derived_plans_and_refuses_a_missing_source(
 @pytest.mark.parametrize(("body", "message"), [
     ('batch = "max"', 'projection 1: batch "max" needs budget_ratio'),
     ("colour = 1", "projection 1: unknown key 'colour'"),
+    ("source_where = 256", r"projection 1: source_where: a table of parameters and values"),
+    ("source_where = { budget_tokens = [256] }", r"projection 1: source_where: a table of "
+                                                 r"parameters and values"),
     ('source = "results/nope.jsonl"', "'results/nope.jsonl' does not exist and no "
                                       "suite of the experiment writes it"),
 ])

@@ -8,7 +8,9 @@ its configuration fits (kvbench.plan.max_batch with T_Budget = `budget_ratio` x 
 the configuration named like the strategy, or `plan_config`), times `batch_scale`. When the
 source holds several runs of one strategy that differ in `steady_ratio` (PnG-KV's share
 of the budget kept steady on the GPU), a point takes the run nearest the paper's ratio
-#GPU / (#GPU + #PNM) (CXL-PNM section 3.3, Alg. 1 line 7). `tag` parameters mark every
+#GPU / (#GPU + #PNM) (CXL-PNM section 3.3, Alg. 1 line 7). `source_where` keeps the source
+runs whose parameters hold those values (e.g. the run at the budget share a target length
+should carry over, kvbench.hwmodel.scale). `tag` parameters mark every
 record (e.g. the figure it feeds); `breakdown` adds busy seconds per decode step by
 resource and op (`busy_seconds_per_step`, `where` = "resource:op"). Every record is
 provenance "projected".
@@ -42,6 +44,7 @@ class Projection:
     memory: str = "pinned"
     probes: tuple[Path, ...] = ()  # probe records hardware 'this' is built from (--probes)
     strategies: tuple[str, ...] = ()  # the source runs of these strategies only (): all
+    source_where: dict[str, Any] = field(default_factory=dict)  # and of these parameters
     budget_ratio: float = 0.0  # batch "max": T_Budget / context
     plan_config: str = ""  # batch "max": kvbench.plan's configuration ("": the strategy's)
     batch_scale: float = 1.0
@@ -55,17 +58,21 @@ class Projection:
                 for p in itertools.product(*(self.sweep[k] for k in keys))]
 
 
-def _groups(src: list[dict[str, Any]], label: str, names: tuple[str, ...]
-            ) -> dict[str, list[list[dict[str, Any]]]]:
-    """strategy -> its source runs' trace records."""
+def _groups(src: list[dict[str, Any]], label: str, names: tuple[str, ...],
+            where: dict[str, Any]) -> dict[str, list[list[dict[str, Any]]]]:
+    """strategy -> the trace records of its source runs whose parameters hold `where`."""
     from kvbench.hwmodel.project import runs
 
     out: dict[str, list[list[dict[str, Any]]]] = defaultdict(list)
     for key, recs in runs(src, label).items():
-        if not names or key[0] in names:
+        params = recs[0]["params"]
+        if (not names or key[0] in names) and all(k in params and params[k] == v
+                                                   for k, v in where.items()):
             out[key[0]].append(recs)
     for name in names:
-        require(name in out, f"{label}: no run of '{name}' to project")
+        require(name in out, f"{label}: no run of '{name}' to project"
+                + (f" where {where}" if where else ""))
+    require(bool(out), f"{label}: no run to project" + (f" where {where}" if where else ""))
     return out
 
 
@@ -103,7 +110,8 @@ def records(proj: Projection, label: str) -> list[Record]:
     from kvbench.schema import not_measured
     from kvbench.store import load
 
-    groups = _groups(load(proj.source).records, label, proj.strategies)
+    groups = _groups(load(proj.source).records, label, proj.strategies,
+                     proj.source_where)
     out: list[Record] = []
     for point in proj.points():
         gpus, pnms = point.get("gpus"), point.get("pnms")
