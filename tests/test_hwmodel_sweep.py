@@ -119,6 +119,10 @@ def test_source_where_keeps_the_runs_whose_parameters_hold_its_values(tmp_path: 
     with pytest.raises(KvbenchError, match=r"src\.jsonl: no run of 'offload' to project "
                        r"where \{'budget_tokens': 512\}"):
         budgets({"budget_tokens": 512})
+    with pytest.raises(KvbenchError, match=r"src\.jsonl: no run to project where "
+                       r"\{'budget_tokens': 512\}"):
+        records(proj(source=src, strategies=(), source_where={"budget_tokens": 512}),
+                "src.jsonl")
 
 
 def test_an_unknown_strategy_of_the_source_is_refused() -> None:
