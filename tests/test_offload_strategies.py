@@ -492,7 +492,8 @@ def _h2o_rows(s, batch: int) -> list[list[set[int]]]:
     return rows
 
 
-def test_h2o_next_turn_after_evictions_matches_the_reference() -> None:
+@pytest.mark.parametrize("home", ["accel", "host"])
+def test_h2o_next_turn_after_evictions_matches_the_reference(home: str) -> None:
     """A second turn's 5-token chunk appended after decode steps that evicted (the cache
     holds a freed slot, compacted before the append), then more decode steps: outputs and
     kept positions equal the float64 reference's at every step, the kept tokens' keys are
@@ -503,7 +504,8 @@ def test_h2o_next_turn_after_evictions_matches_the_reference() -> None:
     chunk = tuple(torch.randn(2, h, 5, SPEC.head_dim, generator=gen)
                   for h in (SPEC.n_heads, SPEC.n_kv_heads, SPEC.n_kv_heads))
     steps = [*steps[:5], chunk, *steps[5:]]
-    s = make("h2o", H2OParams(gpu_tokens=10, recent=0.4), layers=1, batch=2, max_len=48)
+    s = make("h2o", H2OParams(gpu_tokens=10, recent=0.4, kv_home=home), layers=1, batch=2,
+             max_len=48)
     ref_outs, ref_sets, ref_scores = _h2o_reference(steps, 10, 4, SPEC.n_heads,
                                                     SPEC.n_kv_heads)
     keys = torch.cat([k for _, k, _ in steps], dim=2)  # [B, Hkv, 30, D] by position
@@ -534,18 +536,53 @@ def test_h2o_next_turn_after_evictions_matches_the_reference() -> None:
         assert torch.equal(s.k[0][:, :, :n], want), i
 
 
+def test_h2o_with_its_kv_on_the_host_loads_it_each_step_and_writes_back_one_token() -> None:
+    """--kv-home host (HGCA Fig. 12's H2O, FlexGen with InfiniGen's set-up): the same outputs
+    and kept sets as the KV on the accelerator, the host copy holding exactly the kept k/v
+    after every step; each decode step loads a layer's kept k/v whole (h2d: budget + 1 slots
+    a row) and writes back the new token (d2h: one a row), a prompt its kept set whole;
+    placement puts the k/v on the host and one layer's staging on the accelerator."""
+    per_layer = (inputs(16, 12, batch=2, seed=3), inputs(16, 12, batch=2, seed=4))
+    on = {h: make("h2o", H2OParams(gpu_tokens=10, recent=0.4, kv_home=h), layers=2,
+                  max_len=40) for h in ("accel", "host")}
+    buf = 2 * 2 * SPEC.n_kv_heads * 11 * SPEC.head_dim * 4  # a layer's k and v, 11 slots
+    row = 2 * 2 * SPEC.n_kv_heads * SPEC.head_dim * 4  # one token's k and v, 2 sequences
+    for i in range(len(per_layer[0])):  # the layers' inputs differ: one staging for both
+        outs = {}
+        for h, s in on.items():
+            s.ctx.counters.step = i
+            outs[h] = [(s.prefill if i == 0 else s.decode)(layer, *per_layer[layer][i])
+                       for layer in range(2)]
+        assert all(torch.equal(a, b) for a, b in zip(*outs.values(), strict=True)), i
+        acc, host = on["accel"], on["host"]
+        assert _h2o_rows(acc, 2) == _h2o_rows(host, 2), i
+        n = host.n[0]
+        assert torch.equal(acc.k[1][:, :, :n], host.k[1][:, :, :n]), i
+        assert torch.equal(acc.v[0][:, :, :n], host.v[0][:, :, :n]), i
+        moved = {link: host.ctx.counters.step_total("bytes_moved", link, i)
+                 for link in ("h2d", "d2h")}
+        assert moved == ({"h2d": 0, "d2h": 2 * buf} if i == 0 else
+                         {"h2d": 2 * buf, "d2h": 2 * row}), i
+        assert acc.ctx.counters.step_total("bytes_moved", "h2d", i) == 0
+    meta = 2 * 2 * SPEC.n_kv_heads * (11 * (4 + 8) + 8)  # scores, positions, freed slots
+    assert type(acc).placement(acc.p, acc.ctx) == {"accel": 2 * buf + meta, "host": 0}
+    assert type(host).placement(host.p, host.ctx) == {"accel": buf + meta, "host": 2 * buf,
+                                                      "pinned": 0}
+
+
+@pytest.mark.parametrize("home", ["accel", "host"])
 @pytest.mark.parametrize("prompt, gen, budget, recent", [(16, 12, 10, 4), (4, 24, 8, 2)])
 def test_h2o_decode_eviction_matches_a_float64_reference(device: torch.device, prompt: int,
-                                                         gen: int, budget: int,
-                                                         recent: int) -> None:
+                                                         gen: int, budget: int, recent: int,
+                                                         home: str) -> None:
     """Issue 30: H2O over `prompt` tokens and `gen` decode steps, batch 2: every step's
     output equals the float64 reference's (which keeps its own scores and evicts by them,
     independent of the strategy's kept set), and the strategy keeps exactly the reference's
     positions per row after every step. Rows come to differ (eviction is per head). With a
     4-token prompt under a budget of 8, the decode steps' own weights decide every eviction."""
     steps = inputs(prompt, gen, batch=2, seed=5)
-    s = make("h2o", H2OParams(gpu_tokens=budget, recent=recent / budget), layers=1, batch=2,
-             max_len=prompt + gen + 4, device=device)
+    s = make("h2o", H2OParams(gpu_tokens=budget, recent=recent / budget, kv_home=home),
+             layers=1, batch=2, max_len=prompt + gen + 4, device=device)
     assert (s.budget, s.n_recent) == (budget, recent)
     ref_outs, ref_sets, _ = _h2o_reference(steps, budget, recent, SPEC.n_heads,
                                            SPEC.n_kv_heads)
