@@ -323,10 +323,15 @@ def test_a_declared_projection_sweeps_and_labels_its_records(tmp_path: Path) -> 
     assert {(r["name"], r["params"]["batch"], r["params"]["bookkeeping"]) for r in tps} == {
         (s, b, k) for s in ("offload", "h2o", "hgca") for b in (1, 4)
         for k in ("none", "measured")}
+    h2o = {(r["params"]["kv_home"], r["params"]["batch"]): r["value"] for r in tps
+           if r["name"] == "h2o" and r["params"]["bookkeeping"] == "none"}
+    assert h2o[("host", 4)] < h2o[("accel", 4)]  # as the paper ran it: loads over PCIe
+    assert any(r["metric"] == "link_bytes_per_step" and r["params"].get("kv_home") == "host"
+               and r["params"]["where"] == "h2d" and r["value"] > 0 for r in recs)
     t = Table(exp.tables[1], recs, exp.aliases)  # table 2: bookkeeping none
-    row = t.cells[("opt-6.7b (batch 4)", "hgca / 1")]  # hgca at beta 1 (also run at 0)
+    row = t.cells[("opt-6.7b (batch 4)", "hgca / 1 / -")]  # hgca at beta 1 (also run at 0)
     assert (row["params"]["bookkeeping"], row["params"]["beta"]) == ("none", 1.0)
-    ratio = row["value"] / t.cells[("opt-6.7b (batch 4)", "offload / -")]["value"]
+    ratio = row["value"] / t.cells[("opt-6.7b (batch 4)", "offload / - / -")]["value"]
     assert f"| {ratio:.2f}x |" in "\n".join(t.markdown())
 
 
