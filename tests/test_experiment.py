@@ -349,6 +349,25 @@ params = { mode = "eval", prompt_len = 1, gen_len = 7, gpu_tokens = 4 }
 """
 
 
+def test_scouts_figures_are_projected_from_the_run_at_the_papers_budget_share() -> None:
+    """ScoutAttention Figs. 8, 9 and 11 (results/scout): the paper attends 2048 tokens a step
+    at every length, and a projection carries its source run's share of the context over, so
+    every projected scout and infinigen record at a length comes from the run attending 2048
+    of that length's share of the 8160-token source (within a block of 32)."""
+    from kvbench.store import REPO_ROOT, load
+
+    recs = [r for r in load(REPO_ROOT / "results/scout/projected.jsonl.gz").records
+            if r["params"].get("figure") in ("fig8-fig11", "fig9")]
+    shares = {(r["name"], r["params"]["prompt_len"], r["params"].get("budget_tokens"))
+              for r in recs if r["name"] in ("scout", "infinigen")}
+    assert {(n, length) for n, length, _ in shares} == {
+        (n, length) for n in ("scout", "infinigen") for length in (8192, 16384, 32768, 65536)}
+    for _, length, budget in shares:
+        assert abs(budget - 2048 * 8160 / length) < 32, (length, budget)
+    assert {r["params"]["prompt_len"] for r in recs if r["name"] == "hgca"} == {
+        8192, 16384, 32768, 65536}
+
+
 def test_runs_declared_inline_make_the_declaration_its_own_suite(tmp_path: Path,
                                                                 capsys) -> None:
     """[suite] and [[case]] in the declaration: no suite file beside it (a strategy and its
