@@ -68,9 +68,9 @@ def test_the_breakdown_gives_busy_seconds_per_resource_and_op() -> None:
     assert len(next(r for r in skipped if r.metric == "busy_seconds_per_step").samples) == 3
 
 
-def test_png_kv_takes_the_source_run_nearest_its_steady_ratio(tmp_path: Path) -> None:
-    """At #GPU g and #PNM n the run whose steady_ratio is nearest g / (g + n); without
-    PNMs every run is projected."""
+def offload_runs(tmp_path: Path, extra: list[dict[str, object]]) -> Path:
+    """A source file with SOURCE's offload run once per `extra`, its parameters updated by
+    it (and SOURCE's env lines)."""
     lines = [json.loads(x) for x in SOURCE.read_text().splitlines()]
     runs = [x for x in lines if x.get("kind") == "run" and x["name"] == "offload"]
     src = tmp_path / "src.jsonl"
@@ -78,10 +78,16 @@ def test_png_kv_takes_the_source_run_nearest_its_steady_ratio(tmp_path: Path) ->
         for x in lines:
             if x.get("kind") != "run":
                 f.write(json.dumps(x) + "\n")
-        for ratio in (0.5, 0.2):
+        for more in extra:
             for x in runs:
-                f.write(json.dumps({**x, "params": {**x["params"], "steady_ratio": ratio}})
-                        + "\n")
+                f.write(json.dumps({**x, "params": {**x["params"], **more}}) + "\n")
+    return src
+
+
+def test_png_kv_takes_the_source_run_nearest_its_steady_ratio(tmp_path: Path) -> None:
+    """At #GPU g and #PNM n the run whose steady_ratio is nearest g / (g + n); without
+    PNMs every run is projected."""
+    src = offload_runs(tmp_path, [{"steady_ratio": 0.5}, {"steady_ratio": 0.2}])
 
     def ratios(pnms: int) -> list[float]:
         got = records(proj(source=src, sweep={**proj().sweep, "gpus": (1,), "pnms": (pnms,),
@@ -96,17 +102,7 @@ def test_source_where_keeps_the_runs_whose_parameters_hold_its_values(tmp_path: 
     """Each target length projected from the run at its budget share: `source_where` keeps
     the runs whose parameters equal its values; a run without the parameter is left out,
     and a filter no run passes is refused."""
-    lines = [json.loads(x) for x in SOURCE.read_text().splitlines()]
-    runs = [x for x in lines if x.get("kind") == "run" and x["name"] == "offload"]
-    src = tmp_path / "src.jsonl"
-    with src.open("w") as f:
-        for x in lines:
-            if x.get("kind") != "run":
-                f.write(json.dumps(x) + "\n")
-        for budget in (256, 2048, None):
-            for x in runs:
-                params = {**x["params"], **({"budget_tokens": budget} if budget else {})}
-                f.write(json.dumps({**x, "params": params}) + "\n")
+    src = offload_runs(tmp_path, [{"budget_tokens": 256}, {"budget_tokens": 2048}, {}])
 
     def budgets(where: dict[str, object]) -> list[object]:
         got = records(proj(source=src, source_where=where, sweep={
