@@ -536,6 +536,20 @@ def test_h2o_next_turn_after_evictions_matches_the_reference(home: str) -> None:
         assert torch.equal(s.k[0][:, :, :n], want), i
 
 
+def test_h2o_says_its_selection_runs_in_torch_ops() -> None:
+    """Issue 26: a strategy without a fused path says so: H2O's prompt cut and its decode
+    step's eviction scores are noted as torch-select, in their phases."""
+    from kvbench.kernels.attention import backend_use
+
+    steps = inputs(16, 2, batch=2, seed=9)
+    s = make("h2o", H2OParams(gpu_tokens=10, recent=0.4), layers=1)
+    backend_use(reset=True)
+    s.prefill(0, *steps[0])
+    assert "torch-select" in backend_use(reset=True)["prefill/append"].split("+")
+    s.decode(0, *steps[1])
+    assert "torch-select" in backend_use(reset=True)["decode"].split("+")
+
+
 def test_h2o_with_its_kv_on_the_host_loads_it_each_step_and_writes_back_one_token() -> None:
     """--kv-home host (HGCA Fig. 12's H2O, FlexGen with InfiniGen's set-up): the same outputs
     and kept sets as the KV on the accelerator, the host copy holding exactly the kept k/v
